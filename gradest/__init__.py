@@ -1,0 +1,36 @@
+"""gradest: parameter gradients through diffusion / flow-model sampling chains.
+
+Swap estimators by name::
+
+    est = gradest.estimator("jagg", window=4)
+    result = est.estimate(model, gradest.RectifiedFlow(steps=50), objective, noise=noise)
+"""
+
+from gradest.flow import AffineSampler, RectifiedFlow, Trajectory, rollout
+from gradest.objectives import (
+    StepwiseObjective,
+    TerminalObjective,
+    flow_matching_objective,
+    flow_matching_trajectory,
+)
+from gradest.protocol import Cost, GradientEstimate, TrajectoryGradientEstimator
+from gradest.registry import UnknownEstimatorError, available_estimators, estimator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AffineSampler",
+    "Cost",
+    "GradientEstimate",
+    "RectifiedFlow",
+    "StepwiseObjective",
+    "TerminalObjective",
+    "Trajectory",
+    "TrajectoryGradientEstimator",
+    "UnknownEstimatorError",
+    "available_estimators",
+    "estimator",
+    "flow_matching_objective",
+    "flow_matching_trajectory",
+    "rollout",
+]

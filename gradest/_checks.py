@@ -1,0 +1,124 @@
+"""Input validation shared by every public entry point.
+
+Errors name the argument, the value and the fix, and are raised before any work starts,
+so users never see a torch traceback from deep inside a sampling loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def require(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
+    if not condition:
+        raise error(message)
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module called as model(z, t, **cond), "
+            f"got {type(model).__name__}"
+        )
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise ValueError(
+            f"model {type(model).__name__} has no parameters with requires_grad=True; "
+            f"unfreeze the ones to fine-tune (p.requires_grad_(True)) or add an adapter"
+        )
+    return params
+
+
+def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None:
+    if not isinstance(noise, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [B, ...], got {type(noise).__name__}")
+    require(
+        noise.is_floating_point(),
+        f"{name} must be a floating-point tensor, got dtype {noise.dtype}",
+        TypeError,
+    )
+    require(
+        noise.ndim >= 2,
+        f"{name} must have a batch dimension and a state dimension ([B, ...]), "
+        f"got shape {tuple(noise.shape)}; for a single sample use noise[None]",
+    )
+    first = next(iter(model.parameters()), None)
+    if first is not None:
+        require(
+            noise.dtype == first.dtype,
+            f"{name} has dtype {noise.dtype} but the model's parameters are {first.dtype}; "
+            f"pass {name}.to({first.dtype}) or convert the model",
+            TypeError,
+        )
+        require(
+            noise.device == first.device,
+            f"{name} is on {noise.device} but the model is on {first.device}; "
+            f"pass {name}.to('{first.device}')",
+        )
+    require(bool(torch.isfinite(noise).all()), f"{name} contains NaN or Inf values")
+
+
+def check_cond(cond: Any) -> dict[str, Any]:
+    if cond is None:
+        return {}
+    if not isinstance(cond, Mapping):
+        raise TypeError(
+            f"cond must be a dict of keyword arguments for model(z, t, **cond), "
+            f"got {type(cond).__name__}; e.g. cond={{'y': labels}}"
+        )
+    return dict(cond)
+
+
+def check_model_output(v: Any, z: Tensor) -> None:
+    if not isinstance(v, Tensor):
+        raise TypeError(
+            f"model(z, t) must return a velocity tensor, got {type(v).__name__}; "
+            f"wrap models that return tuples or dataclasses so they return the velocity"
+        )
+    require(
+        v.shape == z.shape,
+        f"model(z, t) returned shape {tuple(v.shape)} for a state of shape {tuple(z.shape)}; "
+        f"a velocity model must return a tensor shaped like its input",
+    )
+
+
+def first_model_call(
+    model: Callable[..., Tensor], z: Tensor, t: Tensor, cond: Mapping[str, Any]
+) -> Tensor:
+    """Call the model once with a readable error if the state does not fit it."""
+    try:
+        v = model(z, t, **cond)
+    except (RuntimeError, IndexError, TypeError) as err:
+        raise ValueError(
+            f"model(z, t, **cond) failed on a state of shape {tuple(z.shape)} "
+            f"(dtype {z.dtype}) with cond keys {sorted(cond)}: {err}. "
+            f"Check that the noise has the shape the model expects ([B, ...]) "
+            f"and that cond holds the model's keyword arguments"
+        ) from err
+    check_model_output(v, z)
+    return v
+
+
+def check_scalar_loss(loss: Any, where: str) -> Tensor:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"the loss {where} must return a scalar tensor, got {type(loss).__name__}")
+    require(
+        loss.numel() == 1,
+        f"the loss {where} must be a scalar, got shape {tuple(loss.shape)}; "
+        f"reduce it with .mean() or .sum()",
+    )
+    require(bool(torch.isfinite(loss).all()), f"the loss {where} is not finite ({loss.item()})")
+    return loss.reshape(())
+
+
+def check_generator(generator: Any) -> torch.Generator | None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}; "
+            f"e.g. generator=torch.Generator().manual_seed(0)"
+        )
+    return generator

@@ -1,0 +1,242 @@
+"""Time grids, affine sampler steps, recorded trajectories and the no-graph rollout.
+
+Every sampler gradest supports takes affine steps (DESIGN.md section 1)::
+
+    z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k
+
+with per-step scalars and recorded noise ``xi_k``. Estimators are written against this
+step form only (through :class:`AffineSampler`), so a new sampler needs no estimator
+changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+from torch import Tensor
+
+from gradest._checks import first_model_call, require
+
+
+@runtime_checkable
+class AffineSampler(Protocol):
+    """What estimators need to know about a sampler: its grid and its affine step.
+
+    Attributes:
+        times: ``[N+1]`` float64, strictly decreasing.
+    """
+
+    times: Tensor
+
+    @property
+    def num_steps(self) -> int: ...
+
+    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(alpha, beta, sigma)``, each ``[N]`` float64."""
+        ...
+
+
+def _as_time_grid(times: Any) -> Tensor:
+    if isinstance(times, Tensor):
+        grid = times.detach().to(device="cpu", dtype=torch.float64)
+    else:
+        try:
+            grid = torch.as_tensor(times, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(
+                f"times must be a 1-D sequence or tensor of floats, got {type(times).__name__}"
+            ) from err
+    require(
+        grid.ndim == 1 and grid.numel() >= 2,
+        f"times must be 1-D with at least 2 entries (one step), got shape {tuple(grid.shape)}",
+    )
+    require(bool(torch.isfinite(grid).all()), f"times must be finite, got {grid.tolist()}")
+    diffs = grid[1:] - grid[:-1]
+    if not bool((diffs < 0).all()):
+        bad = int(torch.nonzero(diffs >= 0)[0])
+        raise ValueError(
+            f"times must be strictly decreasing (t=1 is noise, t=0 is data), but "
+            f"times[{bad}]={grid[bad].item():g} <= times[{bad + 1}]={grid[bad + 1].item():g}; "
+            f"pass e.g. torch.linspace(1, 0, steps + 1)"
+        )
+    require(
+        bool(((grid >= 0) & (grid <= 1)).all()),
+        f"times must lie in [0, 1], got range [{grid.min().item():g}, {grid.max().item():g}]",
+    )
+    return grid
+
+
+@attrs.frozen(eq=False, repr=False)
+class RectifiedFlow:
+    """Rectified-flow Euler sampler: ``z_{k+1} = z_k + h_k v_k`` with ``h_k = t_{k+1} - t_k < 0``.
+
+    Give either ``steps`` (a uniform grid from 1 to 0) or ``times`` (any strictly
+    decreasing grid in [0, 1]; it need not start at 1 or end at 0).
+
+    Attributes:
+        times: the ``[N+1]`` float64 grid on the CPU.
+    """
+
+    times: Tensor
+
+    def __init__(self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None):
+        if (steps is None) == (times is None):
+            raise ValueError(
+                "RectifiedFlow needs exactly one of steps=N (uniform grid 1 -> 0) or times=..."
+                f" (got steps={steps!r}, times={'given' if times is not None else None})"
+            )
+        if steps is not None:
+            if isinstance(steps, bool) or not isinstance(steps, int):
+                raise TypeError(f"steps must be an int >= 1, got {steps!r}")
+            require(steps >= 1, f"steps must be >= 1, got {steps}; use steps=50 for example")
+            grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+        else:
+            grid = _as_time_grid(times)
+        self.__attrs_init__(times=grid)  # type: ignore[attr-defined]
+
+    @property
+    def num_steps(self) -> int:
+        return self.times.numel() - 1
+
+    @property
+    def step_sizes(self) -> Tensor:
+        """``h_k = t_{k+1} - t_k`` (negative), ``[N]`` float64."""
+        return self.times[1:] - self.times[:-1]
+
+    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
+        h = self.step_sizes
+        return torch.ones_like(h), h, torch.zeros_like(h)
+
+    def __repr__(self) -> str:
+        uniform = torch.allclose(
+            self.times, torch.linspace(1.0, 0.0, self.num_steps + 1, dtype=torch.float64)
+        )
+        return (
+            f"RectifiedFlow(steps={self.num_steps})"
+            if uniform
+            else f"RectifiedFlow(times=<{self.num_steps + 1} points>)"
+        )
+
+
+@attrs.frozen(eq=False)
+class Trajectory:
+    """A recorded sampling path; plain data without a graph.
+
+    Attributes:
+        times: ``[N+1]`` float64 grid the path was sampled on.
+        states: ``[N+1, B, ...]``, ``states[0]`` is the initial noise, ``states[N]`` the sample.
+        velocities: ``[N, B, ...]``, the model's output at each step when it was recorded.
+        step_noise: ``[N, B, ...]`` recorded ``xi_k`` of a stochastic sampler, or None.
+    """
+
+    times: Tensor
+    states: Tensor
+    velocities: Tensor
+    step_noise: Tensor | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return self.velocities.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.states.shape[1]
+
+
+def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> None:
+    """A trajectory can only be differentiated with the sampler grid it was recorded on."""
+    if not isinstance(trajectory, Trajectory):
+        raise TypeError(
+            f"trajectory must be a gradest.Trajectory (from gradest.rollout), "
+            f"got {type(trajectory).__name__}"
+        )
+    same = trajectory.times.shape == flow.times.shape and torch.allclose(
+        trajectory.times.to(torch.float64).cpu(), flow.times, rtol=0, atol=1e-12
+    )
+    if not same:
+        raise ValueError(
+            f"trajectory was recorded on a different time grid ({trajectory.num_steps} steps) "
+            f"than flow={flow!r} ({flow.num_steps} steps); record it with "
+            f"gradest.rollout(model, flow, noise) using the same flow"
+        )
+
+
+def model_time(t: Tensor | float, batch: int, like: Tensor) -> Tensor:
+    """The model's time argument: shape ``[B]`` in the state's dtype and device."""
+    return torch.full((batch,), float(t), dtype=like.dtype, device=like.device)
+
+
+def draw_step_noise(
+    sigma: Tensor, like: Tensor, generator: torch.Generator | None
+) -> Tensor | None:
+    """Pre-sample ``xi_k`` for a stochastic sampler (never hidden randomness inside vmap)."""
+    if not bool((sigma != 0).any()):
+        return None
+    shape = (sigma.numel(), *like.shape)
+    if generator is None:
+        return torch.randn(shape, dtype=like.dtype, device=like.device)
+    return torch.randn(shape, dtype=like.dtype, generator=generator, device=generator.device).to(
+        like.device
+    )
+
+
+def affine_step(
+    coefficients: tuple[Tensor, Tensor, Tensor],
+    k: int,
+    z: Tensor,
+    v: Tensor,
+    step_noise: Tensor | None,
+) -> Tensor:
+    """``z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k`` (differentiable in z and v)."""
+    alpha, beta, sigma = coefficients
+    out = z * float(alpha[k]) + v * float(beta[k])
+    if step_noise is not None and float(sigma[k]) != 0.0:
+        out = out + float(sigma[k]) * step_noise[k]
+    return out
+
+
+def rollout(
+    model: torch.nn.Module,
+    flow: AffineSampler,
+    noise: Tensor,
+    cond: Mapping[str, Any] | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> Trajectory:
+    """Sample ``model`` along ``flow`` from ``noise`` without a graph.
+
+    Args:
+        model: called as ``model(z, t, **cond)`` with ``t`` of shape ``[B]``.
+        flow: the sampler (e.g. :class:`RectifiedFlow`).
+        noise: ``[B, ...]`` initial state at ``flow.times[0]``.
+        cond: keyword arguments passed to every model call (class labels, text embeddings).
+        generator: source of the step noise for stochastic samplers.
+
+    Returns:
+        A detached :class:`Trajectory`.
+    """
+    from gradest._checks import check_cond, check_noise
+
+    check_noise(model, noise)
+    cond = check_cond(cond)
+    coefficients = flow.coefficients()
+    step_noise = draw_step_noise(coefficients[2], noise, generator)
+    states = [noise.detach()]
+    velocities = []
+    with torch.no_grad():
+        z = noise.detach()
+        for k in range(flow.num_steps):
+            t = model_time(flow.times[k], z.shape[0], z)
+            v = first_model_call(model, z, t, cond) if k == 0 else model(z, t, **cond)
+            velocities.append(v)
+            z = affine_step(coefficients, k, z, v, step_noise)
+            states.append(z)
+    return Trajectory(
+        times=flow.times.clone(),
+        states=torch.stack(states),
+        velocities=torch.stack(velocities),
+        step_noise=step_noise,
+    )

@@ -1,0 +1,119 @@
+"""Objectives on sampling trajectories: a loss on the final sample, or a loss on every step.
+
+Both kinds reduce, for an estimator, to cotangents on the model outputs (DESIGN.md
+section 1): the terminal objective supplies ``a_N = grad l(z_N)`` that the adjoint
+carries back through the chain; the stepwise objective supplies ``c_k = d l_k / d v_k``
+directly, with the recorded states treated as data.
+
+Losses are differentiated with autograd on a detached leaf, so any ordinary torch code
+works as a loss function; the model itself is only ever differentiated by the VJP
+engine in :mod:`gradest.vjp`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+from torch import Tensor
+
+from gradest._checks import check_scalar_loss
+from gradest.flow import AffineSampler, Trajectory
+
+
+def _loss_and_grad(fn: Callable[[Tensor], Tensor], x: Tensor, where: str) -> tuple[Tensor, Tensor]:
+    leaf = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = check_scalar_loss(fn(leaf), where)
+        if not loss.requires_grad:
+            return loss.detach(), torch.zeros_like(x)
+        (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    if grad is None:
+        grad = torch.zeros_like(x)
+    if not bool(torch.isfinite(grad).all()):
+        raise ValueError(f"the gradient of the loss {where} is not finite")
+    return loss.detach(), grad
+
+
+@attrs.frozen
+class TerminalObjective:
+    """``L = loss_fn(z_N)``: a loss on the final sample (use ``-reward`` to maximise a reward).
+
+    Attributes:
+        loss_fn: ``loss_fn(z_final) -> scalar tensor``; must be differentiable in ``z_final``.
+    """
+
+    loss_fn: Callable[[Tensor], Tensor] = attrs.field(
+        validator=attrs.validators.is_callable()
+    )
+
+    def loss(self, final_state: Tensor) -> Tensor:
+        """The loss inside a differentiable computation (checked to be a finite scalar)."""
+        return check_scalar_loss(self.loss_fn(final_state), "on the final sample")
+
+    def terminal_adjoint(self, final_state: Tensor) -> tuple[Tensor, Tensor]:
+        """``(L, a_N)`` with ``a_N = grad loss_fn(z_N)``."""
+        return _loss_and_grad(self.loss_fn, final_state, "on the final sample")
+
+
+@attrs.frozen
+class StepwiseObjective:
+    """``L = sum_k loss_fn(k, v_k, trajectory)`` on recorded states treated as data.
+
+    This is the shape of GRPO / policy-gradient surrogates and of flow matching.
+
+    Attributes:
+        loss_fn: ``loss_fn(k, v_k, trajectory) -> scalar tensor``, differentiable in ``v_k``.
+    """
+
+    loss_fn: Callable[[int, Tensor, Trajectory], Tensor] = attrs.field(
+        validator=attrs.validators.is_callable()
+    )
+
+    def step_cotangent(self, k: int, velocity: Tensor, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
+        """``(l_k, c_k)`` with ``c_k = d l_k / d v_k`` at the given velocity."""
+        return _loss_and_grad(
+            lambda v: self.loss_fn(k, v, trajectory), velocity, f"at step {k}"
+        )
+
+
+Objective = TerminalObjective | StepwiseObjective
+
+
+def flow_matching_trajectory(flow: AffineSampler, data: Tensor, noise: Tensor) -> Trajectory:
+    """States ``z_{t_k} = (1 - t_k) x + t_k eps`` on the flow's grid, for flow matching.
+
+    The velocities are the target ``eps - x`` (no model is evaluated); stepwise
+    estimators evaluate the model themselves.
+    """
+    if data.shape != noise.shape:
+        raise ValueError(
+            f"data and noise must have the same shape, got {tuple(data.shape)} and "
+            f"{tuple(noise.shape)}"
+        )
+    t = flow.times.to(dtype=data.dtype, device=data.device).reshape(-1, *([1] * data.ndim))
+    states = (1 - t) * data.detach() + t * noise.detach()
+    target = (noise - data).detach()
+    return Trajectory(
+        times=flow.times.clone(),
+        states=states,
+        velocities=target.expand(flow.num_steps, *target.shape).clone(),
+    )
+
+
+def flow_matching_objective(data: Tensor, noise: Tensor) -> StepwiseObjective:
+    """The rectified-flow matching loss ``(1/N) sum_k mean ||v_k - (eps - x)||^2``.
+
+    Pair it with :func:`flow_matching_trajectory` (the interpolants on the same grid)::
+
+        traj = gradest.flow_matching_trajectory(flow, data, noise)
+        est.estimate(model, flow, gradest.flow_matching_objective(data, noise), trajectory=traj)
+    """
+    target = (noise - data).detach()
+
+    def loss_fn(k: int, velocity: Tensor, trajectory: Trajectory) -> Tensor:
+        del k
+        return (velocity - target).pow(2).mean() / trajectory.num_steps
+
+    return StepwiseObjective(loss_fn)

@@ -1,0 +1,127 @@
+"""Estimator options: attrs fields that validate themselves and parse from spec strings.
+
+An estimator's options are its attrs fields. :func:`option` attaches what the registry
+and the CLI need (a one-line doc, how to parse the value from ``"name:key=value"``
+strings, what a valid value looks like) and a validator whose message names the option,
+the value and the valid range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def parse_optional_int(text: str) -> int | None:
+    return None if text.strip().lower() == "none" else int(text)
+
+
+def parse_float_tuple(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split("/"))
+
+
+_PARSERS: dict[Any, Callable[[str], Any]] = {bool: parse_bool, int: int, float: float, str: str}
+
+
+def _accepts(kind: Any, value: Any) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    for expected in kinds:
+        if expected is None and value is None:
+            return True
+        if expected is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return True
+        if expected is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if expected not in (None, int, float) and isinstance(value, expected):
+            return True
+    return False
+
+
+def _kind_name(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("None" if k is None else k.__name__ for k in kinds)
+
+
+def option(
+    default: Any,
+    *,
+    kind: Any,
+    doc: str,
+    valid: Callable[[Any], bool] | None = None,
+    expect: str = "",
+    parse: Callable[[str], Any] | None = None,
+) -> Any:
+    """An estimator option.
+
+    Args:
+        default: default value.
+        kind: accepted Python type(s); ``None`` in a tuple allows None. A float option
+            accepts ints (converted).
+        doc: one line for ``gradest list``.
+        valid: extra check on the value.
+        expect: the valid range in words, for error messages.
+        parse: how to read the value from a spec string (defaults by ``kind``).
+    """
+
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        owner = getattr(type(instance), "name", type(instance).__name__)
+        if not _accepts(kind, value):
+            raise TypeError(
+                f"estimator {owner!r}: option {attribute.name}={value!r} has type "
+                f"{type(value).__name__}; expected {_kind_name(kind)}"
+                + (f" ({expect})" if expect else "")
+            )
+        if valid is not None and not valid(value):
+            raise ValueError(
+                f"estimator {owner!r}: option {attribute.name}={value!r} is out of range; "
+                f"expected {expect}"
+            )
+
+    def convert(value: Any) -> Any:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+
+    base = kind[0] if isinstance(kind, tuple) else kind
+    return attrs.field(
+        default=default,
+        converter=convert,
+        validator=validate,
+        metadata={"doc": doc, "expect": expect, "parse": parse or _PARSERS.get(base, str)},
+    )
+
+
+def parse_option_text(cls: type, name: str, text: str) -> Any:
+    """Parse the text of ``name=text`` in a spec string for estimator class ``cls``."""
+    field = attrs.fields_dict(cls)[name]
+    parser = field.metadata.get("parse", str)
+    try:
+        return parser(text)
+    except (TypeError, ValueError) as err:
+        expect = field.metadata.get("expect") or "see `gradest list`"
+        raise TypeError(
+            f"estimator {getattr(cls, 'name', cls.__name__)!r}: cannot read option "
+            f"{name}={text!r} ({err}); expected {expect}"
+        ) from err
+
+
+def describe_options(cls: type) -> list[tuple[str, Any, str]]:
+    """``(name, default, doc)`` for each option of an estimator class."""
+    return [
+        (field.name, field.default, field.metadata.get("doc", ""))
+        for field in attrs.fields(cls)
+    ]

@@ -1,0 +1,104 @@
+"""The estimator protocol and what every estimator returns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import attrs
+import torch
+from torch import Tensor
+
+from gradest.flow import AffineSampler, Trajectory
+from gradest.objectives import Objective
+
+
+@attrs.frozen
+class Cost:
+    """Work an estimate did, in units of one model call on the batch.
+
+    A batched call over ``M`` stacked states counts ``M``. The cost model of DESIGN.md
+    section 4 prices a forward at ``F``, a parameter VJP at about ``2F`` and a state-only
+    VJP at about ``F``; :meth:`model_units` applies it.
+
+    Attributes:
+        forwards_with_graph: forwards that kept an autograd graph for a later VJP.
+        forwards_without_graph: forwards under ``no_grad`` (sampling, cotangents, gate).
+        param_vjps: backward passes that produced parameter gradients (a joint
+            state-and-parameter VJP counts here).
+        state_vjps: backward passes for the state only (the adjoint), no parameter part.
+    """
+
+    forwards_with_graph: int = 0
+    forwards_without_graph: int = 0
+    param_vjps: int = 0
+    state_vjps: int = 0
+
+    @property
+    def forwards(self) -> int:
+        return self.forwards_with_graph + self.forwards_without_graph
+
+    def model_units(self) -> float:
+        """Cost in forward-equivalents under the DESIGN.md cost model."""
+        return self.forwards + 2.0 * self.param_vjps + 1.0 * self.state_vjps
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other), strict=True)))
+
+
+@attrs.frozen(eq=False)
+class GradientEstimate:
+    """The result of one estimate.
+
+    Attributes:
+        grads: ``dict[name, Tensor]`` for every trainable parameter, keyed as in
+            ``model.named_parameters()``.
+        noise_grad: gradient with respect to the initial noise, or None when not requested.
+        cost: the :class:`Cost` counts of this call.
+        info: estimator diagnostics (loss, gate cosines, sampled steps, ...).
+    """
+
+    grads: dict[str, Tensor]
+    noise_grad: Tensor | None
+    cost: Cost
+    info: dict[str, Any] = attrs.field(factory=dict)
+
+    def flat(self) -> Tensor:
+        """All parameter gradients concatenated in ``named_parameters`` order."""
+        return torch.cat([g.reshape(-1) for g in self.grads.values()])
+
+
+@runtime_checkable
+class TrajectoryGradientEstimator(Protocol):
+    """One way of evaluating ``grad_theta L = sum_k J_k^T c_k`` for a sampling trajectory.
+
+    Implementations are frozen attrs classes whose fields are their options.
+    """
+
+    name: ClassVar[str]
+
+    def estimate(
+        self,
+        model: torch.nn.Module,
+        flow: AffineSampler,
+        objective: Objective,
+        *,
+        noise: Tensor | None = None,
+        trajectory: Trajectory | None = None,
+        cond: Mapping[str, Any] | None = None,
+        generator: torch.Generator | None = None,
+        noise_grad: bool = False,
+    ) -> GradientEstimate: ...
+
+    def backward(
+        self,
+        model: torch.nn.Module,
+        flow: AffineSampler,
+        objective: Objective,
+        *,
+        noise: Tensor | None = None,
+        trajectory: Trajectory | None = None,
+        cond: Mapping[str, Any] | None = None,
+        generator: torch.Generator | None = None,
+        noise_grad: bool = False,
+    ) -> GradientEstimate: ...

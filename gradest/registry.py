@@ -1,0 +1,161 @@
+"""Estimators by name, discovered through the ``gradest.estimators`` entry-point group.
+
+Built-ins are registered in gradest's own ``pyproject.toml`` exactly like third-party
+plugins, so one mechanism serves both. Discovery is cached; a plugin that fails to load
+warns (naming its distribution) and is skipped, never breaking ``import gradest``;
+``GRADEST_DISABLE_PLUGINS=1`` loads gradest's own estimators only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import attrs
+
+from gradest.options import describe_options, parse_option_text
+
+GROUP = "gradest.estimators"
+DISABLE_ENV = "GRADEST_DISABLE_PLUGINS"
+_OWN_DISTRIBUTION = "gradest"
+_lock = threading.Lock()
+
+
+class UnknownEstimatorError(ValueError):
+    """An estimator name that no installed package registers."""
+
+
+def _distribution(entry: EntryPoint) -> str:
+    dist = getattr(entry, "dist", None)
+    return getattr(dist, "name", None) or "<unknown distribution>"
+
+
+def _plugins_disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+@functools.cache
+def _load_registry(plugins_enabled: bool) -> dict[str, type]:
+    entries = list(entry_points(group=GROUP))
+    # Built-ins first, so a plugin cannot silently shadow them.
+    entries.sort(key=lambda e: _distribution(e) != _OWN_DISTRIBUTION)
+    registry: dict[str, type] = {}
+    sources: dict[str, str] = {}
+    for entry in entries:
+        source = _distribution(entry)
+        if not plugins_enabled and source != _OWN_DISTRIBUTION:
+            continue
+        if entry.name in registry:
+            warnings.warn(
+                f"gradest: estimator {entry.name!r} from {source} is a duplicate of the one "
+                f"from {sources[entry.name]}; keeping the first",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        try:
+            cls = entry.load()
+        except Exception as err:  # a broken plugin must never break gradest
+            warnings.warn(
+                f"gradest: skipping estimator plugin {entry.name!r} from {source} "
+                f"({entry.value}): {type(err).__name__}: {err}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        if not callable(getattr(cls, "estimate", None)):
+            warnings.warn(
+                f"gradest: skipping estimator plugin {entry.name!r} from {source}: "
+                f"{entry.value} has no estimate() method",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        registry[entry.name] = cls
+        sources[entry.name] = source
+    if not registry:
+        warnings.warn(
+            "gradest: no estimators registered; is gradest installed (pip install -e .)? "
+            "Entry points come from the installed package metadata.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return registry
+
+
+def available_estimators() -> dict[str, type]:
+    """Name -> estimator class for the built-ins and every installed plugin."""
+    with _lock:
+        return dict(_load_registry(not _plugins_disabled()))
+
+
+def clear_cache() -> None:
+    """Forget discovered plugins (after installing one in a running process)."""
+    with _lock:
+        _load_registry.cache_clear()
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``"jagg:window=4,tau=0.995"`` -> ``("jagg", {"window": "4", "tau": "0.995"})``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"estimator spec must be a non-empty string like 'jagg:window=4', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"estimator spec {spec!r}: option {item!r} is not key=value; "
+                f"write e.g. '{name}:key=value,other=value'"
+            )
+        options[key.strip()] = value.strip()
+    return name.strip(), options
+
+
+def estimator(spec: str, **options: Any) -> Any:
+    """Build an estimator by name or spec string.
+
+    ``gradest.estimator("jagg", window=4)`` and ``gradest.estimator("jagg:window=4")``
+    are the same; keyword options override options in the string.
+
+    Raises:
+        UnknownEstimatorError: the name is not registered (the message lists valid names).
+        TypeError: an option is misspelled (the message lists valid options) or has the
+            wrong type.
+        ValueError: an option is out of range.
+    """
+    name, text_options = parse_spec(spec)
+    registry = available_estimators()
+    if name not in registry:
+        raise UnknownEstimatorError(
+            f"unknown estimator {name!r}; available: {', '.join(sorted(registry)) or 'none'} "
+            f"(plugins register under the {GROUP!r} entry-point group)"
+        )
+    cls = registry[name]
+    valid = [field.name for field in attrs.fields(cls)] if attrs.has(cls) else []
+    values: dict[str, Any] = {}
+    for key, text in text_options.items():
+        _check_option_name(name, key, valid)
+        values[key] = parse_option_text(cls, key, text) if attrs.has(cls) else text
+    for key in options:
+        _check_option_name(name, key, valid)
+    values.update(options)
+    return cls(**values)
+
+
+def _check_option_name(name: str, key: str, valid: list[str]) -> None:
+    if key not in valid:
+        raise TypeError(
+            f"estimator {name!r} has no option {key!r}; valid options: "
+            f"{', '.join(valid) if valid else 'none'}"
+        )
+
+
+def describe(name: str) -> list[tuple[str, Any, str]]:
+    """``(option, default, doc)`` rows for ``gradest list``."""
+    cls = available_estimators()[name]
+    return describe_options(cls) if attrs.has(cls) else []

@@ -1,0 +1,84 @@
+"""``exact``: backpropagation through the whole chain, ``sum_k J_k^T c_k`` with exact ``c_k``.
+
+Cotangents: the exact adjoint (terminal) or ``c_k = d l_k / d v_k`` (stepwise).
+VJP evaluation: one VJP per step.
+
+Cost (DESIGN.md section 4, ``F`` = one forward):
+
+* terminal, ``checkpoint=False`` from noise: ``N`` forwards with graph, then one fused
+  backward through the chain: ``N(F + 2F)``; activations of all ``N`` steps are held.
+* terminal, ``checkpoint=True`` (or on a recorded trajectory): sample without a graph
+  (``NF``, skipped on a trajectory), then recompute one step at a time in reverse with a
+  joint state-and-parameter VJP: ``NF + N(F + 2F)``, activations of one step at a time.
+* stepwise: per step a forward with graph and a parameter VJP, ``N(F + 2F)``.
+
+Use it as the reference every other estimator is measured against, and whenever the
+chain is short enough to afford it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+from torch import Tensor
+
+from gradest.base import EstimatorBase
+from gradest.context import EstimationContext
+from gradest.flow import Trajectory
+from gradest.options import option
+from gradest.vjp import Grads, add_grads
+
+
+@attrs.frozen
+class Exact(EstimatorBase):
+    """Exact gradient: backpropagation through every sampling step.
+
+    Attributes:
+        checkpoint: False keeps the graph while sampling (O(N) activation memory, no
+            extra forward); True samples without a graph and recomputes one step at a
+            time in reverse (O(1) graph memory, N extra forwards).
+    """
+
+    name: ClassVar[str] = "exact"
+
+    checkpoint: bool = option(
+        False,
+        kind=bool,
+        doc="recompute steps in reverse instead of keeping the chain's graph (O(1) memory, +N forwards)",
+        expect="true or false",
+    )
+
+    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+        if ctx.sampled_here and not self.checkpoint:
+            return self._fused_chain(ctx)
+        sweep = ctx.adjoint_sweep(ctx.terminal_adjoint(), joint_steps=range(ctx.num_steps))
+        assert sweep.grads is not None
+        return sweep.grads, sweep.state_grad
+
+    def _fused_chain(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+        """Sample with the graph kept, then one VJP through the whole chain on ``(z, theta)``."""
+        assert ctx.noise is not None
+        step_noise = ctx.step_noise()
+        loss, states, velocities, grads, noise_grad = ctx.field.chain_vjp(
+            ctx.coefficients,
+            ctx.times,
+            0,
+            ctx.noise,
+            step_noise,
+            ctx.objective.loss,  # type: ignore[union-attr]
+            state_grad=ctx.want_noise_grad,
+        )
+        ctx.record(Trajectory(ctx.times.clone(), states, velocities, step_noise))
+        ctx.info["loss"] = float(loss)
+        return grads, noise_grad
+
+    def _stepwise(self, ctx: EstimationContext) -> Grads:
+        trajectory = ctx.trajectory()
+        grads: Grads | None = None
+        for k in range(ctx.num_steps):
+            velocity, pull = ctx.field.param_pullback(trajectory.states[k : k + 1], ctx.times[k : k + 1])
+            cotangent = ctx.step_cotangent(k, velocity[0])
+            grads = add_grads(grads, pull(cotangent[None]))
+        assert grads is not None
+        return grads

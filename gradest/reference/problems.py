@@ -1,0 +1,82 @@
+"""Small analytic test problems shared by the tests, benchmarks and the CLI check.
+
+Everything here is deterministic given a seed and sized for dense Jacobians.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from gradest.flow import AffineSampler, Trajectory
+from gradest.models.mlp import MLPVelocity
+from gradest.objectives import StepwiseObjective, TerminalObjective, flow_matching_trajectory
+
+
+class AffineVelocity(nn.Module):
+    """``v(z, t) = W z + t u + b``: affine in ``(z, t)``, so ``J_t`` is affine along a
+    straight path and linear JAGG interpolation is exact there."""
+
+    def __init__(self, dim: int, seed: int = 0, dtype: torch.dtype = torch.float64):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(0.5 * torch.randn(dim, dim, generator=gen, dtype=dtype) / dim**0.5)
+        self.time_direction = nn.Parameter(torch.randn(dim, generator=gen, dtype=dtype))
+        self.bias = nn.Parameter(torch.randn(dim, generator=gen, dtype=dtype))
+
+    def forward(self, z: Tensor, t: Tensor) -> Tensor:
+        return z @ self.weight.T + t[:, None] * self.time_direction + self.bias
+
+
+def tiny_mlp(
+    dim: int = 3,
+    hidden: int = 8,
+    depth: int = 2,
+    num_classes: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> MLPVelocity:
+    """A seeded :class:`~gradest.models.MLPVelocity` small enough for dense Jacobians."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MLPVelocity(dim, hidden, depth, num_classes=num_classes)
+    return model.to(dtype)
+
+
+def seeded_normal(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def smooth_terminal_objective(dim: int, seed: int = 1) -> TerminalObjective:
+    """A smooth non-quadratic loss on the final sample: ``sum sin(z . w)^2 + 0.1 |z|^2``."""
+    weights = seeded_normal((dim,), seed)
+
+    def loss_fn(z: Tensor) -> Tensor:
+        w = weights.to(z.dtype)
+        return torch.sin(z * w).pow(2).sum() + 0.1 * z.pow(2).sum()
+
+    return TerminalObjective(loss_fn)
+
+
+def random_stepwise_objective(
+    num_steps: int, state_shape: tuple[int, ...], seed: int = 2
+) -> StepwiseObjective:
+    """``l_k(v) = <w_k, v> + 0.5 |v - m_k|^2 / N``: different cotangents at every step."""
+    linear = seeded_normal((num_steps, *state_shape), seed)
+    centres = seeded_normal((num_steps, *state_shape), seed + 1)
+
+    def loss_fn(k: int, v: Tensor, trajectory: Trajectory) -> Tensor:
+        del trajectory
+        w, m = linear[k].to(v.dtype), centres[k].to(v.dtype)
+        return (w * v).sum() + 0.5 * (v - m).pow(2).sum() / num_steps
+
+    return StepwiseObjective(loss_fn)
+
+
+def straight_trajectory(
+    flow: AffineSampler, batch: int, dim: int, seed: int = 3, dtype: torch.dtype = torch.float64
+) -> Trajectory:
+    """Interpolants ``(1 - t) x + t eps`` on the flow grid: a straight recorded path."""
+    data = seeded_normal((batch, dim), seed, dtype)
+    noise = seeded_normal((batch, dim), seed + 1, dtype)
+    return flow_matching_trajectory(flow, data, noise)

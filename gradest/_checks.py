@@ -18,12 +18,16 @@ def require(condition: bool, message: str, error: type[Exception] = ValueError) 
         raise error(message)
 
 
-def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
+def check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module called as model(z, t, **cond), "
-            f"got {type(model).__name__}"
+            f"got {type(model).__name__}; wrap plain functions in an nn.Module"
         )
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
+    check_model(model)
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError(
@@ -34,6 +38,7 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None:
+    check_model(model)
     if not isinstance(noise, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape [B, ...], got {type(noise).__name__}")
     require(

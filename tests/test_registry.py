@@ -1,0 +1,135 @@
+"""The estimator registry: entry points, broken plugins, names, options, spec strings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import EntryPoint, entry_points
+
+import attrs
+import pytest
+
+import gradest
+from gradest import registry
+from gradest.base import EstimatorBase
+from gradest.options import option
+from gradest.registry import UnknownEstimatorError, parse_spec
+
+
+@attrs.frozen
+class PlantedEstimator(EstimatorBase):
+    """A plugin defined in the test."""
+
+    name = "planted"
+    strength: float = option(1.0, kind=float, doc="how strong", valid=lambda x: x > 0, expect="> 0")
+
+
+class _FakeDist:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _entry(name: str, value: str, dist: str) -> EntryPoint:
+    entry = EntryPoint(name=name, value=value, group=registry.GROUP)
+    return entry._for(_FakeDist(dist))  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def fake_plugins(monkeypatch):
+    """Install extra entry points next to the real ones, for one test."""
+
+    def install(*extra: EntryPoint) -> None:
+        real = list(entry_points(group=registry.GROUP))
+        monkeypatch.setattr(registry, "entry_points", lambda group: real + list(extra))
+        registry.clear_cache()
+
+    yield install
+    registry.clear_cache()
+
+
+def test_builtins_are_registered_through_entry_points():
+    names = {e.name for e in entry_points(group="gradest.estimators") if e.dist.name == "gradest"}
+    assert {"exact", "jagg", "sdo", "truncated"} <= names
+    assert "exact" in gradest.available_estimators()
+
+
+def test_a_plugin_is_used_by_name(fake_plugins):
+    fake_plugins(_entry("planted", f"{__name__}:PlantedEstimator", "planted-dist"))
+    est = gradest.estimator("planted:strength=2")
+    assert isinstance(est, PlantedEstimator) and est.strength == 2.0
+    assert "planted" in gradest.available_estimators()
+
+
+def test_a_broken_plugin_warns_and_is_skipped(fake_plugins):
+    fake_plugins(_entry("broken", "gradest_no_such_module:Thing", "broken-dist"))
+    with pytest.warns(RuntimeWarning, match="broken.*broken-dist"):
+        available = gradest.available_estimators()
+    assert "broken" not in available and "exact" in available
+
+
+def test_a_duplicate_plugin_warns_and_builtins_win(fake_plugins):
+    fake_plugins(_entry("exact", f"{__name__}:PlantedEstimator", "shadow-dist"))
+    with pytest.warns(RuntimeWarning, match="shadow-dist.*duplicate"):
+        available = gradest.available_estimators()
+    assert available["exact"].__name__ == "Exact"
+
+
+def test_plugins_can_be_disabled_by_environment(fake_plugins, monkeypatch):
+    fake_plugins(_entry("planted", f"{__name__}:PlantedEstimator", "planted-dist"))
+    monkeypatch.setenv("GRADEST_DISABLE_PLUGINS", "1")
+    assert "planted" not in gradest.available_estimators()
+    assert "exact" in gradest.available_estimators()
+
+
+def test_a_broken_plugin_never_breaks_import():
+    # A fresh interpreter whose metadata lists a broken plugin must still import gradest.
+    code = (
+        "import importlib.metadata as md, warnings\n"
+        "from importlib.metadata import EntryPoint\n"
+        "real = md.entry_points\n"
+        "def fake(group=None, **kw):\n"
+        "    eps = list(real(group=group, **kw))\n"
+        "    if group == 'gradest.estimators':\n"
+        "        eps.append(EntryPoint('broken', 'nope_module:X', group))\n"
+        "    return eps\n"
+        "md.entry_points = fake\n"
+        "import gradest\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    names = gradest.available_estimators()\n"
+        "assert 'exact' in names and 'broken' not in names\n"
+        "assert any('broken' in str(x.message) for x in w)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(UnknownEstimatorError, match=r"unknown estimator 'exakt'.*exact"):
+        gradest.estimator("exakt")
+
+
+def test_misspelled_option_lists_valid_options():
+    with pytest.raises(TypeError, match=r"no option 'chekpoint'.*valid options: checkpoint"):
+        gradest.estimator("exact", chekpoint=True)
+    with pytest.raises(TypeError, match=r"no option 'chekpoint'"):
+        gradest.estimator("exact:chekpoint=true")
+
+
+def test_option_of_the_wrong_type_names_the_option():
+    with pytest.raises(TypeError, match=r"checkpoint='yes'.*expected bool"):
+        gradest.estimator("exact", checkpoint="yes")
+    with pytest.raises(TypeError, match=r"checkpoint='maybe'"):
+        gradest.estimator("exact:checkpoint=maybe")
+
+
+def test_spec_strings_parse_and_keywords_override():
+    assert parse_spec("jagg:window=4, tau=0.995") == ("jagg", {"window": "4", "tau": "0.995"})
+    assert parse_spec("exact") == ("exact", {})
+    assert gradest.estimator("exact:checkpoint=true", checkpoint=False).checkpoint is False
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_spec("jagg:window")
+    with pytest.raises(ValueError, match="non-empty"):
+        gradest.estimator("")

@@ -1,8 +1,9 @@
 """The ``gradest`` command line.
 
 ``gradest list`` shows the registered estimators and their options; ``gradest check``
-(the main job on the embedded toy model) checks every estimator against the dense
-reference and prints a table. User errors exit with status 2 and one line, no traceback.
+checks every estimator against its dense definition on the embedded toy model;
+``gradest compare`` (the main job) measures bias, variance and cost of estimators on an
+embedded model and writes a report with plots. User errors exit with status 2 and one line, no traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-import attrs
+from pathlib import Path
 
 from gradest import registry
 
@@ -33,6 +34,69 @@ def _cmd_check(args: argparse.Namespace) -> int:
     specs = [s for s in (args.estimators.split(";") if args.estimators else []) if s.strip()]
     ok = run_check(specs or None, steps=args.steps, seed=args.seed, show_progress=not args.quiet)
     return 0 if ok else 1
+
+
+def split_specs(text: str) -> list[str]:
+    """``"exact,jagg:window=4,tau=0.9,sdo"`` -> ``["exact", "jagg:window=4,tau=0.9", "sdo"]``.
+
+    Commas separate estimators and also options inside one spec; a piece with ``=`` but
+    no ``:`` continues the previous spec's options.
+    """
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if "=" in piece and ":" not in piece and specs:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from gradest.harness.compare import compare
+    from gradest.harness.embedded import embedded_problem
+    from gradest.harness.sweeps import jagg_span_sweep, jagg_tau_sweep
+
+    specs = split_specs(args.estimators)
+    if not specs:
+        raise ValueError("--estimators is empty; e.g. --estimators exact,jagg:window=4,sdo")
+    for spec in specs:  # fail on a bad spec before any work starts
+        registry.estimator(spec)
+    if args.seeds <= 0:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a file; pass a folder path")
+    dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
+    if dtype is None:
+        raise ValueError(f"--dtype must be float64 or float32, got {args.dtype!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} requested but CUDA is not available")
+    problem = embedded_problem(
+        args.model, steps=args.steps, objective=args.objective, batch=args.batch,
+        dtype=dtype, device=args.device,
+    )
+    report = compare(
+        problem.model, problem.flow, problem.objective, specs,
+        noise_fn=problem.noise_fn, cond_fn=problem.cond_fn, seeds=args.seeds,
+        draws=args.draws, timing_repeats=args.repeats, show_progress=not args.quiet,
+    )
+    if args.sweeps and any(registry.parse_spec(s)[0] == "jagg" for s in specs):
+        from gradest.flow import rollout
+
+        cond = problem.cond_fn(0)
+        trajectory = rollout(problem.model, problem.flow, problem.noise_fn(0), cond=cond)
+        report.config["sweeps"] = {
+            "span": jagg_span_sweep(problem.model, problem.objective, problem.noise_fn(0), cond),
+            "tau": jagg_tau_sweep(problem.model, problem.flow, problem.objective, trajectory, cond),
+        }
+    report.write(out, plots=not args.no_plots)
+    print(report.to_markdown())
+    print(f"wrote {out}/report.md, report.json" + ("" if args.no_plots else " and plots"))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +120,30 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0, help="seed of model, noise and draws")
     check.add_argument("--quiet", action="store_true", help="no progress bar")
     check.set_defaults(run=_cmd_check)
+
+    cmp = sub.add_parser(
+        "compare",
+        help="bias, variance and cost of estimators on an embedded model (the main job)",
+    )
+    cmp.add_argument("--model", default="mlp", help="embedded model: mlp or dit (default mlp)")
+    cmp.add_argument("--steps", type=int, default=50, help="sampling steps N (default 50)")
+    cmp.add_argument(
+        "--estimators",
+        default="exact,jagg:window=4,jagg:window=4,shared_knots=true,sdo,truncated:k=1",
+        help="comma-separated estimator specs (options continue a spec: jagg:window=4,tau=0.9)",
+    )
+    cmp.add_argument("--seeds", type=int, default=16, help="trajectories (default 16)")
+    cmp.add_argument("--draws", type=int, default=16, help="draws per trajectory of stochastic estimators")
+    cmp.add_argument("--batch", type=int, default=8, help="samples per trajectory (default 8)")
+    cmp.add_argument("--objective", default="terminal", help="terminal or stepwise (default terminal)")
+    cmp.add_argument("--device", default="cpu", help="cpu or cuda")
+    cmp.add_argument("--dtype", default="float64", help="float64 or float32")
+    cmp.add_argument("--repeats", type=int, default=3, help="wall-time repeats (median)")
+    cmp.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    cmp.add_argument("--no-sweeps", dest="sweeps", action="store_false", help="skip jagg sweeps")
+    cmp.add_argument("--no-plots", action="store_true", help="skip PNG plots")
+    cmp.add_argument("--quiet", action="store_true", help="no progress bar")
+    cmp.set_defaults(run=_cmd_compare)
     return parser
 
 
@@ -65,9 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.run(args))
-    except (ValueError, TypeError, attrs.exceptions.FrozenInstanceError) as err:
+    except (ValueError, TypeError, ImportError) as err:
         print(f"gradest {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"gradest {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,276 @@
+"""``gradest.compare``: bias, variance and cost of estimators on one model and objective.
+
+Every estimator sees the same trajectories (one per seed, sampled with the current
+model) and the same generator seeds for its random choices (common random numbers), so
+differences between rows are differences between estimators, not between draws.
+Stochastic estimators are drawn ``draws`` times per trajectory; deterministic ones once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from gradest.flow import AffineSampler, Trajectory, rollout
+from gradest.harness.cost import (
+    count_flops,
+    interleaved_wall_times,
+    ratio,
+    retained_activation_bytes,
+)
+from gradest.harness.report import CostRow, EstimatorRow, Report
+from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
+from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
+from gradest.registry import estimator as build_estimator
+
+NoiseFn = Callable[[int], Tensor]
+CondFn = Callable[[int], Mapping[str, Any] | None]
+
+
+def _resolve(spec: Any, what: str) -> Any:
+    if isinstance(spec, str):
+        return build_estimator(spec)
+    if callable(getattr(spec, "estimate", None)):
+        return spec
+    raise TypeError(f"{what} must be an estimator spec string or an estimator, got {spec!r}")
+
+
+def _resolve_seeds(seeds: int | Sequence[int]) -> list[int]:
+    if isinstance(seeds, bool):
+        raise TypeError(f"seeds must be a positive int or a list of ints, got {seeds!r}")
+    if isinstance(seeds, int):
+        if seeds <= 0:
+            raise ValueError(f"seeds must be >= 1 (the number of trajectories), got {seeds}")
+        return list(range(seeds))
+    seed_list = list(seeds)
+    if not seed_list or not all(isinstance(s, int) and not isinstance(s, bool) for s in seed_list):
+        raise ValueError(f"seeds must be a positive int or a non-empty list of ints, got {seeds!r}")
+    return seed_list
+
+
+def short_label(est: Any) -> str:
+    """``jagg:window=8,shared_knots=True``: the name and the options that differ from defaults."""
+    name = getattr(est, "name", type(est).__name__)
+    if not attrs.has(type(est)):
+        return name
+    changed = [
+        f"{field.name}={getattr(est, field.name)}"
+        for field in attrs.fields(type(est))
+        if field.default is not attrs.NOTHING and getattr(est, field.name) != field.default
+    ]
+    return name + (":" + ",".join(changed) if changed else "")
+
+
+def draw_generator(seed: int, draw: int) -> torch.Generator:
+    """The generator of draw ``draw`` on trajectory ``seed``: the same for every estimator."""
+    return torch.Generator().manual_seed(1_000_003 * seed + draw)
+
+
+def is_stochastic(est: Any, run: Callable[[Any, torch.Generator], Tensor]) -> bool:
+    """Whether an estimator's result depends on its generator (two draws differ)."""
+    declared = getattr(est, "stochastic", None)
+    if isinstance(declared, bool):
+        return declared
+    return not torch.equal(run(est, draw_generator(0, 0)), run(est, draw_generator(0, 1)))
+
+
+def compare(
+    model: torch.nn.Module,
+    flow: AffineSampler,
+    objective: Objective,
+    estimators: Sequence[Any],
+    *,
+    noise_fn: NoiseFn,
+    seeds: int | Sequence[int] = 8,
+    cond_fn: CondFn | None = None,
+    reference: Any = "exact",
+    draws: int = 16,
+    timing_repeats: int = 5,
+    measure_cost: bool = True,
+    show_progress: bool = True,
+) -> Report:
+    """Measure each estimator's agreement with the reference gradient and its cost.
+
+    Args:
+        model: the velocity model (``model(z, t, **cond)``).
+        flow: the sampler.
+        objective: ``TerminalObjective`` or ``StepwiseObjective`` (evaluated on each
+            seed's rollout).
+        estimators: spec strings (``"jagg:window=4"``) or estimator instances.
+        noise_fn: ``noise_fn(seed) -> [B, ...]`` initial noise of trajectory ``seed``.
+        seeds: number of trajectories, or the list of seeds.
+        cond_fn: ``cond_fn(seed) -> dict`` of model keyword arguments (or None).
+        reference: an exact estimator (spec or instance) giving the reference gradient.
+        draws: draws per trajectory for stochastic estimators.
+        timing_repeats: repeats of the wall-time measurement (median, interleaved).
+        measure_cost: also measure FLOPs, retained activation bytes and wall time.
+        show_progress: a progress bar on stderr.
+
+    Returns:
+        A :class:`~gradest.harness.report.Report`.
+    """
+    # Everything is validated before any work starts.
+    if not isinstance(objective, TerminalObjective | StepwiseObjective):
+        raise TypeError(
+            "objective must be gradest.TerminalObjective or gradest.StepwiseObjective, "
+            f"got {type(objective).__name__}"
+        )
+    if isinstance(estimators, str) or not isinstance(estimators, Sequence):
+        raise TypeError(f"estimators must be a list of specs or estimators, got {estimators!r}")
+    if not estimators:
+        raise ValueError("estimators is empty; pass e.g. ['exact', 'jagg:window=4', 'sdo']")
+    resolved = [_resolve(spec, "each estimator") for spec in estimators]
+    reference_est = _resolve(reference, "reference")
+    if getattr(reference_est, "name", None) != "exact":
+        raise ValueError(
+            f"reference={reference!r} is not exact-capable; the reference gradient must come "
+            f"from an exact estimator, e.g. reference='exact' or 'exact:checkpoint=true'"
+        )
+    seed_list = _resolve_seeds(seeds)
+    if not isinstance(draws, int) or isinstance(draws, bool) or draws < 1:
+        raise ValueError(f"draws must be an int >= 1, got {draws!r}")
+    if not isinstance(timing_repeats, int) or timing_repeats < 1:
+        raise ValueError(f"timing_repeats must be an int >= 1, got {timing_repeats!r}")
+    if not callable(noise_fn):
+        raise TypeError(f"noise_fn must be callable as noise_fn(seed) -> Tensor, got {noise_fn!r}")
+
+    def cond_of(seed: int) -> Mapping[str, Any] | None:
+        return cond_fn(seed) if cond_fn is not None else None
+
+    trajectories: dict[int, Trajectory] = {}
+
+    def trajectory_of(seed: int) -> Trajectory:
+        if seed not in trajectories:
+            trajectories[seed] = rollout(model, flow, noise_fn(seed), cond=cond_of(seed))
+        return trajectories[seed]
+
+    def run(est: Any, seed: int, generator: torch.Generator) -> Any:
+        return est.estimate(
+            model, flow, objective, trajectory=trajectory_of(seed), cond=cond_of(seed),
+            generator=generator,
+        )
+
+    total_work = len(resolved) * len(seed_list) + (len(resolved) + 1) * int(measure_cost)
+    progress = tqdm(total=total_work, desc="gradest compare", disable=not show_progress, leave=False)
+    references = {seed: run(reference_est, seed, draw_generator(seed, 0)).flat() for seed in seed_list}
+
+    rows: list[EstimatorRow] = []
+    for est in resolved:
+        stochastic = is_stochastic(est, lambda e, g: run(e, seed_list[0], g).flat())
+        per_seed: list[TrajectoryStats] = []
+        fallback: list[float] = []
+        for seed in seed_list:
+            results = [run(est, seed, draw_generator(seed, d)) for d in range(draws if stochastic else 1)]
+            per_seed.append(trajectory_stats([r.flat() for r in results], references[seed]))
+            fallback += [r.info["fallback_fraction"] for r in results if "fallback_fraction" in r.info]
+            progress.update(1)
+        first = run(est, seed_list[0], draw_generator(seed_list[0], 0))
+        rows.append(
+            EstimatorRow(
+                spec=repr(est),
+                label=short_label(est),
+                name=getattr(est, "name", type(est).__name__),
+                stochastic=stochastic,
+                draws=draws if stochastic else 1,
+                cosine=Estimate.of([s.cosine for s in per_seed]),
+                relative_error=Estimate.of([s.relative_error for s in per_seed]),
+                norm_ratio=Estimate.of([s.norm_ratio for s in per_seed]),
+                bias=Estimate.of([math.sqrt(s.bias_squared) for s in per_seed]),
+                variance=Estimate.of([s.variance for s in per_seed]),
+                mse=Estimate.of([s.mse for s in per_seed]),
+                counts=first.cost,
+                fallback_fraction=sum(fallback) / len(fallback) if fallback else None,
+                gate_cosines=list(first.info.get("gate_cosines", []) or []),
+                groups=[list(g) for g in first.info.get("groups", [])],
+            )
+        )
+
+    costs: dict[str, CostRow] = {}
+    if measure_cost:
+        costs = _measure_costs(
+            model, flow, objective, [reference_est, *resolved], noise_fn(seed_list[0]),
+            cond_of(seed_list[0]), trajectory_of(seed_list[0]), timing_repeats, progress,
+        )
+    progress.close()
+    baseline = costs.get(repr(reference_est))
+    rows = [row.with_cost(costs.get(row.spec), baseline) for row in rows]
+    first_noise = noise_fn(seed_list[0])
+    config = {
+        "model": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "steps": flow.num_steps,
+        "objective": "terminal" if isinstance(objective, TerminalObjective) else "stepwise",
+        "batch_shape": list(first_noise.shape),
+        "dtype": str(first_noise.dtype).replace("torch.", ""),
+        "device": str(first_noise.device),
+        "seeds": seed_list,
+        "draws": draws,
+        "reference": repr(reference_est),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    return Report(config=config, rows=rows)
+
+
+def _measure_costs(
+    model: torch.nn.Module,
+    flow: AffineSampler,
+    objective: Objective,
+    estimators: Sequence[Any],
+    noise: Tensor,
+    cond: Mapping[str, Any] | None,
+    trajectory: Trajectory,
+    repeats: int,
+    progress: Any,
+) -> dict[str, CostRow]:
+    """FLOPs, retained activation bytes, wall time (and CUDA peak memory) per estimator.
+
+    Terminal objectives are measured from noise, so each estimator samples the cheapest
+    way for its strategy (sampling is part of its cost); stepwise objectives on the
+    recorded trajectory, which is what the DESIGN.md cost model prices.
+    """
+    terminal = isinstance(objective, TerminalObjective)
+    calls = {}
+    for est in estimators:
+        inputs = {"noise": noise} if terminal else {"trajectory": trajectory}
+
+        def call(est: Any = est, inputs: dict = inputs) -> Any:
+            result = est.estimate(
+                model, flow, objective, cond=cond, generator=draw_generator(0, 0), **inputs
+            )
+            if noise.is_cuda:  # time the work, not the kernel launches
+                torch.cuda.synchronize()
+            return result
+
+        calls[repr(est)] = call
+    rows: dict[str, CostRow] = {}
+    for spec, call in calls.items():
+        cuda_peak = None
+        if noise.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            call()
+            torch.cuda.synchronize()
+            cuda_peak = torch.cuda.max_memory_allocated() - before
+        rows[spec] = CostRow(
+            flops=count_flops(call),
+            retained_bytes=retained_activation_bytes(call),
+            wall_time_s=math.nan,
+            cuda_peak_bytes=cuda_peak,
+        )
+        progress.update(1)
+    times = interleaved_wall_times(calls, repeats=repeats, warmup=1)
+    return {spec: row.with_wall_time(times[spec]) for spec, row in rows.items()}
+
+
+__all__ = ["compare", "draw_generator", "is_stochastic", "ratio"]

@@ -1,0 +1,288 @@
+"""Deterministic cost measurements: FLOPs, retained activation bytes, and wall time.
+
+DESIGN.md section 4 measures an estimator's cost three ways, each a ratio to ``exact``:
+
+* :func:`count_flops`: FLOPs of the matmul-like operators, from PyTorch's own formulas
+  (``torch.utils.flop_counter``). Deterministic, independent of the machine.
+* :func:`retained_activation_bytes`: the peak bytes of activations the autograd graph
+  holds at the same time. Deterministic (reference counting, garbage collector paused).
+  :func:`peak_allocated_bytes` is the CPU analogue of ``torch.cuda.max_memory_allocated``.
+* :func:`median_wall_time` / :func:`interleaved_wall_times`: seconds, meaningful only as a
+  ratio between functions measured in the same process (see :func:`speedup`).
+
+Why a dispatch mode and not ``saved_tensors_hooks``: gradest takes every VJP with
+``torch.func.vjp``, and ``torch.func`` refuses to run while saved-tensor hooks are
+registered ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor
+hooks"). Below ``torch.func`` every operator still reaches the Python dispatcher, so the
+memory functions watch the storages operators *create* and learn from a weak reference
+when each storage is freed. For the same reason :func:`count_flops` uses the formulas of
+``FlopCounterMode`` without its module tracker, whose backward hooks break inside
+``torch.autograd.grad`` (which ``torch.func.vjp`` calls); on plain autograd code the
+two counts agree exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = [
+    "count_flops",
+    "interleaved_wall_times",
+    "median_wall_time",
+    "peak_allocated_bytes",
+    "ratio",
+    "retained_activation_bytes",
+    "speedup",
+]
+
+
+# -- FLOPs ----------------------------------------------------------------------------------
+
+
+class _FlopCounter(TorchDispatchMode):
+    """Sums ``torch.utils.flop_counter.flop_registry`` formulas over every operator call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is None and func is not torch.ops.prim.device.default:
+            # As FlopCounterMode does: a composite operator without a formula may
+            # decompose into ones that have one.
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """Total FLOPs of calling ``fn()``, counted by PyTorch's ``FlopCounterMode`` formulas.
+
+    Only operators with a formula are counted (matmuls, convolutions, attention; a
+    multiply-add is 2 FLOPs); elementwise work is free. That is the right unit for the
+    cost model of DESIGN.md section 4 on models where such layers dominate, and the
+    count is exact and machine-independent. Works inside ``torch.func`` transforms
+    (``FlopCounterMode`` itself fails there, see the module docstring).
+    """
+    counter = _FlopCounter()
+    with counter:
+        fn()
+    return counter.total
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+class _GraphRecording(TorchFunctionMode):
+    """Whether the torch function running now records an autograd graph.
+
+    It does when grad mode is on and one of its tensor arguments requires grad. At this
+    level ``torch.func`` transforms still show their tracked tensors as requiring grad;
+    one level down, in the dispatcher, they are already unwrapped, which is why this
+    question is asked here and the allocation is seen in :class:`_StorageTracker`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        previous = self.active
+        self.active = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]
+        )
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.active = previous
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Live bytes of the storages that operators create while the mode is active.
+
+    A storage counts from the operator call that creates it until it is freed (a weak
+    reference to the storage reports that). Storages an operator merely returns a view
+    of, or writes in place, were created elsewhere and are not counted: parameters,
+    inputs and anything allocated before the measurement never count. Each storage
+    counts once however many tensors view it.
+
+    Args:
+        recording: if given, count only storages created while it is active (a
+            graph-recording forward computation) and no backward pass is running.
+    """
+
+    def __init__(self, recording: _GraphRecording | None = None) -> None:
+        super().__init__()
+        self.recording = recording
+        self.live: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _freed(self, key: int) -> None:
+        self._refs.pop(key, None)
+        self.current -= self.live.pop(key, 0)
+
+    def _counts(self) -> bool:
+        if self.recording is None:
+            return True
+        # The autograd engine sets a graph-task id while it runs backward; what it
+        # creates there (gradients, their temporaries) is not an activation.
+        return self.recording.active and torch._C._current_graph_task_id() == -1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self._counts():
+            return out
+        inputs = {
+            t.untyped_storage()._cdata
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and not t.is_meta
+        }
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.live:
+                continue  # a view or in-place result: allocated elsewhere or already counted
+            self.live[key] = storage.nbytes()
+            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._freed(key))
+            self.current += self.live[key]
+            self.peak = max(self.peak, self.current)
+        return out
+
+
+def _peak_bytes(fn: Callable[[], Any], *, only_graph_forward: bool) -> int:
+    # Pausing the cycle collector makes the result deterministic: storages are freed by
+    # reference counting alone, at the same point on every run.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    recording = _GraphRecording() if only_graph_forward else None
+    tracker = _StorageTracker(recording)
+    try:
+        with contextlib.ExitStack() as stack:
+            if recording is not None:
+                stack.enter_context(recording)
+            stack.enter_context(tracker)
+            fn()
+    finally:
+        if was_enabled:
+            gc.enable()
+    return tracker.peak
+
+
+def retained_activation_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes of activations kept for backward at the same time while ``fn()`` runs.
+
+    What it counts, exactly: the storages created by torch functions that record an
+    autograd graph (grad mode on and a tensor argument requiring grad, ``torch.func``
+    tracked tensors included) outside a backward pass, each from its creation until it
+    is freed; the result is the peak of their simultaneous sum. While a graph is kept,
+    those storages are the activations it saves (plus the step outputs it produces), and
+    they are freed with it, so this is the memory that backpropagation through the chain
+    holds. Not counted: parameters, inputs and anything allocated before ``fn``
+    (including views of them, such as the weight transpose ``linear`` saves), no-grad
+    forwards (sampling without a graph), work on tensors that need no gradient (the
+    trajectory bookkeeping, summing gradients), and everything a backward pass creates.
+    A storage counts once however many saved tensors view it.
+
+    Tensors the graph forward produces but does not save (the last output, a loss
+    scalar) count too, while they are alive; they are a few ``[B, ...]`` tensors.
+
+    Deterministic: the cycle collector is paused, so storages are freed by reference
+    counting alone. Works with ``torch.func`` (``saved_tensors_hooks`` does not).
+    """
+    return _peak_bytes(fn, only_graph_forward=True)
+
+
+def peak_allocated_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes of all storages created while ``fn()`` runs and alive at the same time.
+
+    The CPU analogue of ``torch.cuda.max_memory_allocated()`` minus the memory in use
+    before the call (without the allocator's rounding and caching): activations,
+    gradients, temporaries and outputs all count; storages that existed before ``fn``
+    do not. Deterministic like :func:`retained_activation_bytes`.
+    """
+    return _peak_bytes(fn, only_graph_forward=False)
+
+
+# -- wall time ------------------------------------------------------------------------------
+
+
+def median_wall_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of ``repeats`` calls of ``fn()`` after ``warmup`` untimed calls.
+
+    Timed with ``time.perf_counter``. Wall times are only comparable as ratios between
+    functions measured in the same process on a quiet machine; on a shared machine
+    prefer :func:`interleaved_wall_times`, which alternates the functions so that load
+    drifts hit all of them alike.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
+        )
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved_wall_times(
+    fns: Mapping[str, Callable[[], Any]], repeats: int = 5, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds per function, timing them in rounds ``a, b, c, a, b, c, ...``.
+
+    Every function gets ``warmup`` untimed calls first, then ``repeats`` rounds each call
+    every function once; the result is each function's median over the rounds.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
+        )
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, ``nan`` when the denominator is zero."""
+    return numerator / denominator if denominator else float("nan")
+
+
+def speedup(baseline: float, candidate: float) -> float:
+    """How many times cheaper ``candidate`` is than ``baseline`` (``baseline / candidate``)."""
+    return ratio(baseline, candidate)

@@ -1,0 +1,99 @@
+"""The embedded default problems that ``gradest compare`` runs without any download.
+
+* ``mlp``: a class-conditional MLP velocity model on 8-dimensional states.
+* ``dit``: the tiny DiT config on 8x8 single-channel images. adaLN-Zero makes a fresh DiT
+  the zero map (its gradients would be degenerate), so the zero-initialised modulation
+  and output layers are re-drawn with small random weights: a generic non-trivial DiT.
+
+Both are seeded, so every run compares estimators on the same model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from gradest.flow import RectifiedFlow
+from gradest.objectives import Objective
+from gradest.reference.problems import (
+    random_stepwise_objective,
+    smooth_terminal_objective,
+    tiny_mlp,
+)
+
+MODELS = ("mlp", "dit")
+NUM_CLASSES = 4
+
+
+@attrs.frozen(eq=False)
+class Problem:
+    """A model, its sampler, an objective and how to draw each seed's noise and labels."""
+
+    model: nn.Module
+    flow: RectifiedFlow
+    objective: Objective
+    noise_fn: Callable[[int], Tensor]
+    cond_fn: Callable[[int], dict[str, Any]]
+
+
+def _dit(seed: int) -> nn.Module:
+    from gradest.models.dit import DiT
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DiT.from_config("tiny", num_classes=NUM_CLASSES)
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and bool((module.weight == 0).all()):
+                nn.init.normal_(module.weight, std=0.02)
+    return model
+
+
+def embedded_problem(
+    name: str,
+    *,
+    steps: int,
+    objective: str,
+    batch: int = 8,
+    dtype: torch.dtype = torch.float64,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> Problem:
+    """Build one of :data:`MODELS` with a terminal or stepwise objective."""
+    if name not in MODELS:
+        raise ValueError(f"--model {name!r} is not embedded; choose one of {', '.join(MODELS)}")
+    if objective not in ("terminal", "stepwise"):
+        raise ValueError(f"--objective must be 'terminal' or 'stepwise', got {objective!r}")
+    if name == "mlp":
+        model: nn.Module = tiny_mlp(8, hidden=64, depth=3, num_classes=NUM_CLASSES, seed=seed)
+        state_shape: tuple[int, ...] = (8,)
+    else:
+        model = _dit(seed)
+        state_shape = (1, 8, 8)
+    model = model.to(device=device, dtype=dtype)
+    flat = int(torch.tensor(state_shape).prod())
+    objective_value = (
+        _flattened_terminal(smooth_terminal_objective(flat, seed=seed + 1))
+        if objective == "terminal"
+        else random_stepwise_objective(steps, (batch, *state_shape), seed=seed + 2)
+    )
+
+    def noise_fn(s: int) -> Tensor:
+        gen = torch.Generator().manual_seed(10_000 + s)
+        return torch.randn((batch, *state_shape), generator=gen, dtype=dtype).to(device)
+
+    def cond_fn(s: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(20_000 + s)
+        return {"y": torch.randint(0, NUM_CLASSES, (batch,), generator=gen).to(device)}
+
+    return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, cond_fn)
+
+
+def _flattened_terminal(objective: Any) -> Any:
+    """Apply a loss on vectors to image states by flattening all but the batch dimension."""
+    from gradest.objectives import TerminalObjective
+
+    return TerminalObjective(lambda z: objective.loss_fn(z.reshape(z.shape[0], -1)))

@@ -1,0 +1,117 @@
+"""PNG plots of a report (matplotlib, headless Agg backend)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+_REQUIRES = "plots need matplotlib: pip install 'gradest[plot]'"
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(_REQUIRES) from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_report(report: Any, folder: Path) -> list[Path]:
+    """Write every plot the report has data for into ``folder``; returns the paths."""
+    written = [_mse_vs_cost(report, folder)]
+    if any(row.gate_cosines for row in report.rows):
+        written.append(_gate_cosines(report, folder))
+    sweeps = report.config.get("sweeps") or {}
+    if sweeps.get("span"):
+        written.append(_span_sweep(sweeps["span"], folder))
+    if sweeps.get("tau"):
+        written.append(_tau_sweep(sweeps["tau"], folder))
+    return [p for p in written if p is not None]
+
+
+def _mse_vs_cost(report: Any, folder: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    floor = min((r.mse.mean for r in report.rows if r.mse.mean > 0), default=1e-16) / 10
+    for row in report.rows:
+        x = row.flops_ratio if row.flops_ratio is not None else row.counts.model_units()
+        y = max(row.mse.mean, floor)
+        ax.scatter([x], [y], s=40, label=row.label)
+    ax.set_yscale("log")
+    ax.set_xlabel("FLOPs ratio to exact" if report.rows[0].flops_ratio is not None else "cost (F)")
+    ax.set_ylabel("MSE / |exact gradient|²  (0 drawn at the floor)")
+    ax.set_title(f"{report.config['model']}, {report.config['objective']}, N={report.config['steps']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    path = folder / "mse_vs_cost.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _gate_cosines(report: Any, folder: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in report.rows:
+        if not row.gate_cosines:
+            continue
+        points = [
+            (sum(group) / len(group), cosine)
+            for group, cosine in zip(row.groups, row.gate_cosines, strict=False)
+            if cosine is not None and not math.isnan(cosine)
+        ]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=row.label)
+    ax.set_xlabel("step (group centre)")
+    ax.set_ylabel("gate cosine (actual vs interpolated velocity)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = folder / "gate_cosines.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _span_sweep(span: dict[str, Any], folder: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for order, data in span["orders"].items():
+        if data["spans"]:
+            ax.loglog(data["spans"], data["errors"], marker="o",
+                      label=f"order {order}: fitted slope {data['slope']:.2f} (theory {data['expected_slope']})")
+    ax.axvline(span["fit_below"], color="grey", linestyle=":", label="slope fitted left of this line")
+    ax.set_xlabel("time span of one group")
+    ax.set_ylabel("relative error vs exact (gate off)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = folder / "jagg_span.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _tau_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["cost_ratio"] for r in rows]
+    ys = [max(r["relative_error"], 1e-17) for r in rows]
+    ax.plot(xs, ys, marker="o")
+    for r, x, y in zip(rows, xs, ys, strict=True):
+        ax.annotate(f"τ={r['tau']:g}", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("cost ratio to exact (cost model units)")
+    ax.set_ylabel("relative error vs exact")
+    ax.set_title("jagg gate threshold: speed vs agreement")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = folder / "tau_sweep.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,206 @@
+"""The comparison report: rows per estimator, markdown, JSON (schema below) and plots.
+
+JSON schema ``gradest.report/1`` (documented in docs/harness.md)::
+
+    {"schema": "gradest.report/1",
+     "config": {model, parameters, steps, objective, batch_shape, dtype, device, seeds,
+                draws, reference, torch, machine, date},
+     "estimators": [{"spec", "label", "name", "stochastic", "draws",
+                     "cosine" | "relative_error" | "norm_ratio" | "bias" | "variance" | "mse":
+                         {"mean", "stderr"},
+                     "counts": {forwards_with_graph, forwards_without_graph, param_vjps,
+                                state_vjps, model_units},
+                     "cost": {flops, flops_ratio, retained_bytes, retained_ratio,
+                              wall_time_s, wall_ratio, cuda_peak_bytes} | null,
+                     "efficiency": mse x flops_ratio | null,
+                     "fallback_fraction": float | null,
+                     "gate_cosines": [float | null], "groups": [[int]]}]}
+
+Ratios are to the reference (exact) estimator measured in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from gradest.harness.cost import ratio
+from gradest.harness.statistics import Estimate
+from gradest.protocol import Cost
+
+SCHEMA = "gradest.report/1"
+
+
+@attrs.frozen
+class CostRow:
+    """Measured cost of one estimate call."""
+
+    flops: int
+    retained_bytes: int
+    wall_time_s: float
+    cuda_peak_bytes: int | None = None
+
+    def with_wall_time(self, seconds: float) -> CostRow:
+        return attrs.evolve(self, wall_time_s=seconds)
+
+
+@attrs.frozen
+class EstimatorRow:
+    """One estimator's agreement with the reference and its cost."""
+
+    spec: str
+    label: str
+    name: str
+    stochastic: bool
+    draws: int
+    cosine: Estimate
+    relative_error: Estimate
+    norm_ratio: Estimate
+    bias: Estimate
+    variance: Estimate
+    mse: Estimate
+    counts: Cost
+    fallback_fraction: float | None = None
+    gate_cosines: list[Any] = attrs.field(factory=list)
+    groups: list[list[int]] = attrs.field(factory=list)
+    cost: CostRow | None = None
+    flops_ratio: float | None = None
+    retained_ratio: float | None = None
+    wall_ratio: float | None = None
+
+    def with_cost(self, cost: CostRow | None, baseline: CostRow | None) -> EstimatorRow:
+        if cost is None or baseline is None:
+            return self
+        return attrs.evolve(
+            self,
+            cost=cost,
+            flops_ratio=ratio(cost.flops, baseline.flops),
+            retained_ratio=ratio(cost.retained_bytes, baseline.retained_bytes),
+            wall_ratio=ratio(cost.wall_time_s, baseline.wall_time_s),
+        )
+
+    @property
+    def efficiency(self) -> float | None:
+        """MSE x FLOPs ratio: estimators of different cost on one axis (lower is better)."""
+        return None if self.flops_ratio is None else self.mse.mean * self.flops_ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        stats = {
+            key: attrs.asdict(getattr(self, key))
+            for key in ("cosine", "relative_error", "norm_ratio", "bias", "variance", "mse")
+        }
+        return {
+            "spec": self.spec,
+            "label": self.label,
+            "name": self.name,
+            "stochastic": self.stochastic,
+            "draws": self.draws,
+            **stats,
+            "counts": {**attrs.asdict(self.counts), "model_units": self.counts.model_units()},
+            "cost": None
+            if self.cost is None
+            else {
+                "flops": self.cost.flops,
+                "flops_ratio": self.flops_ratio,
+                "retained_bytes": self.cost.retained_bytes,
+                "retained_ratio": self.retained_ratio,
+                "wall_time_s": self.cost.wall_time_s,
+                "wall_ratio": self.wall_ratio,
+                "cuda_peak_bytes": self.cost.cuda_peak_bytes,
+            },
+            "efficiency": self.efficiency,
+            "fallback_fraction": self.fallback_fraction,
+            "gate_cosines": self.gate_cosines,
+            "groups": self.groups,
+        }
+
+
+def _fmt(value: float | None, spec: str = ".3g") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _pm(estimate: Estimate, spec: str = ".3g") -> str:
+    return f"{_fmt(estimate.mean, spec)} ± {_fmt(estimate.stderr, '.1g')}"
+
+
+@attrs.frozen
+class Report:
+    """What :func:`gradest.compare` measured.
+
+    Attributes:
+        config: the setup (model, steps, objective, seeds, ...).
+        rows: one :class:`EstimatorRow` per estimator, in the order given.
+    """
+
+    config: dict[str, Any]
+    rows: list[EstimatorRow]
+
+    def row(self, spec_or_name: str) -> EstimatorRow:
+        for row in self.rows:
+            if spec_or_name in (row.spec, row.label, row.name):
+                return row
+        raise KeyError(f"no row {spec_or_name!r}; rows: {[r.spec for r in self.rows]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "config": self.config, "estimators": [r.to_dict() for r in self.rows]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=True)
+
+    def to_markdown(self) -> str:
+        c = self.config
+        lines = [
+            f"# gradest compare: {c['model']} ({c['parameters']} trainable parameters), "
+            f"{c['objective']} objective, N={c['steps']}",
+            "",
+            f"{len(c['seeds'])} trajectories, {c['draws']} draws per trajectory for stochastic "
+            f"estimators, reference {c['reference']}, {c['dtype']} on {c['device']}, "
+            f"torch {c['torch']}, {c['date']}. Mean ± standard error over trajectories; "
+            f"cost ratios are to the reference in the same process.",
+            "",
+            "| estimator | cosine | rel. error | bias | variance | MSE | FLOPs × | retained × "
+            "| wall × | param VJPs | fallback | MSE × FLOPs× |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            lines.append(
+                f"| `{r.label}` | {_pm(r.cosine, '.4f')} | {_pm(r.relative_error)} | {_pm(r.bias)} "
+                f"| {_pm(r.variance)} | {_pm(r.mse)} | {_fmt(r.flops_ratio)} | "
+                f"{_fmt(r.retained_ratio)} | {_fmt(r.wall_ratio)} | {r.counts.param_vjps} | "
+                f"{_fmt(r.fallback_fraction, '.2f')} | {_fmt(r.efficiency)} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    def write(self, out: str | os.PathLike[str], *, plots: bool = True) -> Path:
+        """Write ``report.md``, ``report.json`` and the plots to ``out`` atomically.
+
+        Everything is written into a temporary folder beside ``out`` and moved into place
+        at the end, so an interrupted run never leaves a half-written report.
+        """
+        target = Path(out)
+        if target.exists() and not target.is_dir():
+            raise ValueError(f"--out {str(target)!r} is a file; pass a folder path")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            (staging / "report.md").write_text(self.to_markdown())
+            (staging / "report.json").write_text(self.to_json())
+            if plots:
+                from gradest.harness.plots import plot_report
+
+                plot_report(self, staging)
+            target.mkdir(exist_ok=True)
+            for item in staging.iterdir():
+                os.replace(item, target / item.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target

@@ -1,5 +1,12 @@
-"""Dense-Jacobian ground truth for small models, independent of the VJP engine."""
+"""Dense-Jacobian ground truth for small models, independent of the VJP engine.
 
+``dense_chain`` materialises every step's Jacobians; ``exact_gradient`` and each
+estimator's definition (``jagg_definition``, ``sdo_definition``, ``truncated_definition``)
+are evaluated from them by explicit matrix products. ``definition_gradient`` dispatches
+on an estimator's name.
+"""
+
+from gradest.reference.definitions import definition_gradient, register_definition
 from gradest.reference.dense import (
     DenseChain,
     dense_chain,
@@ -8,12 +15,35 @@ from gradest.reference.dense import (
     relative_error,
     terminal_adjoints,
 )
+from gradest.reference.jagg_definition import jagg_definition, jagg_gate_cosines
+from gradest.reference.sdo_definition import (
+    one_step_cotangents,
+    sdo_definition,
+    sdo_full_sum_definition,
+    sdo_noise_grad_definition,
+)
+from gradest.reference.truncated_definition import (
+    truncated_definition,
+    truncated_expectation,
+    truncated_noise_grad_definition,
+)
 
 __all__ = [
     "DenseChain",
+    "definition_gradient",
     "dense_chain",
     "exact_cotangents",
     "exact_gradient",
+    "jagg_definition",
+    "jagg_gate_cosines",
+    "one_step_cotangents",
+    "register_definition",
     "relative_error",
+    "sdo_definition",
+    "sdo_full_sum_definition",
+    "sdo_noise_grad_definition",
     "terminal_adjoints",
+    "truncated_definition",
+    "truncated_expectation",
+    "truncated_noise_grad_definition",
 ]

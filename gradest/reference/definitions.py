@@ -16,6 +16,9 @@ from torch import Tensor
 from gradest.objectives import Objective
 from gradest.protocol import GradientEstimate
 from gradest.reference.dense import DenseChain, exact_cotangents
+from gradest.reference.jagg_definition import jagg_definition
+from gradest.reference.sdo_definition import sdo_definition
+from gradest.reference.truncated_definition import truncated_definition
 
 Definition = Callable[[Any, DenseChain, Objective, GradientEstimate], Tensor]
 
@@ -25,11 +28,34 @@ def _exact(estimator: Any, chain: DenseChain, objective: Objective, result: Grad
     return chain.gradient(exact_cotangents(chain, objective))
 
 
-_DEFINITIONS: dict[str, Definition] = {"exact": _exact}
+def _jagg(estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate) -> Tensor:
+    # The layout and the gate decisions are read from the result (they are checked
+    # separately against the dense gate cosines); the interpolation is recomputed here.
+    info = result.info
+    failed = set(info["fallback_groups"])
+    passed = [index not in failed for index in range(len(info["groups"]))]
+    return jagg_definition(chain, objective, info["groups"], info["nodes"], passed)
+
+
+def _sdo(estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate) -> Tensor:
+    # The sampled steps and the factor N/m (or 1) are the estimator's random choices.
+    return sdo_definition(chain, objective, result.info["sampled_steps"], result.info["scale"])
+
+
+def _truncated(estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate) -> Tensor:
+    return truncated_definition(chain, objective, result.info["k"])
+
+
+_DEFINITIONS: dict[str, Definition] = {
+    "exact": _exact,
+    "jagg": _jagg,
+    "sdo": _sdo,
+    "truncated": _truncated,
+}
 
 
 def register_definition(name: str, definition: Definition) -> None:
-    """Teach the reference an estimator's definition (built-ins register at import)."""
+    """Teach the reference the definition of a plugin estimator, for ``gradest check``."""
     _DEFINITIONS[name] = definition
 
 

@@ -1,0 +1,162 @@
+"""``sdo``: shortcut diffusion optimization, one-step cotangents on a random subset of steps.
+
+Cotangents (DESIGN.md section 2). For a terminal objective the chain is treated as if
+the model did not feed back into later states: differentiate
+``z_N = (prod_j alpha_j) z_0 + sum_k beta_k (prod_{j>k} alpha_j) v_k + noise terms``
+with each ``v_k`` an independent input. That gives the **one-step cotangents**::
+
+    c~_k = beta_k (prod_{j>k} alpha_j) a_N        (h_k a_N for rectified flow)
+
+where the exact ``c_k = beta_k a_{k+1}`` would carry the adjoint back through every
+later state Jacobian ``dv_j/dz_j``. Only ``a_N`` is needed: no adjoint sweep. A stepwise
+objective already has cotangents independent of the chain; ``sdo`` uses ``c_k`` itself.
+
+VJP evaluation: ``m = samples`` steps ``S`` are drawn uniformly without replacement,
+once per call, from the ``generator``; their parameter VJPs are evaluated in one
+batched VJP and scaled::
+
+    g_sdo = (N / m) sum_{k in S} J_k^T c~_k        (scale="unbiased")
+
+Every step is in ``S`` with probability ``m/N``, so ``E[g_sdo] = sum_k J_k^T c~_k``, the
+**one-step sum** (``full_sum=True`` evaluates it deterministically).
+
+What it drops, and the caveats of the SDO review (arXiv 2505.07477, see
+``shared/papers``): the one-step sum replaces every product of state Jacobians
+``prod (alpha_j + beta_j dv_j/dz_j)`` by its ``dv/dz = 0`` part, so it is **biased**
+against the exact gradient whenever the model depends on the state (always, in
+practice); the paper bounds that bias only under an unmeasured contraction assumption.
+The single-sample estimator the paper fine-tunes with is unbiased for the one-step sum,
+not for the exact gradient, and has high variance (one step stands in for ``N``); the
+theorem bounding the one-step sum says nothing about that variance. Use
+``gradest.harness`` to measure both on your model before relying on it.
+
+Noise gradient (terminal only): through the first step only, the latent shortcut of the
+paper: ``(prod_{j>0} alpha_j)(alpha_0 a_N + beta_0 (dv_0/dz_0)^T a_N)``, i.e.
+``a_N + h_0 (dv_0/dz_0)^T a_N`` for rectified flow.
+
+Cost (``F`` = one forward, a parameter VJP ~ ``2F``, a state VJP ~ ``F``):
+
+* terminal from noise: a no-graph rollout for the path and ``a_N`` (``NF``), then ``m``
+  forwards with graph and one batched VJP: ``NF + 3mF`` (``NF + 3F`` at ``m=1``), with
+  retained activations of the ``m`` sampled steps only. On a recorded trajectory
+  ``3mF``. The noise gradient adds one forward with graph and one state VJP.
+* stepwise: ``3mF`` (plus ``NF`` for the rollout when sampling from noise).
+* ``full_sum=True``: ``m = N`` in one batched VJP, so it holds ``N`` steps' activations at
+  once; it is a reference for the expectation, not a memory saver.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+from torch import Tensor
+
+from gradest.base import EstimatorBase
+from gradest.context import EstimationContext
+from gradest.options import option
+from gradest.strategies.sampling import draw_steps, stepwise_vjp_over
+from gradest.vjp import Grads, scale_grads
+
+SCALES = ("unbiased", "none")
+
+
+def products_after(alpha: Tensor) -> Tensor:
+    """``prod_{j>k} alpha_j`` for each ``k`` (``[N]``, the last entry is 1)."""
+    products = torch.ones_like(alpha)
+    for k in reversed(range(alpha.numel() - 1)):
+        products[k] = products[k + 1] * alpha[k + 1]
+    return products
+
+
+@attrs.frozen
+class ShortcutDiffusion(EstimatorBase):
+    """Shortcut diffusion optimization (SDO): one-step cotangents on a random subset of steps.
+
+    Attributes:
+        samples: ``m``, the number of steps drawn (uniformly, without replacement, once
+            per call); at most the flow's ``N`` (checked when estimating, since ``N`` is
+            only known then). Ignored when ``full_sum=True``.
+        scale: ``"unbiased"`` multiplies the sampled sum by ``N/m`` (unbiased for the
+            full one-step sum); ``"none"`` uses factor 1: the plain sampled sum, at
+            ``m=1`` the single-step gradient of the SDO implementation, ``m/N`` times the
+            one-step sum in expectation. Ignored with ``full_sum``.
+        full_sum: evaluate all ``N`` one-step terms deterministically, factor 1 (the
+            expectation of the sampled estimator; for stepwise objectives this is exact).
+
+    The steps are drawn from the ``generator`` passed to ``estimate`` (with None, from
+    torch's default generator: reproducible only through ``torch.manual_seed``).
+    ``result.info`` holds ``sampled_steps`` (sorted step indices used) and ``scale`` (the
+    factor applied). For stepwise objectives ``info["loss"]`` sums the losses of the
+    sampled steps only.
+    """
+
+    name: ClassVar[str] = "sdo"
+
+    samples: int = option(
+        1,
+        kind=int,
+        doc="steps drawn per call, uniformly without replacement (m <= N)",
+        valid=lambda value: value >= 1,
+        expect="an int >= 1 (and at most the number of sampler steps N)",
+    )
+    scale: str = option(
+        "unbiased",
+        kind=str,
+        doc="'unbiased' scales the sampled sum by N/m; 'none' by 1",
+        valid=lambda value: value in SCALES,
+        expect="'unbiased' (factor N/samples) or 'none' (factor 1)",
+    )
+    full_sum: bool = option(
+        False,
+        kind=bool,
+        doc="evaluate all N one-step terms (deterministic; ignores samples and scale)",
+        expect="true or false",
+    )
+
+    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+        # The rollout comes first: it draws any sampler noise from the generator before
+        # the step subset does, so the path matches gradest.rollout with the same seed.
+        trajectory = ctx.trajectory()
+        steps, factor = self._draw(ctx)
+        terminal_adjoint = ctx.terminal_adjoint()
+        alpha, beta, _ = ctx.coefficients
+        # c~_k = w_k a_N: the model-detached chain's derivative of z_N in v_k.
+        after = products_after(alpha)
+        weights = beta * after
+        cotangents = torch.stack([float(weights[step]) * terminal_adjoint for step in steps])
+        grads = ctx.field.param_vjp(trajectory.states[steps], ctx.times[steps], cotangents)
+        noise_grad = None
+        if ctx.want_noise_grad:
+            # d z_N / d z_0 with the model kept in step 0 only:
+            # (prod_{j>0} alpha_j)(alpha_0 I + beta_0 dv_0/dz_0), transposed onto a_N.
+            _, pulled = ctx.field.state_vjp(
+                trajectory.states[0], ctx.times[0], float(weights[0]) * terminal_adjoint
+            )
+            noise_grad = float(alpha[0] * after[0]) * terminal_adjoint + pulled
+        return scale_grads(grads, factor), noise_grad
+
+    def _stepwise(self, ctx: EstimationContext) -> Grads:
+        ctx.trajectory()
+        steps, factor = self._draw(ctx)
+        return scale_grads(stepwise_vjp_over(ctx, steps), factor)
+
+    def _draw(self, ctx: EstimationContext) -> tuple[list[int], float]:
+        """The steps to evaluate and the factor on their sum; recorded in ``ctx.info``."""
+        num_steps = ctx.num_steps
+        if self.full_sum:
+            steps, factor = list(range(num_steps)), 1.0
+        else:
+            if self.samples > num_steps:
+                # Clamping would silently change the estimator (and its scale); refuse.
+                raise ValueError(
+                    f"estimator 'sdo': option samples={self.samples} exceeds the flow's "
+                    f"N={num_steps} steps; use samples <= {num_steps}, or full_sum=True "
+                    f"to evaluate every step"
+                )
+            steps = draw_steps(num_steps, self.samples, ctx.generator)
+            factor = num_steps / self.samples if self.scale == "unbiased" else 1.0
+        ctx.info["sampled_steps"] = steps
+        ctx.info["scale"] = factor
+        return steps, factor

@@ -1,0 +1,258 @@
+"""``truncated``: exact cotangents for the last ``k`` steps, zero before (DRaFT-K).
+
+Cotangents (DESIGN.md section 2): ``c_j`` exact for ``j >= N - k`` and 0 for earlier
+steps, i.e. backpropagation through the last ``k`` sampling steps with the chain
+detached before step ``N - k``::
+
+    g_k = sum_{j = N-k}^{N-1} J_j^T c_j
+
+The kept cotangents need only the adjoint of the kept steps (``a_{j+1}`` for ``j >=
+N-k`` depends on steps after ``j`` only), so they are exactly those of ``exact``.
+``k=1`` is DRaFT-1, ``k=N`` is ``exact``. Stepwise objectives likewise keep the last
+``k`` terms of ``sum_j J_j^T c_j``.
+
+VJP evaluation: one VJP per kept step. Sampling from noise: a no-graph rollout of the
+first ``N - k`` steps, then the last ``k`` with the graph kept and one fused VJP through
+them. On a recorded trajectory: an adjoint sweep over the last ``k`` steps only, each a
+joint state-and-parameter VJP.
+
+Randomized truncation (AlignProp-style): ``random="uniform"`` draws ``k`` uniformly from
+``{1, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset); a probability tuple
+``(p_1, ..., p_K)`` draws ``k`` with ``P(k) = p_k``. ``k`` is drawn **once per call**
+from the ``generator`` (after any sampler noise), never per step, so the result is an
+unbiased estimate of ``sum_k p_k g_k`` (``gradest.reference.truncated_definition.
+truncated_expectation``), itself still biased against ``exact`` unless ``p_N = 1``.
+
+Noise gradient: with ``k < N`` the chain is detached before step ``N - k``, so this
+estimator's gradient with respect to the initial noise is **zero** (returned as zeros,
+not None). With ``k = N`` it equals ``exact``'s.
+
+Cost (``F`` = one forward, a parameter VJP ~ ``2F``): from noise ``(N-k)F + 3kF``; on a
+recorded trajectory ``3kF``; stepwise ``3kF`` (plus ``NF`` for the rollout from noise).
+Retained activations: those of the ``k`` kept steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch import Tensor
+
+from gradest.base import EstimatorBase
+from gradest.context import EstimationContext
+from gradest.flow import Trajectory, affine_step
+from gradest.options import option, parse_float_tuple, parse_optional_int
+from gradest.strategies.sampling import (
+    draw_from_probabilities,
+    draw_uniform_int,
+    stepwise_vjp_over,
+)
+from gradest.vjp import Grads, add_grads
+
+_RANDOM_EXPECT = (
+    "None (fixed k), 'uniform' (k uniform on 1..K, K = the k option or N), or a tuple of "
+    "probabilities (p_1, ..., p_K) of k = 1..K that are >= 0 and sum to 1 "
+    "(spec string: random=uniform or random=0.5/0.3/0.2)"
+)
+# Spec strings write decimals such as 0.1/0.2/0.7 whose float sum is off by ~1e-16.
+_SUM_TOLERANCE = 1e-6
+
+
+def _parse_random(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered == "none":
+        return None
+    if lowered == "uniform":
+        return "uniform"
+    try:
+        return parse_float_tuple(text)
+    except ValueError:
+        # Leave it to the validator, whose message lists the accepted forms.
+        return text.strip()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _convert_random(value: Any) -> Any:
+    # Lists and int entries are accepted and stored as a tuple of floats (hashable).
+    if isinstance(value, list | tuple) and all(_is_number(p) for p in value):
+        return tuple(float(p) for p in value)
+    return value
+
+
+def _validate_random(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    where = f"estimator 'truncated': option {attribute.name}={value!r}"
+    if value is None or value == "uniform":
+        return
+    if isinstance(value, str):
+        raise ValueError(f"{where} is not a known distribution; expected {_RANDOM_EXPECT}")
+    if not isinstance(value, tuple):
+        raise TypeError(f"{where} has type {type(value).__name__}; expected {_RANDOM_EXPECT}")
+    if not value:
+        raise ValueError(f"{where} is empty; expected {_RANDOM_EXPECT}")
+    if not all(math.isfinite(p) and p >= 0 for p in value):
+        raise ValueError(f"{where} has a negative or non-finite entry; expected {_RANDOM_EXPECT}")
+    total = sum(value)
+    if abs(total - 1.0) > _SUM_TOLERANCE:
+        raise ValueError(
+            f"{where} sums to {total:g}, not 1; expected {_RANDOM_EXPECT}. "
+            f"Normalise it, e.g. tuple(p / sum(p) for p in probabilities)"
+        )
+
+
+@attrs.frozen
+class Truncated(EstimatorBase):
+    """Backpropagation through the last ``k`` sampling steps only (DRaFT-K / AlignProp).
+
+    Attributes:
+        k: the number of kept steps (``1 <= k <= N``, checked against ``N`` when
+            estimating); None means 1 (DRaFT-1). With ``random="uniform"`` it is the
+            largest ``k`` drawn (None: ``N``).
+        random: None for a fixed ``k``; ``"uniform"``; or probabilities ``(p_1, ..., p_K)``
+            of ``k = 1..K`` (then leave ``k`` unset). ``k`` is drawn once per call.
+
+    A random ``k`` comes from the ``generator`` passed to ``estimate`` (with None, from
+    torch's default generator: reproducible only through ``torch.manual_seed``).
+    ``result.info["k"]`` is the ``k`` used.
+    """
+
+    name: ClassVar[str] = "truncated"
+
+    k: int | None = option(
+        None,
+        kind=(int, None),
+        doc="steps kept at the end of the chain (None: 1, or N with random='uniform')",
+        valid=lambda value: value is None or value >= 1,
+        expect="an int >= 1 (at most the number of sampler steps N), or None",
+        parse=parse_optional_int,
+    )
+    random: None | str | tuple[float, ...] = attrs.field(
+        default=None,
+        converter=_convert_random,
+        validator=_validate_random,
+        metadata={
+            "doc": "draw k once per call: None, 'uniform', or probabilities p_1/p_2/...",
+            "expect": _RANDOM_EXPECT,
+            "parse": _parse_random,
+        },
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.random, tuple) and self.k is not None:
+            raise ValueError(
+                f"estimator 'truncated': options k={self.k} and random={self.random!r} "
+                f"conflict; with a probability tuple the largest k is its length "
+                f"({len(self.random)}), so leave k unset"
+            )
+
+    # -- terminal -------------------------------------------------------------------------
+
+    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+        if ctx.sampled_here:
+            return self._sample_then_backprop_tail(ctx)
+        return self._sweep_tail(ctx)
+
+    def _sample_then_backprop_tail(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+        """No-graph rollout to step ``N - k``, then one fused VJP through the last ``k`` steps."""
+        assert ctx.noise is not None
+        step_noise = ctx.step_noise()  # sampler noise first, then k (see sampling.py)
+        kept = self._draw_k(ctx)
+        start = ctx.num_steps - kept
+        z = ctx.noise.detach()
+        head_states, head_velocities = [], []
+        for step in range(start):
+            v = ctx.field.velocity(z, ctx.times[step])
+            head_states.append(z)
+            head_velocities.append(v)
+            z = affine_step(ctx.coefficients, step, z, v, step_noise)
+        loss, tail_states, tail_velocities, grads, start_grad = ctx.field.chain_vjp(
+            ctx.coefficients,
+            ctx.times,
+            start,
+            z,
+            step_noise,
+            ctx.objective.loss,  # type: ignore[union-attr]
+            state_grad=ctx.want_noise_grad and start == 0,
+        )
+        ctx.record(
+            Trajectory(
+                times=ctx.times.clone(),
+                states=torch.cat([torch.stack(head_states), tail_states]) if start else tail_states,
+                velocities=torch.cat([torch.stack(head_velocities), tail_velocities])
+                if start
+                else tail_velocities,
+                step_noise=step_noise,
+            )
+        )
+        ctx.info["loss"] = float(loss)
+        return grads, self._noise_grad(ctx, start, start_grad, ctx.noise)
+
+    def _sweep_tail(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+        """Adjoint sweep over the recorded last ``k`` steps, one joint VJP per step."""
+        trajectory = ctx.trajectory()
+        kept = self._draw_k(ctx)
+        start = ctx.num_steps - kept
+        alpha, beta, _ = ctx.coefficients
+        adjoint = ctx.terminal_adjoint()
+        grads: Grads | None = None
+        for step in reversed(range(start, ctx.num_steps)):
+            cotangent = float(beta[step]) * adjoint
+            _, pulled, step_grads = ctx.field.joint_vjp(
+                trajectory.states[step], ctx.times[step], cotangent
+            )
+            grads = add_grads(grads, step_grads)
+            adjoint = float(alpha[step]) * adjoint + pulled
+        assert grads is not None
+        return grads, self._noise_grad(ctx, start, adjoint, trajectory.states[0])
+
+    @staticmethod
+    def _noise_grad(
+        ctx: EstimationContext, start: int, start_grad: Tensor | None, noise: Tensor
+    ) -> Tensor | None:
+        """``a_0`` when the whole chain was kept; zero when it was cut before step 0."""
+        if not ctx.want_noise_grad:
+            return None
+        if start == 0:
+            return start_grad
+        return torch.zeros_like(noise)
+
+    # -- stepwise -------------------------------------------------------------------------
+
+    def _stepwise(self, ctx: EstimationContext) -> Grads:
+        ctx.trajectory()
+        kept = self._draw_k(ctx)
+        return stepwise_vjp_over(ctx, range(ctx.num_steps - kept, ctx.num_steps))
+
+    # -- the truncation depth -------------------------------------------------------------
+
+    def _draw_k(self, ctx: EstimationContext) -> int:
+        """The ``k`` of this call (drawn once if random); checked against ``N``, in info."""
+        num_steps = ctx.num_steps
+        # Checks depend on the options and N only, never on the draw, so a bad setting
+        # fails on the first call rather than on an unlucky one.
+        if isinstance(self.random, tuple):
+            largest, what = len(self.random), f"random has {len(self.random)} probabilities"
+        elif self.random == "uniform":
+            largest = num_steps if self.k is None else self.k
+            what = f"k={largest} (the largest k drawn by random='uniform')"
+        else:
+            largest = 1 if self.k is None else self.k
+            what = f"k={largest}"
+        if largest > num_steps:
+            raise ValueError(
+                f"estimator 'truncated': option {what}, more than the flow's N={num_steps} "
+                f"steps; keep at most {num_steps} steps (k={num_steps} is exact)"
+            )
+        if isinstance(self.random, tuple):
+            kept = draw_from_probabilities(self.random, ctx.generator)
+        elif self.random == "uniform":
+            kept = draw_uniform_int(1, largest, ctx.generator)
+        else:
+            kept = largest
+        ctx.info["k"] = kept
+        return kept

@@ -28,7 +28,7 @@ def check_model(model: Any) -> None:
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
     check_model(model)
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    params: dict[str, Tensor] = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError(
             f"model {type(model).__name__} has no parameters with requires_grad=True; "
@@ -40,7 +40,9 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
 def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None:
     check_model(model)
     if not isinstance(noise, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape [B, ...], got {type(noise).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor of shape [B, ...], got {type(noise).__name__}"
+        )
     require(
         noise.is_floating_point(),
         f"{name} must be a floating-point tensor, got dtype {noise.dtype}",

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from gradest.flow import RectifiedFlow, rollout
+from gradest.objectives import Objective
 from gradest.reference.definitions import definition_gradient
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
 from gradest.reference.problems import (
@@ -62,7 +63,7 @@ def run_check(
     cond = {"y": torch.arange(batch) % (classes + 1)}
     trajectory = rollout(model, flow, noise, cond=cond)
     chain = dense_chain(model, flow, trajectory, cond)
-    objectives = {
+    objectives: dict[str, Objective] = {
         "terminal": smooth_terminal_objective(dim, seed=seed + 1),
         "stepwise": random_stepwise_objective(steps, (batch, dim), seed=seed + 2),
     }
@@ -73,7 +74,11 @@ def run_check(
     for est, kind in tqdm(pairs, desc="gradest check", disable=not show_progress, leave=False):
         objective = objectives[kind]
         result = est.estimate(
-            model, flow, objective, trajectory=trajectory, cond=cond,
+            model,
+            flow,
+            objective,
+            trajectory=trajectory,
+            cond=cond,
             generator=torch.Generator().manual_seed(seed),
         )
         flat = result.flat()
@@ -88,20 +93,46 @@ def run_check(
         cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
         cost = result.cost
         rows.append(
-            (repr(est), kind, vs_definition, f"{relative_error(flat, exact):.2e}", f"{cosine:.4f}",
-             str(cost.param_vjps), f"{cost.forwards_with_graph}/{cost.forwards_without_graph}",
-             f"{cost.model_units():g}")
+            (
+                repr(est),
+                kind,
+                vs_definition,
+                f"{relative_error(flat, exact):.2e}",
+                f"{cosine:.4f}",
+                str(cost.param_vjps),
+                f"{cost.forwards_with_graph}/{cost.forwards_without_graph}",
+                f"{cost.model_units():g}",
+            )
         )
-    header = ("estimator", "objective", "vs definition", "rel.err vs exact", "cos vs exact",
-              "param VJPs", "fwd graph/no-graph", "cost (F)")
-    print(f"gradest check: toy MLP (dim {dim}, {sum(p.numel() for p in model.parameters())} "
-          f"parameters, float64), N={steps}, batch {batch}, seed {seed}")
+    header = (
+        "estimator",
+        "objective",
+        "vs definition",
+        "rel.err vs exact",
+        "cos vs exact",
+        "param VJPs",
+        "fwd graph/no-graph",
+        "cost (F)",
+    )
+    print(
+        f"gradest check: toy MLP (dim {dim}, {sum(p.numel() for p in model.parameters())} "
+        f"parameters, float64), N={steps}, batch {batch}, seed {seed}"
+    )
     print(_markdown_table(header, rows))
-    print("all estimators match their definitions" if ok else "SOME ESTIMATORS DO NOT MATCH THEIR DEFINITIONS")
+    print(
+        "all estimators match their definitions"
+        if ok
+        else "SOME ESTIMATORS DO NOT MATCH THEIR DEFINITIONS"
+    )
     return ok
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=False)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    return "\n".join(
+        [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
+    )

@@ -3,7 +3,8 @@
 ``gradest list`` shows the registered estimators and their options; ``gradest check``
 checks every estimator against its dense definition on the embedded toy model;
 ``gradest compare`` (the main job) measures bias, variance and cost of estimators on an
-embedded model and writes a report with plots. User errors exit with status 2 and one line, no traceback.
+embedded model and writes a report with plots. User errors exit with status 2 and one
+line, no traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
-
 from pathlib import Path
 
 from gradest import registry
@@ -76,13 +76,24 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device} requested but CUDA is not available")
     problem = embedded_problem(
-        args.model, steps=args.steps, objective=args.objective, batch=args.batch,
-        dtype=dtype, device=args.device,
+        args.model,
+        steps=args.steps,
+        objective=args.objective,
+        batch=args.batch,
+        dtype=dtype,
+        device=args.device,
     )
     report = compare(
-        problem.model, problem.flow, problem.objective, specs,
-        noise_fn=problem.noise_fn, cond_fn=problem.cond_fn, seeds=args.seeds,
-        draws=args.draws, timing_repeats=args.repeats, show_progress=not args.quiet,
+        problem.model,
+        problem.flow,
+        problem.objective,
+        specs,
+        noise_fn=problem.noise_fn,
+        cond_fn=problem.cond_fn,
+        seeds=args.seeds,
+        draws=args.draws,
+        timing_repeats=args.repeats,
+        show_progress=not args.quiet,
     )
     if args.sweeps and any(registry.parse_spec(s)[0] == "jagg" for s in specs):
         from gradest.flow import rollout
@@ -133,9 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated estimator specs (options continue a spec: jagg:window=4,tau=0.9)",
     )
     cmp.add_argument("--seeds", type=int, default=16, help="trajectories (default 16)")
-    cmp.add_argument("--draws", type=int, default=16, help="draws per trajectory of stochastic estimators")
+    cmp.add_argument(
+        "--draws", type=int, default=16, help="draws per trajectory of stochastic estimators"
+    )
     cmp.add_argument("--batch", type=int, default=8, help="samples per trajectory (default 8)")
-    cmp.add_argument("--objective", default="terminal", help="terminal or stepwise (default terminal)")
+    cmp.add_argument(
+        "--objective", default="terminal", help="terminal or stepwise (default terminal)"
+    )
     cmp.add_argument("--device", default="cpu", help="cpu or cuda")
     cmp.add_argument("--dtype", default="float64", help="float64 or float32")
     cmp.add_argument("--repeats", type=int, default=3, help="wall-time repeats (median)")

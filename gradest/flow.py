@@ -29,7 +29,8 @@ class AffineSampler(Protocol):
         times: ``[N+1]`` float64, strictly decreasing.
     """
 
-    times: Tensor
+    @property
+    def times(self) -> Tensor: ...
 
     @property
     def num_steps(self) -> int: ...
@@ -69,7 +70,7 @@ def _as_time_grid(times: Any) -> Tensor:
     return grid
 
 
-@attrs.frozen(eq=False, repr=False)
+@attrs.frozen(eq=False, repr=False, init=False)
 class RectifiedFlow:
     """Rectified-flow Euler sampler: ``z_{k+1} = z_k + h_k v_k`` with ``h_k = t_{k+1} - t_k < 0``.
 

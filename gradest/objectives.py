@@ -44,9 +44,7 @@ class TerminalObjective:
         loss_fn: ``loss_fn(z_final) -> scalar tensor``; must be differentiable in ``z_final``.
     """
 
-    loss_fn: Callable[[Tensor], Tensor] = attrs.field(
-        validator=attrs.validators.is_callable()
-    )
+    loss_fn: Callable[[Tensor], Tensor] = attrs.field(validator=attrs.validators.is_callable())
 
     def loss(self, final_state: Tensor) -> Tensor:
         """The loss inside a differentiable computation (checked to be a finite scalar)."""
@@ -71,11 +69,11 @@ class StepwiseObjective:
         validator=attrs.validators.is_callable()
     )
 
-    def step_cotangent(self, k: int, velocity: Tensor, trajectory: Trajectory) -> tuple[Tensor, Tensor]:
+    def step_cotangent(
+        self, k: int, velocity: Tensor, trajectory: Trajectory
+    ) -> tuple[Tensor, Tensor]:
         """``(l_k, c_k)`` with ``c_k = d l_k / d v_k`` at the given velocity."""
-        return _loss_and_grad(
-            lambda v: self.loss_fn(k, v, trajectory), velocity, f"at step {k}"
-        )
+        return _loss_and_grad(lambda v: self.loss_fn(k, v, trajectory), velocity, f"at step {k}")
 
 
 Objective = TerminalObjective | StepwiseObjective

@@ -122,6 +122,5 @@ def parse_option_text(cls: type, name: str, text: str) -> Any:
 def describe_options(cls: type) -> list[tuple[str, Any, str]]:
     """``(name, default, doc)`` for each option of an estimator class."""
     return [
-        (field.name, field.default, field.metadata.get("doc", ""))
-        for field in attrs.fields(cls)
+        (field.name, field.default, field.metadata.get("doc", "")) for field in attrs.fields(cls)
     ]

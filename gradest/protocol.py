@@ -43,7 +43,9 @@ class Cost:
         return self.forwards + 2.0 * self.param_vjps + 1.0 * self.state_vjps
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other), strict=True)))
+        return Cost(
+            *(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other), strict=True))
+        )
 
 
 @attrs.frozen(eq=False)

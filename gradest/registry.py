@@ -102,7 +102,9 @@ def clear_cache() -> None:
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"jagg:window=4,tau=0.995"`` -> ``("jagg", {"window": "4", "tau": "0.995"})``."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"estimator spec must be a non-empty string like 'jagg:window=4', got {spec!r}")
+        raise ValueError(
+            f"estimator spec must be a non-empty string like 'jagg:window=4', got {spec!r}"
+        )
     name, _, rest = spec.strip().partition(":")
     options: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):

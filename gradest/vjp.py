@@ -19,12 +19,17 @@ from typing import Any
 import attrs
 import torch
 from torch import Tensor
-from torch.func import functional_call, vjp
+from torch.func import functional_call
+from torch.func import vjp as _torch_vjp
 
 from gradest._checks import check_model_output, first_model_call, trainable_parameters
 from gradest.flow import affine_step
 
 Grads = dict[str, Tensor]
+
+# torch.func.vjp's annotations do not distinguish has_aux=True (three results) from the
+# default (two); typed loosely here rather than silenced at every call.
+vjp: Callable[..., Any] = _torch_vjp
 
 
 @attrs.define
@@ -110,7 +115,9 @@ class VelocityField:
                 t,
                 self._stacked_cond(copies),
             )
-        return functional_call(self.model, (params, self.frozen), (z, t), self._stacked_cond(copies))
+        return functional_call(
+            self.model, (params, self.frozen), (z, t), self._stacked_cond(copies)
+        )
 
     @staticmethod
     def _stack(states: Tensor) -> Tensor:

@@ -248,7 +248,11 @@ def test_each_estimator_matches_its_dense_definition(name, micro_problem, object
     objective, _, _ = objective_and_truth
     est = gradest.estimator(name)
     result = est.estimate(
-        model, flow, objective, trajectory=trajectory, cond=cond,
+        model,
+        flow,
+        objective,
+        trajectory=trajectory,
+        cond=cond,
         generator=torch.Generator().manual_seed(3),
     )
     flat = definitions.definition_gradient(est, chain, objective, result)

@@ -48,9 +48,14 @@ def test_noise_of_the_wrong_rank_dtype_or_device(problem):
     est = gradest.estimator("exact")
     with pytest.raises(ValueError, match=r"batch dimension.*noise\[None\]"):
         est.estimate(model, flow, objective, noise=noise[0])
-    with pytest.raises(ValueError, match=r"model\(z, t, \*\*cond\) failed on a state of shape \(2, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"model\(z, t, \*\*cond\) failed on a state of shape \(2, 5\)"
+    ):
         est.estimate(model, flow, objective, noise=torch.zeros(BATCH, 5, dtype=torch.float64))
-    with pytest.raises(TypeError, match=r"noise has dtype torch.float32 but the model's parameters are torch.float64"):
+    with pytest.raises(
+        TypeError,
+        match=r"noise has dtype torch.float32 but the model's parameters are torch.float64",
+    ):
         est.estimate(model, flow, objective, noise=noise.float())
     with pytest.raises(ValueError, match=r"noise is on meta but the model is on cpu"):
         est.estimate(model, flow, objective, noise=noise.to("meta"))
@@ -74,14 +79,18 @@ class _WrongShape(torch.nn.Module):
 def test_model_returning_a_different_shape(problem):
     _, flow, noise, objective = problem
     for spec in ["exact", "exact:checkpoint=true"]:
-        with pytest.raises(ValueError, match=r"returned shape \(2, 4\) for a state of shape \(2, 3\)"):
+        with pytest.raises(
+            ValueError, match=r"returned shape \(2, 4\) for a state of shape \(2, 3\)"
+        ):
             gradest.estimator(spec).estimate(_WrongShape(), flow, objective, noise=noise)
 
 
 def test_losses_that_are_not_finite_scalars_name_the_step(problem):
     model, flow, noise, _ = problem
     est = gradest.estimator("exact")
-    with pytest.raises(ValueError, match=r"loss on the final sample must be a scalar, got shape \(2, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"loss on the final sample must be a scalar, got shape \(2, 3\)"
+    ):
         est.estimate(model, flow, gradest.TerminalObjective(lambda z: z), noise=noise)
     with pytest.raises(ValueError, match=r"not finite"):
         est.estimate(model, flow, gradest.TerminalObjective(lambda z: z.sum() / 0.0), noise=noise)
@@ -93,7 +102,9 @@ def test_losses_that_are_not_finite_scalars_name_the_step(problem):
     with pytest.raises(ValueError, match=r"loss at step 2 is not finite"):
         est.estimate(model, flow, gradest.StepwiseObjective(bad_at_step_2), trajectory=trajectory)
     with pytest.raises(ValueError, match=r"loss at step 0 must be a scalar"):
-        est.estimate(model, flow, gradest.StepwiseObjective(lambda k, v, t: v), trajectory=trajectory)
+        est.estimate(
+            model, flow, gradest.StepwiseObjective(lambda k, v, t: v), trajectory=trajectory
+        )
     with pytest.raises(TypeError, match=r"must return a scalar tensor, got float"):
         est.estimate(model, flow, gradest.TerminalObjective(lambda z: 1.0), noise=noise)
 
@@ -138,6 +149,12 @@ def test_wrong_argument_kinds(problem):
     with pytest.raises(TypeError, match=r"generator must be a torch.Generator"):
         est.estimate(model, flow, objective, noise=noise, generator=0)
     with pytest.raises(ValueError, match=r"noise_grad=True needs a TerminalObjective"):
-        est.estimate(model, flow, random_stepwise_objective(STEPS, (BATCH, DIM)), noise=noise, noise_grad=True)
+        est.estimate(
+            model,
+            flow,
+            random_stepwise_objective(STEPS, (BATCH, DIM)),
+            noise=noise,
+            noise_grad=True,
+        )
     with pytest.raises(TypeError, match=r"loss_fn"):
         gradest.TerminalObjective(3)

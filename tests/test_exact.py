@@ -24,7 +24,9 @@ class NoisyAffineSampler:
     """A test sampler with alpha != 1 and recorded noise, to show estimators only see the
     affine step form (DDIM / flow-SDE samplers have this shape)."""
 
-    times: Tensor = attrs.field(factory=lambda: torch.linspace(1.0, 0.0, STEPS + 1, dtype=torch.float64))
+    times: Tensor = attrs.field(
+        factory=lambda: torch.linspace(1.0, 0.0, STEPS + 1, dtype=torch.float64)
+    )
 
     @property
     def num_steps(self) -> int:
@@ -90,8 +92,16 @@ def test_exact_flow_matching_objective_matches_reference():
     # the loss it reports is the flow-matching loss summed over the grid
     with torch.no_grad():
         expected = sum(
-            (model(trajectory.states[k], torch.full((BATCH,), float(flow.times[k]), dtype=torch.float64))
-             - (noise - data)).pow(2).mean() / 4
+            (
+                model(
+                    trajectory.states[k],
+                    torch.full((BATCH,), float(flow.times[k]), dtype=torch.float64),
+                )
+                - (noise - data)
+            )
+            .pow(2)
+            .mean()
+            / 4
             for k in range(4)
         )
     assert result.info["loss"] == pytest.approx(float(expected), rel=1e-12)
@@ -103,11 +113,18 @@ def test_exact_on_a_generic_affine_sampler_matches_reference(checkpoint):
     flow = NoisyAffineSampler()
     objective = smooth_terminal_objective(DIM)
     result = gradest.estimator("exact", checkpoint=checkpoint).estimate(
-        model, flow, objective, noise=noise, cond=cond, noise_grad=True,
+        model,
+        flow,
+        objective,
+        noise=noise,
+        cond=cond,
+        noise_grad=True,
         generator=torch.Generator().manual_seed(3),
     )
     # the same generator state reproduces the recorded step noise
-    trajectory = gradest.rollout(model, flow, noise, cond=cond, generator=torch.Generator().manual_seed(3))
+    trajectory = gradest.rollout(
+        model, flow, noise, cond=cond, generator=torch.Generator().manual_seed(3)
+    )
     assert trajectory.step_noise is not None
     truth, truth_noise = exact_gradient(model, flow, objective, trajectory, cond)
     assert relative_error(result.grads, truth) <= 1e-10
@@ -124,7 +141,9 @@ def test_exact_matches_hand_written_autograd():
         t = torch.full((BATCH,), float(flow.times[k]), dtype=torch.float64)
         state = state + float(flow.step_sizes[k]) * model(state, t, **cond)
     objective.loss_fn(state).backward()
-    result = gradest.estimator("exact").estimate(model, flow, objective, noise=noise, cond=cond, noise_grad=True)
+    result = gradest.estimator("exact").estimate(
+        model, flow, objective, noise=noise, cond=cond, noise_grad=True
+    )
     hand = {n: p.grad for n, p in model.named_parameters()}
     assert relative_error(result.grads, hand) <= 1e-12
     assert relative_error(result.noise_grad, z.grad) <= 1e-12
@@ -162,7 +181,11 @@ def test_cost_counts_of_exact():
     objective = smooth_terminal_objective(DIM)
     fused = gradest.estimator("exact").estimate(model, flow, objective, noise=noise).cost
     assert fused == gradest.Cost(forwards_with_graph=STEPS, param_vjps=STEPS)
-    ckpt = gradest.estimator("exact", checkpoint=True).estimate(model, flow, objective, noise=noise).cost
+    ckpt = (
+        gradest.estimator("exact", checkpoint=True)
+        .estimate(model, flow, objective, noise=noise)
+        .cost
+    )
     assert ckpt == gradest.Cost(
         forwards_with_graph=STEPS, forwards_without_graph=STEPS, param_vjps=STEPS
     )
@@ -201,14 +224,22 @@ def test_same_generator_state_gives_bitwise_identical_results():
     objective = smooth_terminal_objective(DIM)
     est = gradest.estimator("exact:checkpoint=true")
     runs = [
-        est.estimate(model, flow, objective, noise=noise, cond=cond, noise_grad=True,
-                     generator=torch.Generator().manual_seed(7))
+        est.estimate(
+            model,
+            flow,
+            objective,
+            noise=noise,
+            cond=cond,
+            noise_grad=True,
+            generator=torch.Generator().manual_seed(7),
+        )
         for _ in range(2)
     ]
     assert torch.equal(runs[0].flat(), runs[1].flat())
     assert torch.equal(runs[0].noise_grad, runs[1].noise_grad)
-    other = est.estimate(model, flow, objective, noise=noise, cond=cond,
-                         generator=torch.Generator().manual_seed(8))
+    other = est.estimate(
+        model, flow, objective, noise=noise, cond=cond, generator=torch.Generator().manual_seed(8)
+    )
     assert not torch.equal(runs[0].flat(), other.flat())
 
 
@@ -218,9 +249,13 @@ def test_results_do_not_depend_on_global_rng():
     objective = smooth_terminal_objective(DIM)
     est = gradest.estimator("exact")
     torch.manual_seed(0)
-    a = est.estimate(model, flow, objective, noise=noise, cond=cond, generator=torch.Generator().manual_seed(1))
+    a = est.estimate(
+        model, flow, objective, noise=noise, cond=cond, generator=torch.Generator().manual_seed(1)
+    )
     torch.manual_seed(123)
-    b = est.estimate(model, flow, objective, noise=noise, cond=cond, generator=torch.Generator().manual_seed(1))
+    b = est.estimate(
+        model, flow, objective, noise=noise, cond=cond, generator=torch.Generator().manual_seed(1)
+    )
     assert torch.equal(a.flat(), b.flat())
 
 

@@ -46,7 +46,9 @@ def _problem(kind="terminal"):
     model = tiny_mlp(DIM, hidden=8)
     flow = gradest.RectifiedFlow(steps=STEPS)
     objective = (
-        smooth_terminal_objective(DIM) if kind == "terminal" else random_stepwise_objective(STEPS, (BATCH, DIM))
+        smooth_terminal_objective(DIM)
+        if kind == "terminal"
+        else random_stepwise_objective(STEPS, (BATCH, DIM))
     )
     return model, flow, objective, (lambda seed: seeded_normal((BATCH, DIM), 100 + seed))
 
@@ -80,14 +82,22 @@ def test_exact_has_zero_bias_and_variance_and_report_is_deterministic():
 def test_a_planted_bias_shows_up_exactly():
     model, flow, objective, noise_fn = _problem("stepwise")
     report = compare(
-        model, flow, objective, [PlantedBias(bias=0.25), PlantedBias(bias=-0.1)],
-        noise_fn=noise_fn, seeds=2, measure_cost=False, show_progress=False,
+        model,
+        flow,
+        objective,
+        [PlantedBias(bias=0.25), PlantedBias(bias=-0.1)],
+        noise_fn=noise_fn,
+        seeds=2,
+        measure_cost=False,
+        show_progress=False,
     )
     for row, planted in zip(report.rows, (0.25, 0.1), strict=True):
         assert row.bias.mean == pytest.approx(planted, rel=1e-10)
         assert row.variance.mean == 0.0
         assert row.mse.mean == pytest.approx(planted**2, rel=1e-10)
-        assert row.norm_ratio.mean == pytest.approx(1 + (0.25 if planted == 0.25 else -0.1), rel=1e-10)
+        assert row.norm_ratio.mean == pytest.approx(
+            1 + (0.25 if planted == 0.25 else -0.1), rel=1e-10
+        )
 
 
 def test_statistics_remove_the_noise_of_the_mean_from_the_bias():
@@ -99,7 +109,9 @@ def test_statistics_remove_the_noise_of_the_mean_from_the_bias():
     stats = trajectory_stats(draws, reference)
     expected_variance = 400 * sigma**2 / reference.norm() ** 2
     # sum of 400*50 squared Gaussians: relative standard error sqrt(2 / (400 * 49))
-    assert stats.variance == pytest.approx(float(expected_variance), rel=5 * math.sqrt(2 / (400 * 49)))
+    assert stats.variance == pytest.approx(
+        float(expected_variance), rel=5 * math.sqrt(2 / (400 * 49))
+    )
     # E||mean - ref||^2 = variance / n exactly, and the estimator subtracts that term
     assert stats.bias_squared <= 5 * float(expected_variance) / 50 * math.sqrt(2 / 400)
 
@@ -109,8 +121,15 @@ def test_sdo_variance_scales_like_one_over_samples():
     model, flow, objective, noise_fn = _problem("stepwise")
     draws = 400
     report = compare(
-        model, flow, objective, ["sdo:samples=1", "sdo:samples=2", "sdo:samples=3"],
-        noise_fn=noise_fn, seeds=1, draws=draws, measure_cost=False, show_progress=False,
+        model,
+        flow,
+        objective,
+        ["sdo:samples=1", "sdo:samples=2", "sdo:samples=3"],
+        noise_fn=noise_fn,
+        seeds=1,
+        draws=draws,
+        measure_cost=False,
+        show_progress=False,
     )
     var1 = report.row("sdo").variance.mean
     for m in (2, 3):
@@ -131,13 +150,21 @@ def test_cost_ratios_follow_the_cost_model_on_a_matmul_heavy_model():
     flow = gradest.RectifiedFlow(steps=steps)
     objective = smooth_terminal_objective(16)
     report = compare(
-        model, flow, objective, ["exact", "sdo", "truncated:k=2"],
-        noise_fn=lambda s: seeded_normal((8, 16), s), seeds=1, draws=2, timing_repeats=1,
+        model,
+        flow,
+        objective,
+        ["exact", "sdo", "truncated:k=2"],
+        noise_fn=lambda s: seeded_normal((8, 16), s),
+        seeds=1,
+        draws=2,
+        timing_repeats=1,
         show_progress=False,
     )
     # exact: N(F + 2F); sdo: NF + 3F; truncated(k): (N - k)F + k(F + 2F)
     assert report.row("sdo").flops_ratio == pytest.approx((steps + 3) / (3 * steps), rel=0.03)
-    assert report.row("truncated:k=2").flops_ratio == pytest.approx((steps + 4) / (3 * steps), rel=0.03)
+    assert report.row("truncated:k=2").flops_ratio == pytest.approx(
+        (steps + 4) / (3 * steps), rel=0.03
+    )
     # sdo keeps the graph of one step; exact the graph of N
     assert report.row("sdo").retained_ratio <= 1 / steps * 1.1
     assert report.row("exact").wall_ratio == 1.0
@@ -146,8 +173,15 @@ def test_cost_ratios_follow_the_cost_model_on_a_matmul_heavy_model():
 def test_report_renders_markdown_json_and_plots(tmp_path):
     model, flow, objective, noise_fn = _problem()
     report = compare(
-        model, flow, objective, ["exact", "jagg:window=3", "sdo"],
-        noise_fn=noise_fn, seeds=2, draws=3, timing_repeats=1, show_progress=False,
+        model,
+        flow,
+        objective,
+        ["exact", "jagg:window=3", "sdo"],
+        noise_fn=noise_fn,
+        seeds=2,
+        draws=3,
+        timing_repeats=1,
+        show_progress=False,
     )
     out = report.write(tmp_path / "run")
     data = json.loads((out / "report.json").read_text())
@@ -165,8 +199,16 @@ def test_report_renders_markdown_json_and_plots(tmp_path):
 
 def test_an_interrupted_write_leaves_no_report(tmp_path, monkeypatch):
     model, flow, objective, noise_fn = _problem()
-    report = compare(model, flow, objective, ["exact"], noise_fn=noise_fn, seeds=1,
-                     measure_cost=False, show_progress=False)
+    report = compare(
+        model,
+        flow,
+        objective,
+        ["exact"],
+        noise_fn=noise_fn,
+        seeds=1,
+        measure_cost=False,
+        show_progress=False,
+    )
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -198,7 +240,12 @@ def test_bad_input_fails_before_any_work(kwargs, error, message):
         calls.append(seed)
         return noise_fn(seed)
 
-    arguments = {"estimators": ["exact"], "noise_fn": counting_noise, "show_progress": False, **kwargs}
+    arguments = {
+        "estimators": ["exact"],
+        "noise_fn": counting_noise,
+        "show_progress": False,
+        **kwargs,
+    }
     estimators = arguments.pop("estimators")
     with pytest.raises(error, match=message):
         compare(model, flow, objective, estimators, **arguments)
@@ -207,21 +254,44 @@ def test_bad_input_fails_before_any_work(kwargs, error, message):
 
 def test_split_specs_keeps_options_with_their_estimator():
     assert split_specs("exact,jagg:window=4,tau=0.9,sdo,truncated:k=1") == [
-        "exact", "jagg:window=4,tau=0.9", "sdo", "truncated:k=1",
+        "exact",
+        "jagg:window=4,tau=0.9",
+        "sdo",
+        "truncated:k=1",
     ]
 
 
 def test_cli_compare_end_to_end(tmp_path, capsys):
     out = tmp_path / "cmp"
-    code = main([
-        "compare", "--steps", "8", "--seeds", "2", "--draws", "2", "--repeats", "1",
-        "--estimators", "exact,jagg:window=4,sdo", "--out", str(out), "--quiet",
-    ])
+    code = main(
+        [
+            "compare",
+            "--steps",
+            "8",
+            "--seeds",
+            "2",
+            "--draws",
+            "2",
+            "--repeats",
+            "1",
+            "--estimators",
+            "exact,jagg:window=4,sdo",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "| `jagg` |" in printed  # window=4 is the default, so the label is the name
     names = {p.name for p in out.iterdir()}
-    assert {"report.md", "report.json", "mse_vs_cost.png", "jagg_span.png", "tau_sweep.png"} <= names
+    assert {
+        "report.md",
+        "report.json",
+        "mse_vs_cost.png",
+        "jagg_span.png",
+        "tau_sweep.png",
+    } <= names
     sweeps = json.loads((out / "report.json").read_text())["config"]["sweeps"]
     assert abs(sweeps["span"]["orders"]["1"]["slope"] - 2) <= 0.3
 

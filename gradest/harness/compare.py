@@ -154,13 +154,21 @@ def compare(
 
     def run(est: Any, seed: int, generator: torch.Generator) -> Any:
         return est.estimate(
-            model, flow, objective, trajectory=trajectory_of(seed), cond=cond_of(seed),
+            model,
+            flow,
+            objective,
+            trajectory=trajectory_of(seed),
+            cond=cond_of(seed),
             generator=generator,
         )
 
     total_work = len(resolved) * len(seed_list) + (len(resolved) + 1) * int(measure_cost)
-    progress = tqdm(total=total_work, desc="gradest compare", disable=not show_progress, leave=False)
-    references = {seed: run(reference_est, seed, draw_generator(seed, 0)).flat() for seed in seed_list}
+    progress = tqdm(
+        total=total_work, desc="gradest compare", disable=not show_progress, leave=False
+    )
+    references = {
+        seed: run(reference_est, seed, draw_generator(seed, 0)).flat() for seed in seed_list
+    }
 
     rows: list[EstimatorRow] = []
     for est in resolved:
@@ -168,9 +176,13 @@ def compare(
         per_seed: list[TrajectoryStats] = []
         fallback: list[float] = []
         for seed in seed_list:
-            results = [run(est, seed, draw_generator(seed, d)) for d in range(draws if stochastic else 1)]
+            results = [
+                run(est, seed, draw_generator(seed, d)) for d in range(draws if stochastic else 1)
+            ]
             per_seed.append(trajectory_stats([r.flat() for r in results], references[seed]))
-            fallback += [r.info["fallback_fraction"] for r in results if "fallback_fraction" in r.info]
+            fallback += [
+                r.info["fallback_fraction"] for r in results if "fallback_fraction" in r.info
+            ]
             progress.update(1)
         first = run(est, seed_list[0], draw_generator(seed_list[0], 0))
         rows.append(
@@ -196,8 +208,15 @@ def compare(
     costs: dict[str, CostRow] = {}
     if measure_cost:
         costs = _measure_costs(
-            model, flow, objective, [reference_est, *resolved], noise_fn(seed_list[0]),
-            cond_of(seed_list[0]), trajectory_of(seed_list[0]), timing_repeats, progress,
+            model,
+            flow,
+            objective,
+            [reference_est, *resolved],
+            noise_fn(seed_list[0]),
+            cond_of(seed_list[0]),
+            trajectory_of(seed_list[0]),
+            timing_repeats,
+            progress,
         )
     progress.close()
     baseline = costs.get(repr(reference_est))

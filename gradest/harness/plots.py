@@ -44,7 +44,9 @@ def _mse_vs_cost(report: Any, folder: Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("FLOPs ratio to exact" if report.rows[0].flops_ratio is not None else "cost (F)")
     ax.set_ylabel("MSE / |exact gradient|²  (0 drawn at the floor)")
-    ax.set_title(f"{report.config['model']}, {report.config['objective']}, N={report.config['steps']}")
+    ax.set_title(
+        f"{report.config['model']}, {report.config['objective']}, N={report.config['steps']}"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -83,9 +85,16 @@ def _span_sweep(span: dict[str, Any], folder: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for order, data in span["orders"].items():
         if data["spans"]:
-            ax.loglog(data["spans"], data["errors"], marker="o",
-                      label=f"order {order}: fitted slope {data['slope']:.2f} (theory {data['expected_slope']})")
-    ax.axvline(span["fit_below"], color="grey", linestyle=":", label="slope fitted left of this line")
+            ax.loglog(
+                data["spans"],
+                data["errors"],
+                marker="o",
+                label=f"order {order}: fitted slope {data['slope']:.2f} "
+                f"(theory {data['expected_slope']})",
+            )
+    ax.axvline(
+        span["fit_below"], color="grey", linestyle=":", label="slope fitted left of this line"
+    )
     ax.set_xlabel("time span of one group")
     ax.set_ylabel("relative error vs exact (gate off)")
     ax.grid(True, which="both", alpha=0.3)
@@ -104,7 +113,9 @@ def _tau_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     ys = [max(r["relative_error"], 1e-17) for r in rows]
     ax.plot(xs, ys, marker="o")
     for r, x, y in zip(rows, xs, ys, strict=True):
-        ax.annotate(f"τ={r['tau']:g}", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.annotate(
+            f"τ={r['tau']:g}", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points"
+        )
     ax.set_yscale("log")
     ax.set_xlabel("cost ratio to exact (cost model units)")
     ax.set_ylabel("relative error vs exact")

@@ -151,7 +151,11 @@ class Report:
         raise KeyError(f"no row {spec_or_name!r}; rows: {[r.spec for r in self.rows]}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "config": self.config, "estimators": [r.to_dict() for r in self.rows]}
+        return {
+            "schema": SCHEMA,
+            "config": self.config,
+            "estimators": [r.to_dict() for r in self.rows],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, allow_nan=True)

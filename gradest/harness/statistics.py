@@ -36,7 +36,9 @@ class Estimate:
         data = torch.tensor(list(values), dtype=torch.float64)
         if data.numel() == 0:
             return cls(math.nan, math.nan)
-        stderr = float(data.std(unbiased=True) / math.sqrt(data.numel())) if data.numel() > 1 else 0.0
+        stderr = (
+            float(data.std(unbiased=True) / math.sqrt(data.numel())) if data.numel() > 1 else 0.0
+        )
         return cls(float(data.mean()), stderr)
 
 

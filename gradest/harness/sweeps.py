@@ -67,10 +67,14 @@ def jagg_span_sweep(
         jagg = estimator("jagg", window=steps, order=order, gate="off")
         errors = []
         for span in spans:
-            flow = RectifiedFlow(times=torch.linspace(start, start - span, steps + 1, dtype=torch.float64))
+            flow = RectifiedFlow(
+                times=torch.linspace(start, start - span, steps + 1, dtype=torch.float64)
+            )
             trajectory = rollout(model, flow, state, cond=cond)
             truth = exact.estimate(model, flow, objective, trajectory=trajectory, cond=cond).flat()
-            error, _ = _flat_error(jagg.estimate(model, flow, objective, trajectory=trajectory, cond=cond), truth)
+            error, _ = _flat_error(
+                jagg.estimate(model, flow, objective, trajectory=trajectory, cond=cond), truth
+            )
             errors.append(error)
         fitted = [(s, e) for s, e in zip(spans, errors, strict=True) if s <= fit_below]
         out["orders"][str(order)] = {
@@ -93,7 +97,9 @@ def jagg_tau_sweep(
     taus: Sequence[float] = (0.0, 0.9, 0.99, 0.995, 0.999, 0.9999, 1.0),
 ) -> list[dict[str, float]]:
     """Agreement with exact and cost of jagg(window) as the gate threshold varies."""
-    exact_result = estimator("exact").estimate(model, flow, objective, trajectory=trajectory, cond=cond)
+    exact_result = estimator("exact").estimate(
+        model, flow, objective, trajectory=trajectory, cond=cond
+    )
     exact = exact_result.flat()
     rows = []
     for tau in taus:

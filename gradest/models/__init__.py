@@ -4,4 +4,11 @@ from gradest.models.dit import DIT_CONFIGS, DiT, dit_parameter_count
 from gradest.models.embeddings import TimestepEmbedder, sinusoidal_embedding
 from gradest.models.mlp import MLPVelocity
 
-__all__ = ["DIT_CONFIGS", "DiT", "MLPVelocity", "TimestepEmbedder", "dit_parameter_count", "sinusoidal_embedding"]
+__all__ = [
+    "DIT_CONFIGS",
+    "DiT",
+    "MLPVelocity",
+    "TimestepEmbedder",
+    "dit_parameter_count",
+    "sinusoidal_embedding",
+]

@@ -40,8 +40,9 @@ class MLPVelocity(nn.Module):
 
     def forward(self, z: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         h = self.input(z) + self.time_embed(t)
-        if self.class_embed is not None:
-            labels = y if y is not None else torch.full_like(t, self.num_classes, dtype=torch.long)
+        if self.class_embed is not None and self.num_classes is not None:
+            null_class = self.num_classes
+            labels = y if y is not None else torch.full_like(t, null_class, dtype=torch.long)
             h = h + self.class_embed(labels)
         elif y is not None:
             raise TypeError("this MLPVelocity was built without num_classes; do not pass y")

@@ -23,12 +23,16 @@ from gradest.reference.truncated_definition import truncated_definition
 Definition = Callable[[Any, DenseChain, Objective, GradientEstimate], Tensor]
 
 
-def _exact(estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate) -> Tensor:
+def _exact(
+    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
+) -> Tensor:
     del estimator, result
     return chain.gradient(exact_cotangents(chain, objective))
 
 
-def _jagg(estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate) -> Tensor:
+def _jagg(
+    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
+) -> Tensor:
     # The layout and the gate decisions are read from the result (they are checked
     # separately against the dense gate cosines); the interpolation is recomputed here.
     info = result.info
@@ -37,12 +41,16 @@ def _jagg(estimator: Any, chain: DenseChain, objective: Objective, result: Gradi
     return jagg_definition(chain, objective, info["groups"], info["nodes"], passed)
 
 
-def _sdo(estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate) -> Tensor:
+def _sdo(
+    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
+) -> Tensor:
     # The sampled steps and the factor N/m (or 1) are the estimator's random choices.
     return sdo_definition(chain, objective, result.info["sampled_steps"], result.info["scale"])
 
 
-def _truncated(estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate) -> Tensor:
+def _truncated(
+    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
+) -> Tensor:
     return truncated_definition(chain, objective, result.info["k"])
 
 

@@ -79,7 +79,9 @@ def dense_chain(
     named = dict(model.named_parameters())
     trainable = {n: p.detach().to(torch.float64) for n, p in named.items() if p.requires_grad}
     others = {n: p.detach().to(torch.float64) for n, p in named.items() if not p.requires_grad}
-    others.update({n: b.to(torch.float64) if b.is_floating_point() else b for n, b in model.named_buffers()})
+    others.update(
+        {n: b.to(torch.float64) if b.is_floating_point() else b for n, b in model.named_buffers()}
+    )
     names = tuple(trainable)
     shapes = tuple(trainable[n].shape for n in names)
     flat_params = torch.cat([trainable[n].reshape(-1) for n in names])
@@ -128,7 +130,9 @@ def terminal_adjoints(chain: DenseChain, objective: TerminalObjective) -> Tensor
     adjoints = [a_final.reshape(-1)]
     for k in reversed(range(chain.num_steps)):
         a_next = adjoints[0]
-        adjoints.insert(0, chain.alpha[k] * a_next + chain.beta[k] * chain.state_jacobians[k].T @ a_next)
+        adjoints.insert(
+            0, chain.alpha[k] * a_next + chain.beta[k] * chain.state_jacobians[k].T @ a_next
+        )
     return torch.stack(adjoints)
 
 
@@ -172,8 +176,11 @@ def exact_gradient(
     return grads, noise_grad
 
 
-def relative_error(estimate: Mapping[str, Tensor] | Tensor, truth: Mapping[str, Tensor] | Tensor) -> float:
+def relative_error(
+    estimate: Mapping[str, Tensor] | Tensor, truth: Mapping[str, Tensor] | Tensor
+) -> float:
     """``||estimate - truth|| / ||truth||`` over all parameters (flattened)."""
+
     def flat(x: Mapping[str, Tensor] | Tensor) -> Tensor:
         if isinstance(x, Tensor):
             return x.reshape(-1).to(torch.float64)

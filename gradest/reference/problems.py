@@ -20,7 +20,9 @@ class AffineVelocity(nn.Module):
     def __init__(self, dim: int, seed: int = 0, dtype: torch.dtype = torch.float64):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        self.weight = nn.Parameter(0.5 * torch.randn(dim, dim, generator=gen, dtype=dtype) / dim**0.5)
+        self.weight = nn.Parameter(
+            0.5 * torch.randn(dim, dim, generator=gen, dtype=dtype) / dim**0.5
+        )
         self.time_direction = nn.Parameter(torch.randn(dim, generator=gen, dtype=dtype))
         self.bias = nn.Parameter(torch.randn(dim, generator=gen, dtype=dtype))
 

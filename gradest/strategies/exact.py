@@ -45,7 +45,8 @@ class Exact(EstimatorBase):
     checkpoint: bool = option(
         False,
         kind=bool,
-        doc="recompute steps in reverse instead of keeping the chain's graph (O(1) memory, +N forwards)",
+        doc="recompute steps in reverse instead of keeping the chain's graph "
+        "(O(1) memory, +N forwards)",
         expect="true or false",
     )
 
@@ -77,7 +78,9 @@ class Exact(EstimatorBase):
         trajectory = ctx.trajectory()
         grads: Grads | None = None
         for k in range(ctx.num_steps):
-            velocity, pull = ctx.field.param_pullback(trajectory.states[k : k + 1], ctx.times[k : k + 1])
+            velocity, pull = ctx.field.param_pullback(
+                trajectory.states[k : k + 1], ctx.times[k : k + 1]
+            )
             cotangent = ctx.step_cotangent(k, velocity[0])
             grads = add_grads(grads, pull(cotangent[None]))
         assert grads is not None

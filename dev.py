@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up gradest in ./.venv and run the main job or the tests; needs only python3.
 
-    python3 dev.py demo     # the main job on the embedded default (gradest check)
+    python3 dev.py demo     # the main job on the embedded default (gradest compare)
     python3 dev.py test     # the test suite (extra arguments go to pytest)
 
 The environment is (re)installed when pyproject.toml or constraints.txt change. It pins
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         return 2
     ensure_environment()
     if argv[0] == "demo":
-        command = [str(BIN / "gradest"), "check", *argv[1:]]
+        command = [str(BIN / "gradest"), "compare", "--out", "runs/compare", *argv[1:]]
     else:
         command = [str(BIN / "python"), "-m", "pytest", "tests", *argv[1:]]
     return subprocess.run(command, cwd=ROOT).returncode

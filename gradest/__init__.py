@@ -13,6 +13,8 @@ from gradest.objectives import (
     flow_matching_objective,
     flow_matching_trajectory,
 )
+from gradest.harness.compare import compare
+from gradest.harness.report import Report
 from gradest.protocol import Cost, GradientEstimate, TrajectoryGradientEstimator
 from gradest.registry import UnknownEstimatorError, available_estimators, estimator
 
@@ -23,12 +25,14 @@ __all__ = [
     "Cost",
     "GradientEstimate",
     "RectifiedFlow",
+    "Report",
     "StepwiseObjective",
     "TerminalObjective",
     "Trajectory",
     "TrajectoryGradientEstimator",
     "UnknownEstimatorError",
     "available_estimators",
+    "compare",
     "estimator",
     "flow_matching_objective",
     "flow_matching_trajectory",

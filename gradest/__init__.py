@@ -7,6 +7,7 @@ Swap estimators by name::
 """
 
 from gradest.flow import AffineSampler, RectifiedFlow, Trajectory, rollout
+from gradest.nonfinite import NonFiniteError
 from gradest.objectives import (
     StepwiseObjective,
     TerminalObjective,
@@ -24,6 +25,7 @@ __all__ = [
     "AffineSampler",
     "Cost",
     "GradientEstimate",
+    "NonFiniteError",
     "RectifiedFlow",
     "Report",
     "StepwiseObjective",

@@ -118,7 +118,10 @@ def check_scalar_loss(loss: Any, where: str) -> Tensor:
         f"the loss {where} must be a scalar, got shape {tuple(loss.shape)}; "
         f"reduce it with .mean() or .sum()",
     )
-    require(bool(torch.isfinite(loss).all()), f"the loss {where} is not finite ({loss.item()})")
+    if not bool(torch.isfinite(loss).all()):
+        from gradest.nonfinite import NonFiniteError
+
+        raise NonFiniteError(f"loss {where} ({loss.item()})")
     return loss.reshape(())
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from gradest.context import EstimationContext
 from gradest.flow import AffineSampler, Trajectory
+from gradest.nonfinite import ON_NONFINITE, NonFiniteError
 from gradest.objectives import Objective
 from gradest.protocol import GradientEstimate
 from gradest.vjp import Grads
@@ -37,6 +38,7 @@ class EstimatorBase:
         cond: Mapping[str, Any] | None = None,
         generator: torch.Generator | None = None,
         noise_grad: bool = False,
+        on_nonfinite: str = "raise",
     ) -> GradientEstimate:
         """Estimate ``grad_theta L`` for ``model`` sampled along ``flow``.
 
@@ -51,10 +53,18 @@ class EstimatorBase:
             cond: keyword arguments for the model (class labels, text embeddings).
             generator: the only source of randomness (sampled steps, truncation, SDE noise).
             noise_grad: also return the gradient w.r.t. the initial noise (terminal only).
+            on_nonfinite: ``"raise"`` (default) raises :class:`~gradest.NonFiniteError`
+                naming the tensor, the step and the estimator at the first NaN/Inf;
+                ``"skip"`` returns an estimate with empty ``grads`` and
+                ``info["nonfinite"]`` set (``result.usable`` is False).
 
         Returns:
             A :class:`~gradest.protocol.GradientEstimate`.
         """
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}"
+            )
         ctx = EstimationContext(
             model,
             flow,
@@ -65,10 +75,19 @@ class EstimatorBase:
             generator=generator,
             noise_grad=noise_grad,
         )
-        if ctx.is_terminal:
-            grads, state_grad = self._terminal(ctx)
-        else:
-            grads, state_grad = self._stepwise(ctx), None
+        try:
+            if ctx.is_terminal:
+                grads, state_grad = self._terminal(ctx)
+            else:
+                grads, state_grad = self._stepwise(ctx), None
+        except NonFiniteError as err:
+            err.locate(flow.times, repr(self))
+            if on_nonfinite == "raise":
+                raise
+            return GradientEstimate(
+                grads={}, noise_grad=None, cost=ctx.meter.freeze(),
+                info={**ctx.info, "nonfinite": str(err)},
+            )
         # Keys and order exactly as model.named_parameters(), trainable ones only.
         ordered = {name: grads[name].detach() for name in ctx.field.params}
         return GradientEstimate(
@@ -89,11 +108,13 @@ class EstimatorBase:
         cond: Mapping[str, Any] | None = None,
         generator: torch.Generator | None = None,
         noise_grad: bool = False,
+        on_nonfinite: str = "raise",
     ) -> GradientEstimate:
         """Like :meth:`estimate`, then add the gradients into ``p.grad`` (like ``loss.backward()``).
 
         Existing ``.grad`` values are accumulated into, so gradient accumulation and
-        ``optimizer.step()`` work as with plain autograd.
+        ``optimizer.step()`` work as with plain autograd. With ``on_nonfinite="skip"`` an
+        unusable estimate leaves ``.grad`` untouched (check ``result.usable``).
         """
         result = self.estimate(
             model,
@@ -104,7 +125,10 @@ class EstimatorBase:
             cond=cond,
             generator=generator,
             noise_grad=noise_grad,
+            on_nonfinite=on_nonfinite,
         )
+        if not result.usable:
+            return result
         parameters = dict(model.named_parameters())
         with torch.no_grad():
             for name, grad in result.grads.items():

@@ -22,6 +22,7 @@ from gradest.flow import (
     check_trajectory_matches,
     draw_step_noise,
 )
+from gradest.nonfinite import check_finite
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.vjp import CostMeter, Grads, VelocityField, add_grads
 
@@ -219,6 +220,7 @@ class EstimationContext:
                 v, z_grad = self.field.state_vjp(z, t, cotangent)
             cotangents[k], velocities[k] = cotangent, v
             adjoint = float(alpha[k]) * adjoint + z_grad if z_grad is not None else adjoint
+            check_finite(adjoint, "adjoint", [float(t)])
         return AdjointSweep(
             cotangents=torch.stack(cotangents),
             velocities=torch.stack(velocities),

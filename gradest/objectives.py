@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gradest._checks import check_scalar_loss
 from gradest.flow import AffineSampler, Trajectory
+from gradest.nonfinite import NonFiniteError
 
 
 def _loss_and_grad(fn: Callable[[Tensor], Tensor], x: Tensor, where: str) -> tuple[Tensor, Tensor]:
@@ -32,7 +33,7 @@ def _loss_and_grad(fn: Callable[[Tensor], Tensor], x: Tensor, where: str) -> tup
     if grad is None:
         grad = torch.zeros_like(x)
     if not bool(torch.isfinite(grad).all()):
-        raise ValueError(f"the gradient of the loss {where} is not finite")
+        raise NonFiniteError(f"gradient of the loss {where}")
     return loss.detach(), grad
 
 

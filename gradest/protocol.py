@@ -57,13 +57,19 @@ class GradientEstimate:
             ``model.named_parameters()``.
         noise_grad: gradient with respect to the initial noise, or None when not requested.
         cost: the :class:`Cost` counts of this call.
-        info: estimator diagnostics (loss, gate cosines, sampled steps, ...).
+        info: estimator diagnostics (loss, gate cosines, sampled steps, ...);
+            ``info["nonfinite"]`` describes a dropped estimate (see ``usable``).
     """
 
     grads: dict[str, Tensor]
     noise_grad: Tensor | None
     cost: Cost
     info: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def usable(self) -> bool:
+        """False when a NaN/Inf was met and ``on_nonfinite="skip"`` dropped the estimate."""
+        return "nonfinite" not in self.info
 
     def flat(self) -> Tensor:
         """All parameter gradients concatenated in ``named_parameters`` order."""
@@ -90,6 +96,7 @@ class TrajectoryGradientEstimator(Protocol):
         cond: Mapping[str, Any] | None = None,
         generator: torch.Generator | None = None,
         noise_grad: bool = False,
+        on_nonfinite: str = "raise",
     ) -> GradientEstimate: ...
 
     def backward(
@@ -103,4 +110,5 @@ class TrajectoryGradientEstimator(Protocol):
         cond: Mapping[str, Any] | None = None,
         generator: torch.Generator | None = None,
         noise_grad: bool = False,
+        on_nonfinite: str = "raise",
     ) -> GradientEstimate: ...

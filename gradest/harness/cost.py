@@ -14,16 +14,18 @@ Why a dispatch mode and not ``saved_tensors_hooks``: gradest takes every VJP wit
 ``torch.func.vjp``, and ``torch.func`` refuses to run while saved-tensor hooks are
 registered ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor
 hooks"). Below ``torch.func`` every operator still reaches the Python dispatcher, so the
-memory functions watch the storages operators *create* and learn from a weak reference
-when each storage is freed. For the same reason :func:`count_flops` uses the formulas of
-``FlopCounterMode`` without its module tracker, whose backward hooks break inside
-``torch.autograd.grad`` (which ``torch.func.vjp`` calls); on plain autograd code the
-two counts agree exactly.
+memory functions watch the storages operators *create* (a dispatch mode) and learn from a
+weak reference when each storage is freed; a torch-function mode, which still sees
+``torch.func``'s tracked tensors, tells which operators record a graph. Likewise
+:func:`count_flops` uses the formulas of ``FlopCounterMode`` without its module tracker,
+whose backward hooks fail inside ``torch.autograd.grad`` (which ``torch.func.vjp``
+calls); on plain autograd code the two counts agree exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import statistics
 import time
@@ -139,7 +141,7 @@ class _StorageTracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
 
-    def _freed(self, key: int) -> None:
+    def _on_free(self, key: int, _ref: weakref.ref) -> None:
         self._refs.pop(key, None)
         self.current -= self.live.pop(key, 0)
 
@@ -168,7 +170,7 @@ class _StorageTracker(TorchDispatchMode):
             if key in inputs or key in self.live:
                 continue  # a view or in-place result: allocated elsewhere or already counted
             self.live[key] = storage.nbytes()
-            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._freed(key))
+            self._refs[key] = weakref.ref(storage, functools.partial(self._on_free, key))
             self.current += self.live[key]
             self.peak = max(self.peak, self.current)
         return out

@@ -1,0 +1,30 @@
+"""Estimators against gradest ``exact`` on the same workload (DESIGN.md section 4).
+
+Targets of the issue (wall time, reported in the summary table, never asserted):
+stepwise ``N=16``: jagg window 4 >= 1.45x, window 8 >= 1.9x, shared knots window 4 >= 1.9x;
+terminal ``N=50``: sdo (``m=1``) >= 2.6x with retained activations <= 1/N of exact's + 10%.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.workloads import (
+    STEPWISE_ESTIMATORS,
+    STEPWISE_STEPS,
+    TERMINAL_ESTIMATORS,
+    TERMINAL_STEPS,
+)
+
+STEPWISE = f"stepwise N={STEPWISE_STEPS}"
+TERMINAL = f"terminal N={TERMINAL_STEPS}"
+
+
+@pytest.mark.parametrize("spec", STEPWISE_ESTIMATORS)
+def test_stepwise(spec, bench, measure):
+    measure(bench.gradest_stepwise(spec), group=STEPWISE, method=spec, baseline="exact")
+
+
+@pytest.mark.parametrize("spec", TERMINAL_ESTIMATORS)
+def test_terminal(spec, bench, measure):
+    measure(bench.gradest_terminal(spec), group=TERMINAL, method=spec, baseline="exact")

@@ -7,6 +7,8 @@ Swap estimators by name::
 """
 
 from gradest.flow import AffineSampler, RectifiedFlow, Trajectory, rollout
+from gradest.harness.compare import compare
+from gradest.harness.report import Report
 from gradest.nonfinite import NonFiniteError
 from gradest.objectives import (
     StepwiseObjective,
@@ -14,8 +16,6 @@ from gradest.objectives import (
     flow_matching_objective,
     flow_matching_trajectory,
 )
-from gradest.harness.compare import compare
-from gradest.harness.report import Report
 from gradest.protocol import Cost, GradientEstimate, TrajectoryGradientEstimator
 from gradest.registry import UnknownEstimatorError, available_estimators, estimator
 

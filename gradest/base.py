@@ -62,9 +62,7 @@ class EstimatorBase:
             A :class:`~gradest.protocol.GradientEstimate`.
         """
         if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(
-                f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}"
-            )
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         ctx = EstimationContext(
             model,
             flow,
@@ -85,7 +83,9 @@ class EstimatorBase:
             if on_nonfinite == "raise":
                 raise
             return GradientEstimate(
-                grads={}, noise_grad=None, cost=ctx.meter.freeze(),
+                grads={},
+                noise_grad=None,
+                cost=ctx.meter.freeze(),
                 info={**ctx.info, "nonfinite": str(err)},
             )
         # Keys and order exactly as model.named_parameters(), trainable ones only.

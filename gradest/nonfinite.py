@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 ON_NONFINITE = ("raise", "skip")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class NonFiniteError(ValueError):
@@ -49,7 +50,11 @@ class NonFiniteError(ValueError):
     def _message(self) -> str:
         where = ""
         if self.steps:
-            where = f" at step {self.steps[0]}" if len(self.steps) == 1 else f" at steps {list(self.steps)}"
+            where = (
+                f" at step {self.steps[0]}"
+                if len(self.steps) == 1
+                else f" at steps {list(self.steps)}"
+            )
         elif self.times:
             where = f" at t={', '.join(f'{t:g}' for t in self.times)}"
         by = f" in estimator {self.estimator}" if self.estimator else ""
@@ -61,7 +66,25 @@ class NonFiniteError(ValueError):
 
 
 def _all_finite(tensors: Iterable[Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """Whether every element is finite, at the cost of one sum per tensor.
+
+    A sum is non-finite iff an element is (NaN and Inf propagate), except when finite
+    values overflow the sum; half-precision tensors are summed in float32 so that cannot
+    happen for them, and a non-finite sum is confirmed element-wise before reporting.
+    ``isfinite(t).all()`` directly is ~20x slower on CPU, which showed in wall time.
+    """
+    items = list(tensors)
+    if not items:
+        return True
+    sums = torch.stack(
+        [
+            (t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()).to(torch.float64)
+            for t in items
+        ]
+    )
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in items)
 
 
 def check_finite(
@@ -81,4 +104,6 @@ def check_finite(
         raise NonFiniteError(tensor, times=times)
     if not _all_finite(value.values()):
         names = [n for n, g in value.items() if not _all_finite([g])]
-        raise NonFiniteError(f"{tensor} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})", times=times)
+        raise NonFiniteError(
+            f"{tensor} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})", times=times
+        )

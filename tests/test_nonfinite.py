@@ -15,7 +15,13 @@ from gradest.reference.problems import (
 )
 
 DIM, BATCH, STEPS = 3, 2, 6
-SPECS = ["exact", "exact:checkpoint=true", "jagg:window=3", "sdo:full_sum=true", f"truncated:k={STEPS}"]
+SPECS = [
+    "exact",
+    "exact:checkpoint=true",
+    "jagg:window=3",
+    "sdo:full_sum=true",
+    f"truncated:k={STEPS}",
+]
 
 
 class NaNBelow(nn.Module):
@@ -102,7 +108,9 @@ def test_finite_estimates_are_usable_and_bad_mode_is_rejected():
     model = tiny_mlp(DIM)
     noise = seeded_normal((BATCH, DIM), 0)
     est = gradest.estimator("exact")
-    assert est.estimate(model, flow, _objective("terminal"), noise=noise, on_nonfinite="skip").usable
+    assert est.estimate(
+        model, flow, _objective("terminal"), noise=noise, on_nonfinite="skip"
+    ).usable
     with pytest.raises(ValueError, match=r"on_nonfinite must be one of \('raise', 'skip'\)"):
         est.estimate(model, flow, _objective("terminal"), noise=noise, on_nonfinite="ignore")
 

@@ -3,7 +3,8 @@
 ``gradest list`` shows the registered estimators and their options; ``gradest check``
 checks every estimator against its dense definition on the embedded toy model;
 ``gradest compare`` (the main job) measures bias, variance and cost of estimators on an
-embedded model and writes a report with plots. User errors exit with status 2 and one
+embedded model and writes a report with plots; ``gradest pretrain`` / ``gradest finetune``
+run the digits workload. User errors exit with status 2 and one
 line, no traceback.
 """
 
@@ -110,6 +111,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pretrain(args: argparse.Namespace) -> int:
+    from gradest.workloads.pretrain import run
+
+    for key, value in run(args).items():
+        print(f"{key}: {value}")
+    return 0
+
+
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    from gradest.workloads.finetune import run_finetune_from_args
+
+    result = run_finetune_from_args(args)
+    print(
+        f"reward {result['initial_reward']:.4f} -> {result['final_reward']:.4f}; "
+        f"log {result['log_path']}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradest",
@@ -159,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-plots", action="store_true", help="skip PNG plots")
     cmp.add_argument("--quiet", action="store_true", help="no progress bar")
     cmp.set_defaults(run=_cmd_compare)
+
+    from gradest.workloads.finetune import add_finetune_arguments
+    from gradest.workloads.pretrain import add_arguments as add_pretrain_arguments
+
+    pre = sub.add_parser(
+        "pretrain",
+        help="regenerate the shipped digits DiT or digit classifier (a few CPU minutes)",
+    )
+    add_pretrain_arguments(pre)
+    pre.set_defaults(run=_cmd_pretrain)
+    fine = sub.add_parser(
+        "finetune",
+        help="reward fine-tuning of the pretrained digits DiT with any estimator",
+    )
+    add_finetune_arguments(fine)
+    fine.set_defaults(run=_cmd_finetune)
     return parser
 
 
@@ -168,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.run(args))
-    except (ValueError, TypeError, ImportError) as err:
+    except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
         print(f"gradest {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

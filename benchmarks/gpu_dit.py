@@ -178,7 +178,8 @@ def to_markdown(
         f"({config['dtype']}, {config['device_name']})",
         "",
         f"`{config['command']}` — {config['date']}, torch {config['torch']}. "
-        f"Config `{config['config']}`, batch {config['batch']}, N={config['steps']}, median of {config['repeats']} repeats.",
+        f"Config `{config['config']}`, batch {config['batch']}, N={config['steps']}, "
+        f"median of {config['repeats']} repeats.",
         "",
         f"Dense-reference check (micro DiT, float64, same device): gradient relative error "
         f"{reference['grad_relative_error']:.2e}, "

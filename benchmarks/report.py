@@ -62,9 +62,7 @@ class Row:
     result: Any
 
 
-def measure_setting(
-    calls: dict[str, Callable[[], Any]], repeats: int, warmup: int
-) -> list[Row]:
+def measure_setting(calls: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> list[Row]:
     times = interleaved_wall_times(calls, repeats=repeats, warmup=warmup)
     return [
         Row(name, times[name], count_flops(call), retained_activation_bytes(call), call())

@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="bias, variance and cost of estimators on an embedded model (the main job)",
     )
-    cmp.add_argument("--model", default="mlp", help="embedded model: mlp or dit (default mlp)")
+    cmp.add_argument(
+        "--model", default="mlp", help="embedded model: mlp, dit or digits (default mlp)"
+    )
     cmp.add_argument("--steps", type=int, default=50, help="sampling steps N (default 50)")
     cmp.add_argument(
         "--estimators",

@@ -4,6 +4,9 @@
 * ``dit``: the tiny DiT config on 8x8 single-channel images. adaLN-Zero makes a fresh DiT
   the zero map (its gradients would be degenerate), so the zero-initialised modulation
   and output layers are re-drawn with small random weights: a generic non-trivial DiT.
+* ``digits``: the shipped DiT pretrained on real 8x8 digits, sampled unconditionally;
+  the terminal objective is the frozen digit classifier's ``-log p(3 | x)`` (the reward
+  fine-tuning objective), the stepwise one a per-step loss on the velocities.
 
 Both are seeded, so every run compares estimators on the same model.
 """
@@ -18,14 +21,14 @@ import torch
 from torch import Tensor, nn
 
 from gradest.flow import RectifiedFlow
-from gradest.objectives import Objective
+from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.problems import (
     random_stepwise_objective,
     smooth_terminal_objective,
     tiny_mlp,
 )
 
-MODELS = ("mlp", "dit")
+MODELS = ("mlp", "dit", "digits")
 NUM_CLASSES = 4
 
 
@@ -67,6 +70,10 @@ def embedded_problem(
         raise ValueError(f"--model {name!r} is not embedded; choose one of {', '.join(MODELS)}")
     if objective not in ("terminal", "stepwise"):
         raise ValueError(f"--objective must be 'terminal' or 'stepwise', got {objective!r}")
+    if name == "digits":
+        return _digits_problem(
+            steps=steps, objective=objective, batch=batch, dtype=dtype, device=device
+        )
     if name == "mlp":
         model: nn.Module = tiny_mlp(8, hidden=64, depth=3, num_classes=NUM_CLASSES, seed=seed)
         state_shape: tuple[int, ...] = (8,)
@@ -92,8 +99,26 @@ def embedded_problem(
     return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, cond_fn)
 
 
+def _digits_problem(
+    *, steps: int, objective: str, batch: int, dtype: torch.dtype, device: str | torch.device
+) -> Problem:
+    from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
+    from gradest.workloads.rewards import ClassifierReward
+
+    model = load_pretrained_dit(device=device, dtype=dtype)
+    if objective == "terminal":
+        reward = ClassifierReward(load_digit_classifier(device=device, dtype=dtype), 3)
+        objective_value: Objective = TerminalObjective(lambda z: -reward(z).mean())
+    else:
+        objective_value = random_stepwise_objective(steps, (batch, 1, 8, 8), seed=2)
+
+    def noise_fn(s: int) -> Tensor:
+        gen = torch.Generator().manual_seed(10_000 + s)
+        return torch.randn((batch, 1, 8, 8), generator=gen, dtype=dtype).to(device)
+
+    return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, lambda s: {})
+
+
 def _flattened_terminal(objective: Any) -> Any:
     """Apply a loss on vectors to image states by flattening all but the batch dimension."""
-    from gradest.objectives import TerminalObjective
-
     return TerminalObjective(lambda z: objective.loss_fn(z.reshape(z.shape[0], -1)))

@@ -570,6 +570,13 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
         "grpo: Flow-GRPO on FlowSDE rollouts (default reward)",
     )
     parser.add_argument("--steps", type=int, default=50, help="outer training steps (default 50)")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank on the attention layers instead of all "
+        "weights (needs peft; default 0: full fine-tuning)",
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16)")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     parser.add_argument(
@@ -639,7 +646,14 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
     from gradest.workloads.rewards import ClassifierReward
 
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
     model = load_pretrained_dit()
+    if args.lora_rank:
+        # After loading: peft renames the targeted weights to *.base_layer.weight.
+        from gradest.integrations.peft import add_lora
+
+        model = add_lora(model, args.lora_rank)
     reward = ClassifierReward(load_digit_classifier(), args.target)
     result = finetune(
         model,

@@ -1,0 +1,117 @@
+"""``sdo_mean``: the mean of ``draws`` independent SDO estimates, in one batched VJP.
+
+Cotangents (as ``sdo``, gradest DESIGN.md section 2): the one-step cotangents of the
+model-detached chain, ``c~_k = beta_k (prod_{j>k} alpha_j) a_N`` for a terminal objective
+(``h_k a_N`` for rectified flow), and ``c_k = d l_k / d v_k`` itself for a stepwise one.
+
+VJP evaluation: ``K = draws`` independent subsets ``S_1..S_K`` of ``m = samples`` steps
+each (uniform, without replacement within a subset, independent across subsets), and
+
+    g = (1/K) sum_i (N/m) sum_{k in S_i} J_k^T c~_k
+      = sum_k w_k J_k^T c~_k,        w_k = (N / (m K)) * #{i : k in S_i}
+
+Each draw is an unbiased estimate of the one-step sum (``sdo:full_sum=true``), so their
+mean is too, with ``1/K`` of the variance of a single draw. A step drawn by several
+subsets is evaluated once with the summed weight, so the cost is one forward with graph
+and one parameter VJP per *distinct* step (at most ``min(N, K m)``), in one batched VJP.
+
+The estimator uses only gradest's public strategy interface: ``EstimatorBase``,
+``option`` fields and the ``EstimationContext`` building blocks (trajectory, terminal
+adjoint, step cotangents, the VJP engine ``ctx.field``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import ClassVar
+
+import attrs
+import torch
+from torch import Tensor
+
+from gradest.base import EstimatorBase
+from gradest.context import EstimationContext
+from gradest.options import option
+from gradest.vjp import Grads
+
+
+@attrs.frozen
+class MeanOfSdoDraws(EstimatorBase):
+    """Mean of K independent SDO draws (one-step cotangents, N/m scaling each).
+
+    Attributes:
+        draws: ``K``, independent step subsets averaged (variance / K).
+        samples: ``m``, steps per subset (at most the flow's ``N``).
+
+    ``result.info`` holds ``draws`` (each subset's sorted steps, in draw order),
+    ``step_weights`` (``{step: w_k}``) and ``scale`` (``N/m``).
+    """
+
+    name: ClassVar[str] = "sdo_mean"
+
+    draws: int = option(
+        4,
+        kind=int,
+        doc="independent SDO draws averaged (variance / draws)",
+        valid=lambda value: value >= 1,
+        expect="an int >= 1",
+    )
+    samples: int = option(
+        1,
+        kind=int,
+        doc="steps per draw, uniformly without replacement (m <= N)",
+        valid=lambda value: value >= 1,
+        expect="an int >= 1 (and at most the number of sampler steps N)",
+    )
+
+    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+        # The rollout first: it draws any sampler noise before the subsets are drawn, so
+        # the path matches gradest.rollout with the same generator state.
+        trajectory = ctx.trajectory()
+        steps, weights = self._draw(ctx)
+        terminal_adjoint = ctx.terminal_adjoint()
+        alpha, beta, _ = ctx.coefficients
+        cotangents = []
+        for step, weight in zip(steps, weights, strict=True):
+            # c~_k = beta_k prod_{j>k} alpha_j a_N: how z_N moves with v_k when the
+            # model is held fixed in every later step.
+            carried = float(beta[step]) * float(torch.prod(alpha[step + 1 :]))
+            cotangents.append(weight * carried * terminal_adjoint)
+        grads = ctx.field.param_vjp(
+            trajectory.states[steps], ctx.times[steps], torch.stack(cotangents)
+        )
+        return grads, None  # no noise gradient: this estimator does not define one
+
+    def _stepwise(self, ctx: EstimationContext) -> Grads:
+        trajectory = ctx.trajectory()
+        steps, weights = self._draw(ctx)
+        velocities, pull = ctx.field.param_pullback(trajectory.states[steps], ctx.times[steps])
+        cotangents = torch.stack(
+            [
+                weight * ctx.step_cotangent(step, velocities[row])
+                for row, (step, weight) in enumerate(zip(steps, weights, strict=True))
+            ]
+        )
+        return pull(cotangents)
+
+    def _draw(self, ctx: EstimationContext) -> tuple[list[int], list[float]]:
+        """Distinct steps drawn by any subset and their weights ``w_k``; recorded in info."""
+        num_steps = ctx.num_steps
+        if self.samples > num_steps:
+            raise ValueError(
+                f"estimator 'sdo_mean': option samples={self.samples} exceeds the flow's "
+                f"N={num_steps} steps; use samples <= {num_steps}"
+            )
+        device = ctx.generator.device if ctx.generator is not None else torch.device("cpu")
+        subsets = []
+        for _ in range(self.draws):
+            order = torch.randperm(num_steps, generator=ctx.generator, device=device)
+            subsets.append(sorted(int(step) for step in order[: self.samples].tolist()))
+        counts = Counter(step for subset in subsets for step in subset)
+        scale = num_steps / self.samples
+        steps = sorted(counts)
+        weights = [scale * counts[step] / self.draws for step in steps]
+        ctx.info["draws"] = subsets
+        ctx.info["step_weights"] = dict(zip(steps, weights, strict=True))
+        ctx.info["scale"] = scale
+        return steps, weights

@@ -1,0 +1,11 @@
+"""Bridges from gradest to the rest of the PyTorch ecosystem.
+
+Each submodule is imported on its own, so that gradest never imports an optional
+dependency it does not need:
+
+* :mod:`gradest.integrations.distributed`: ``torch.distributed`` data parallelism
+  (``distributed_backward``, ``allreduce_gradients``, ``rank_generator``).
+* :mod:`gradest.integrations.peft`: LoRA adapters through ``peft`` (``add_lora``).
+* :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching schedulers and
+  transformers (``flow_from_scheduler``, ``DiffusersVelocity``).
+"""

@@ -66,7 +66,12 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
             f"{name} is on {noise.device} but the model is on {first.device}; "
             f"pass {name}.to('{first.device}')",
         )
-    require(bool(torch.isfinite(noise).all()), f"{name} contains NaN or Inf values")
+    if not bool(torch.isfinite(noise).all()):
+        bad = sorted({int(i) for i in torch.nonzero(~torch.isfinite(noise))[:, 0].tolist()})
+        raise ValueError(
+            f"{name} contains NaN or Inf values (samples {bad[:8]}"
+            f"{' ...' if len(bad) > 8 else ''}); draw it with torch.randn and check what made it"
+        )
 
 
 def check_cond(cond: Any) -> dict[str, Any]:

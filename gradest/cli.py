@@ -66,16 +66,33 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError("--estimators is empty; e.g. --estimators exact,jagg:window=4,sdo")
     for spec in specs:  # fail on a bad spec before any work starts
         registry.estimator(spec)
-    if args.seeds <= 0:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    for flag, value in (
+        ("--seeds", args.seeds),
+        ("--draws", args.draws),
+        ("--repeats", args.repeats),
+        ("--steps", args.steps),
+        ("--batch", args.batch),
+    ):
+        if value <= 0:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out!r} is a file; pass a folder path")
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise ValueError(f"--dtype must be float64 or float32, got {args.dtype!r}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device} requested but CUDA is not available")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise ValueError(
+            f"--device {args.device!r} is not a torch device; use cpu or cuda"
+        ) from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device!r} is not supported; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {args.device} requested but CUDA is not available; use --device cpu"
+        )
     problem = embedded_problem(
         args.model,
         steps=args.steps,

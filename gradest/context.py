@@ -19,6 +19,7 @@ from gradest.flow import (
     AffineSampler,
     Trajectory,
     affine_step,
+    check_sampler,
     check_trajectory_matches,
     draw_step_noise,
 )
@@ -69,11 +70,7 @@ class EstimationContext:
         generator: torch.Generator | None,
         noise_grad: bool,
     ):
-        if not isinstance(flow, AffineSampler):
-            raise TypeError(
-                f"flow must be a sampler such as gradest.RectifiedFlow(steps=50), "
-                f"got {type(flow).__name__}"
-            )
+        check_sampler(flow)
         if not isinstance(objective, TerminalObjective | StepwiseObjective):
             raise TypeError(
                 "objective must be gradest.TerminalObjective(loss_fn) or "

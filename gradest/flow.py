@@ -147,6 +147,14 @@ class Trajectory:
         return self.states.shape[1]
 
 
+def check_sampler(flow: Any) -> None:
+    if not isinstance(flow, AffineSampler):
+        raise TypeError(
+            f"flow must be a sampler such as gradest.RectifiedFlow(steps=50), "
+            f"got {type(flow).__name__} {flow!r}"
+        )
+
+
 def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> None:
     """A trajectory can only be differentiated with the sampler grid it was recorded on."""
     if not isinstance(trajectory, Trajectory):
@@ -219,10 +227,12 @@ def rollout(
     Returns:
         A detached :class:`Trajectory`.
     """
-    from gradest._checks import check_cond, check_noise
+    from gradest._checks import check_cond, check_generator, check_noise
 
+    check_sampler(flow)
     check_noise(model, noise)
     cond = check_cond(cond)
+    check_generator(generator)
     coefficients = flow.coefficients()
     step_noise = draw_step_noise(coefficients[2], noise, generator)
     states = [noise.detach()]

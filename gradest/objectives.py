@@ -80,17 +80,26 @@ class StepwiseObjective:
 Objective = TerminalObjective | StepwiseObjective
 
 
+def _check_pair(data: Tensor, noise: Tensor) -> None:
+    for name, value in (("data", data), ("noise", noise)):
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point tensor [B, ...], got {type(value).__name__}"
+            )
+    if data.shape != noise.shape:
+        raise ValueError(
+            f"data and noise must have the same shape (one noise per data point), got "
+            f"data {tuple(data.shape)} and noise {tuple(noise.shape)}"
+        )
+
+
 def flow_matching_trajectory(flow: AffineSampler, data: Tensor, noise: Tensor) -> Trajectory:
     """States ``z_{t_k} = (1 - t_k) x + t_k eps`` on the flow's grid, for flow matching.
 
     The velocities are the target ``eps - x`` (no model is evaluated); stepwise
     estimators evaluate the model themselves.
     """
-    if data.shape != noise.shape:
-        raise ValueError(
-            f"data and noise must have the same shape, got {tuple(data.shape)} and "
-            f"{tuple(noise.shape)}"
-        )
+    _check_pair(data, noise)
     t = flow.times.to(dtype=data.dtype, device=data.device).reshape(-1, *([1] * data.ndim))
     states = (1 - t) * data.detach() + t * noise.detach()
     target = (noise - data).detach()
@@ -109,6 +118,7 @@ def flow_matching_objective(data: Tensor, noise: Tensor) -> StepwiseObjective:
         traj = gradest.flow_matching_trajectory(flow, data, noise)
         est.estimate(model, flow, gradest.flow_matching_objective(data, noise), trajectory=traj)
     """
+    _check_pair(data, noise)
     target = (noise - data).detach()
 
     def loss_fn(k: int, velocity: Tensor, trajectory: Trajectory) -> Tensor:

@@ -101,7 +101,12 @@ def clear_cache() -> None:
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"jagg:window=4,tau=0.995"`` -> ``("jagg", {"window": "4", "tau": "0.995"})``."""
-    if not isinstance(spec, str) or not spec.strip():
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"estimator spec must be a string like 'jagg:window=4' (or pass an estimator "
+            f"object), got {type(spec).__name__} {spec!r}"
+        )
+    if not spec.strip():
         raise ValueError(
             f"estimator spec must be a non-empty string like 'jagg:window=4', got {spec!r}"
         )

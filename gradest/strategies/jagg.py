@@ -134,7 +134,7 @@ class Jagg(EstimatorBase):
         if self.order >= self.window:
             raise ValueError(
                 f"estimator 'jagg': option order={self.order} must be < window={self.window} "
-                f"(a group of {self.window} steps has room for at most {self.window - 1}th-order "
+                f"(a group of {self.window} steps has room for at most order {self.window - 1} "
                 f"interpolation); lower order or raise window"
             )
 
@@ -235,6 +235,19 @@ class Jagg(EstimatorBase):
             return None
         rows = [row for row, k in enumerate(group.steps) if k not in group.nodes]
         reference = velocities[group.steps[0]]
+        # The gate decides exact vs approximate: compute it in float32 or better even under
+        # autocast, which would otherwise run the interpolation einsum in bfloat16.
+        with torch.autocast(device_type=reference.device.type, enabled=False):
+            return self._aggregate_cosine(group, weights, velocities, rows, reference)
+
+    def _aggregate_cosine(
+        self,
+        group: Group,
+        weights: Tensor,
+        velocities: Sequence[Tensor],
+        rows: list[int],
+        reference: Tensor,
+    ) -> float:
         dtype = torch.promote_types(reference.dtype, torch.float32)
         batch = reference.shape[0]
         node_v = (

@@ -1,0 +1,889 @@
+"""Bad input at every public entry point, and ``docs/errors.md`` kept in step with it.
+
+``CASES`` lists one bad input per row of the table in ``docs/errors.md``: the input as the
+table shows it, how to run it, the argument and value the message must name, and what is
+known to fall short. The tests check that
+
+* every case raises what the table says, with the message the table shows (``...`` in the
+  table stands for any text: abbreviations and machine-dependent parts such as paths);
+* every table row has a case and every case a row, so the table cannot drift;
+* the message names the argument and the offending value, and the error is a ``TypeError``
+  or ``ValueError`` (or a subclass), raised by gradest before any work starts; command-line
+  errors exit non-zero with one ``gradest <command>: error: ...`` line and no traceback.
+  Cases with a known ``defect`` fail that standard today and are strict xfails: fixing
+  the defect turns them into failures that ask for the table to be updated.
+
+Regenerate the table after changing a message (the test prints the command when they
+differ)::
+
+    .venv/bin/python tests/test_bad_input_sweep.py > docs/errors.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from torch import nn
+
+import gradest
+from gradest import cli
+from gradest.reference.problems import (
+    random_stepwise_objective,
+    seeded_normal,
+    smooth_terminal_objective,
+    tiny_mlp,
+)
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DIM, BATCH, STEPS = 3, 2, 4
+
+
+# -- the problem every case perturbs -----------------------------------------------------------
+
+
+class _WrongShape(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM + 1).double()
+
+    def forward(self, z, t):
+        return self.linear(z)
+
+
+class _ReturnsTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_mlp(DIM)
+
+    def forward(self, z, t):
+        return self.inner(z, t), None
+
+
+class _NaNVelocity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_mlp(DIM)
+
+    def forward(self, z, t):
+        return self.inner(z, t) * float("nan")
+
+
+def _frozen_mlp() -> nn.Module:
+    return tiny_mlp(DIM).requires_grad_(False)
+
+
+model = tiny_mlp(DIM)
+flow = gradest.RectifiedFlow(steps=STEPS)
+noise = seeded_normal((BATCH, DIM), 0)
+data = seeded_normal((BATCH, DIM), 1)
+objective = smooth_terminal_objective(DIM)
+stepwise = random_stepwise_objective(STEPS, (BATCH, DIM))
+trajectory = gradest.rollout(model, flow, noise)
+
+
+def estimate(*args: Any, estimator: str = "exact", **kwargs: Any) -> Any:
+    """``gradest.estimator(estimator).estimate(...)`` with the defaults filled in."""
+    call_args = list(args) + [model, flow, objective][len(args) :]
+    if "noise" not in kwargs and "trajectory" not in kwargs:
+        kwargs["noise"] = noise
+    return gradest.estimator(estimator).estimate(*call_args, **kwargs)
+
+
+def _stepwise_inf_at_step_2(k, v, traj):
+    return v.sum() * (float("inf") if k == 2 else 1.0)
+
+
+def _compare(**overrides: Any) -> Any:
+    arguments = {
+        "model": model,
+        "flow": flow,
+        "objective": objective,
+        "estimators": ["exact"],
+        "noise_fn": lambda seed: noise,
+        "seeds": 1,
+        "draws": 1,
+        "measure_cost": False,
+        "show_progress": False,
+    }
+    arguments.update(overrides)
+    return gradest.compare(**arguments)
+
+
+# -- the cases ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Case:
+    """One bad input.
+
+    Attributes:
+        input: the row's key, as the table shows it.
+        run: performs the input (Python API) -- or ``argv`` for ``gradest.cli.main``.
+        names: substrings the message must contain: the argument and the offending value.
+        elide: regular expressions of message parts the table abbreviates to ``...``.
+        defect: why the case fails the automated standard (then a strict xfail), or "".
+        gap: what the message lacks that no test can judge (usually the fix), or "".
+    """
+
+    input: str
+    run: Callable[[], Any] | None = None
+    argv: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    elide: tuple[str, ...] = ()
+    defect: str = ""
+    gap: str = ""
+
+    @property
+    def is_cli(self) -> bool:
+        return self.run is None
+
+
+def api(input: str, run: Callable[[], Any], *names: str, **extra: Any) -> Case:
+    return Case(input=input, run=run, names=names, **extra)
+
+
+def command(shown: str, *names: str, argv: Sequence[str] | None = None, **extra: Any) -> Case:
+    """``gradest <shown>``; ``argv`` when the shown command has a placeholder (``{file}``)."""
+    return Case(
+        input=f"gradest {shown}",
+        argv=tuple(argv if argv is not None else shown.split()),
+        names=names,
+        **extra,
+    )
+
+
+NAN = float("nan")
+AVAILABLE = (r"(?<=available: )[\w, ]+?(?= \(plugins)",)  # plugins may add names
+
+CASES: list[Case] = [
+    # RectifiedFlow
+    api("RectifiedFlow()", lambda: gradest.RectifiedFlow(), "steps=", "times="),
+    api(
+        "RectifiedFlow(steps=4, times=[1.0, 0.0])",
+        lambda: gradest.RectifiedFlow(steps=4, times=[1.0, 0.0]),
+        "steps=4",
+        "times=",
+    ),
+    api("RectifiedFlow(steps=0)", lambda: gradest.RectifiedFlow(steps=0), "steps", "0"),
+    api("RectifiedFlow(steps=2.5)", lambda: gradest.RectifiedFlow(steps=2.5), "steps", "2.5"),
+    api("RectifiedFlow(steps=True)", lambda: gradest.RectifiedFlow(steps=True), "steps", "True"),
+    api('RectifiedFlow(times="1,0")', lambda: gradest.RectifiedFlow(times="1,0"), "times", "str"),
+    api("RectifiedFlow(times=[1.0])", lambda: gradest.RectifiedFlow(times=[1.0]), "times", "(1,)"),
+    api(
+        "RectifiedFlow(times=[[1.0, 0.0]])",
+        lambda: gradest.RectifiedFlow(times=[[1.0, 0.0]]),
+        "times",
+        "(1, 2)",
+    ),
+    api(
+        "RectifiedFlow(times=[1.0, nan])",
+        lambda: gradest.RectifiedFlow(times=[1.0, NAN]),
+        "times",
+        "nan",
+    ),
+    api(
+        "RectifiedFlow(times=[1.0, 0.5, 0.5, 0.0])",
+        lambda: gradest.RectifiedFlow(times=[1.0, 0.5, 0.5, 0.0]),
+        "times[1]=0.5",
+    ),
+    api(
+        "RectifiedFlow(times=[0.0, 0.5, 1.0])",
+        lambda: gradest.RectifiedFlow(times=[0.0, 0.5, 1.0]),
+        "times[0]=0",
+    ),
+    api(
+        "RectifiedFlow(times=[1.5, 0.5, 0.0])",
+        lambda: gradest.RectifiedFlow(times=[1.5, 0.5, 0.0]),
+        "times",
+        "1.5",
+    ),
+    # rollout
+    api(
+        "rollout(lambda z, t: z, flow, noise)",
+        lambda: gradest.rollout(lambda z, t: z, flow, noise),
+        "model",
+        "function",
+    ),
+    api(
+        "rollout(model, 50, noise)",
+        lambda: gradest.rollout(model, 50, noise),
+        "flow",
+        "50",
+    ),
+    api(
+        "rollout(model, flow, [[0.0, 0.0, 0.0]])",
+        lambda: gradest.rollout(model, flow, [[0.0, 0.0, 0.0]]),
+        "noise",
+        "list",
+    ),
+    api(
+        "rollout(model, flow, torch.zeros(2, 3, dtype=torch.long))",
+        lambda: gradest.rollout(model, flow, torch.zeros(2, 3, dtype=torch.long)),
+        "noise",
+        "torch.int64",
+    ),
+    api(
+        "rollout(model, flow, noise[0])",
+        lambda: gradest.rollout(model, flow, noise[0]),
+        "noise",
+        "(3,)",
+    ),
+    api(
+        "rollout(model, flow, noise.float())",
+        lambda: gradest.rollout(model, flow, noise.float()),
+        "noise",
+        "torch.float32",
+    ),
+    api(
+        'rollout(model, flow, noise.to("meta"))',
+        lambda: gradest.rollout(model, flow, noise.to("meta")),
+        "noise",
+        "meta",
+    ),
+    api(
+        "rollout(model, flow, noise * nan)",
+        lambda: gradest.rollout(model, flow, noise * NAN),
+        "noise",
+        "NaN",
+        gap="no fix, and not where the NaN is (which samples)",
+    ),
+    api(
+        "rollout(model, flow, torch.zeros(2, 7))",
+        lambda: gradest.rollout(model, flow, torch.zeros(2, 7, dtype=torch.float64)),
+        "model(z, t, **cond)",
+        "(2, 7)",
+    ),
+    api(
+        "rollout(model, flow, noise, cond=[1])",
+        lambda: gradest.rollout(model, flow, noise, cond=[1]),
+        "cond",
+        "list",
+    ),
+    api(
+        'rollout(model, flow, noise, cond={"label": 1})',
+        lambda: gradest.rollout(model, flow, noise, cond={"label": 1}),
+        "cond",
+        "['label']",
+    ),
+    api(
+        "rollout(<model returning [B, D+1]>, flow, noise)",
+        lambda: gradest.rollout(_WrongShape(), flow, noise),
+        "model(z, t)",
+        "(2, 4)",
+    ),
+    api(
+        "rollout(<model returning a tuple>, flow, noise)",
+        lambda: gradest.rollout(_ReturnsTuple(), flow, noise),
+        "model(z, t)",
+        "tuple",
+    ),
+    api(
+        "rollout(model, flow, noise, generator=0)",
+        lambda: gradest.rollout(model, flow, noise, generator=0),
+        "generator",
+        "int",
+    ),
+    # objectives
+    api(
+        "TerminalObjective(3)",
+        lambda: gradest.TerminalObjective(3),
+        "loss_fn",
+        "3",
+        gap="attrs' generic message: not the expected loss_fn(z_final) -> scalar signature",
+    ),
+    api(
+        'StepwiseObjective("loss")',
+        lambda: gradest.StepwiseObjective("loss"),
+        "loss_fn",
+        "loss",
+        gap="attrs' generic message: not the expected loss_fn(k, v_k, trajectory) signature",
+    ),
+    api(
+        "estimate(..., TerminalObjective(lambda z: z))",
+        lambda: estimate(model, flow, gradest.TerminalObjective(lambda z: z)),
+        "loss on the final sample",
+        "(2, 3)",
+    ),
+    api(
+        "estimate(..., TerminalObjective(lambda z: 1.0))",
+        lambda: estimate(model, flow, gradest.TerminalObjective(lambda z: 1.0)),
+        "loss on the final sample",
+        "float",
+    ),
+    api(
+        "estimate(..., TerminalObjective(lambda z: z.sum() / 0.0))",
+        lambda: estimate(model, flow, gradest.TerminalObjective(lambda z: z.sum() / 0.0)),
+        "loss on the final sample",
+        "inf",
+    ),
+    api(
+        "estimate(..., StepwiseObjective(lambda k, v, traj: v), trajectory=traj)",
+        lambda: estimate(
+            model, flow, gradest.StepwiseObjective(lambda k, v, traj: v), trajectory=trajectory
+        ),
+        "loss at step 0",
+        "(2, 3)",
+    ),
+    api(
+        "estimate(..., StepwiseObjective(<inf at step 2>), trajectory=traj)",
+        lambda: estimate(
+            model, flow, gradest.StepwiseObjective(_stepwise_inf_at_step_2), trajectory=trajectory
+        ),
+        "loss at step 2",
+        "inf",
+    ),
+    api(
+        "estimate(<model with NaN velocity>, ...)",
+        lambda: estimate(_NaNVelocity()),
+        "velocity",
+        "step 0",
+    ),
+    # flow matching
+    api(
+        "flow_matching_trajectory(flow, data, noise[:1])",
+        lambda: gradest.flow_matching_trajectory(flow, data, noise[:1]),
+        "data",
+        "(1, 3)",
+    ),
+    api(
+        "flow_matching_trajectory(flow, data.tolist(), noise)",
+        lambda: gradest.flow_matching_trajectory(flow, data.tolist(), noise),
+        "data",
+        "list",
+    ),
+    api(
+        "flow_matching_objective(torch.zeros(2, 3), torch.zeros(2, 4))",
+        lambda: gradest.flow_matching_objective(torch.zeros(2, 3), torch.zeros(2, 4)),
+        "data",
+        "(2, 4)",
+    ),
+    api(
+        "flow_matching_objective(data, noise[:1])",
+        lambda: gradest.flow_matching_objective(data, noise[:1]),
+        "data",
+        "(1, 3)",
+    ),
+    # estimate / backward arguments
+    api(
+        "estimate(model, flow, objective)",
+        lambda: estimate(model, flow, objective, noise=None),
+        "noise=",
+        "trajectory=",
+        "neither",
+    ),
+    api(
+        "estimate(..., noise=noise, trajectory=traj)",
+        lambda: estimate(noise=noise, trajectory=trajectory),
+        "noise=",
+        "trajectory=",
+        "both",
+    ),
+    api("estimate(model, 50, objective, noise=noise)", lambda: estimate(model, 50), "flow", "int"),
+    api(
+        "estimate(model, flow, lambda z: z.sum(), noise=noise)",
+        lambda: estimate(model, flow, lambda z: z.sum()),
+        "objective",
+        "function",
+    ),
+    api(
+        "estimate(lambda z, t: z, flow, objective, noise=noise)",
+        lambda: estimate(lambda z, t: z),
+        "model",
+        "function",
+    ),
+    api(
+        "estimate(..., trajectory=noise)",
+        lambda: estimate(trajectory=noise),
+        "trajectory",
+        "Tensor",
+    ),
+    api(
+        "estimate(..., trajectory=<rollout on RectifiedFlow(steps=5)>)",
+        lambda: estimate(trajectory=gradest.rollout(model, gradest.RectifiedFlow(steps=5), noise)),
+        "trajectory",
+        "5 steps",
+    ),
+    api(
+        "estimate(..., trajectory=<float32 rollout>) with a float64 model",
+        lambda: estimate(
+            trajectory=gradest.rollout(tiny_mlp(DIM, dtype=torch.float32), flow, noise.float())
+        ),
+        "trajectory.states[0]",
+        "torch.float32",
+    ),
+    api("estimate(..., cond=[1])", lambda: estimate(cond=[1]), "cond", "list"),
+    api("estimate(..., generator=0)", lambda: estimate(generator=0), "generator", "int"),
+    api(
+        'estimate(..., noise_grad="yes")', lambda: estimate(noise_grad="yes"), "noise_grad", "'yes'"
+    ),
+    api(
+        "estimate(model, flow, stepwise, noise=noise, noise_grad=True)",
+        lambda: estimate(model, flow, stepwise, noise_grad=True),
+        "noise_grad=True",
+        "StepwiseObjective",
+    ),
+    api(
+        'estimate(..., on_nonfinite="ignore")',
+        lambda: estimate(on_nonfinite="ignore"),
+        "on_nonfinite",
+        "'ignore'",
+    ),
+    api(
+        'backward(..., on_nonfinite="ignore")',
+        lambda: gradest.estimator("exact").backward(
+            model, flow, objective, noise=noise, on_nonfinite="ignore"
+        ),
+        "on_nonfinite",
+        "'ignore'",
+    ),
+    api(
+        "estimate(<model with every parameter frozen>, ...)",
+        lambda: estimate(_frozen_mlp()),
+        "requires_grad=True",
+        "MLPVelocity",
+    ),
+    # estimator options: exact
+    api(
+        'estimator("exact", checkpoint="yes")',
+        lambda: gradest.estimator("exact", checkpoint="yes"),
+        "checkpoint",
+        "'yes'",
+    ),
+    api(
+        'estimator("exact:checkpoint=maybe")',
+        lambda: gradest.estimator("exact:checkpoint=maybe"),
+        "checkpoint",
+        "'maybe'",
+        gap="says 'expected true or false' twice",
+    ),
+    # jagg
+    api('estimator("jagg", window=1)', lambda: gradest.estimator("jagg", window=1), "window=1"),
+    api(
+        'estimator("jagg", window=2.5)', lambda: gradest.estimator("jagg", window=2.5), "window=2.5"
+    ),
+    api('estimator("jagg", order=0)', lambda: gradest.estimator("jagg", order=0), "order=0"),
+    api(
+        'estimator("jagg", window=4, order=4)',
+        lambda: gradest.estimator("jagg", window=4, order=4),
+        "order=4",
+        "window=4",
+        gap="typo: '3th-order'",
+    ),
+    api('estimator("jagg", tau=1.5)', lambda: gradest.estimator("jagg", tau=1.5), "tau=1.5"),
+    api(
+        'estimator("jagg", tau="high")', lambda: gradest.estimator("jagg", tau="high"), "tau='high'"
+    ),
+    api(
+        'estimator("jagg", gate="max")', lambda: gradest.estimator("jagg", gate="max"), "gate='max'"
+    ),
+    api(
+        'estimator("jagg", shared_knots=1)',
+        lambda: gradest.estimator("jagg", shared_knots=1),
+        "shared_knots=1",
+    ),
+    # sdo
+    api('estimator("sdo", samples=0)', lambda: gradest.estimator("sdo", samples=0), "samples=0"),
+    api(
+        'estimator("sdo", samples=5).estimate(<4-step flow>)',
+        lambda: estimate(estimator="sdo:samples=5"),
+        "samples=5",
+        "N=4",
+    ),
+    api(
+        'estimator("sdo", scale="biased")',
+        lambda: gradest.estimator("sdo", scale="biased"),
+        "scale='biased'",
+    ),
+    api(
+        'estimator("sdo", full_sum="yes")',
+        lambda: gradest.estimator("sdo", full_sum="yes"),
+        "full_sum='yes'",
+    ),
+    # truncated
+    api('estimator("truncated", k=0)', lambda: gradest.estimator("truncated", k=0), "k=0"),
+    api(
+        'estimator("truncated", k=5).estimate(<4-step flow>)',
+        lambda: estimate(estimator="truncated:k=5"),
+        "k=5",
+        "N=4",
+    ),
+    api(
+        'estimator("truncated", random="uniform", k=5).estimate(<4-step flow>)',
+        lambda: estimate(estimator="truncated:random=uniform,k=5"),
+        "k=5",
+        "N=4",
+    ),
+    api(
+        'estimator("truncated", random="normal")',
+        lambda: gradest.estimator("truncated", random="normal"),
+        "random='normal'",
+    ),
+    api(
+        'estimator("truncated", random=(0.5, 0.6))',
+        lambda: gradest.estimator("truncated", random=(0.5, 0.6)),
+        "random=(0.5, 0.6)",
+        "1.1",
+    ),
+    api(
+        'estimator("truncated", random=())',
+        lambda: gradest.estimator("truncated", random=()),
+        "random=()",
+    ),
+    api(
+        'estimator("truncated", random=(-0.5, 1.5))',
+        lambda: gradest.estimator("truncated", random=(-0.5, 1.5)),
+        "random=(-0.5, 1.5)",
+    ),
+    api(
+        'estimator("truncated", random=5)',
+        lambda: gradest.estimator("truncated", random=5),
+        "random=5",
+    ),
+    api(
+        'estimator("truncated", k=2, random=(0.5, 0.5))',
+        lambda: gradest.estimator("truncated", k=2, random=(0.5, 0.5)),
+        "k=2",
+        "random=(0.5, 0.5)",
+    ),
+    api(
+        'estimator("truncated:random=0.5/x")',
+        lambda: gradest.estimator("truncated:random=0.5/x"),
+        "random='0.5/x'",
+    ),
+    api('estimator("truncated:k=two")', lambda: gradest.estimator("truncated:k=two"), "k='two'"),
+    # registry spec strings
+    api('estimator("")', lambda: gradest.estimator(""), "spec", "''"),
+    api(
+        "estimator(3)",
+        lambda: gradest.estimator(3),
+        "spec",
+        "3",
+        gap="a non-string spec raises ValueError where a TypeError is expected",
+    ),
+    api('estimator("nope")', lambda: gradest.estimator("nope"), "'nope'", elide=AVAILABLE),
+    api('estimator("jagg:window")', lambda: gradest.estimator("jagg:window"), "'window'"),
+    api('estimator("jagg:windw=4")', lambda: gradest.estimator("jagg:windw=4"), "'windw'"),
+    api('estimator("jagg", windw=4)', lambda: gradest.estimator("jagg", windw=4), "'windw'"),
+    api(
+        'estimator("jagg:window=four")',
+        lambda: gradest.estimator("jagg:window=four"),
+        "window='four'",
+    ),
+    # gradest.compare
+    api(
+        "compare(model, flow, lambda z: z.sum(), ...)",
+        lambda: _compare(objective=lambda z: z.sum()),
+        "objective",
+        "function",
+    ),
+    api(
+        'compare(..., estimators="exact")',
+        lambda: _compare(estimators="exact"),
+        "estimators",
+        "'exact'",
+    ),
+    api("compare(..., estimators=[])", lambda: _compare(estimators=[]), "estimators", "empty"),
+    api("compare(..., estimators=[3])", lambda: _compare(estimators=[3]), "estimator", "3"),
+    api(
+        'compare(..., estimators=["nope"])',
+        lambda: _compare(estimators=["nope"]),
+        "'nope'",
+        elide=AVAILABLE,
+    ),
+    api(
+        'compare(..., reference="jagg")', lambda: _compare(reference="jagg"), "reference", "'jagg'"
+    ),
+    api("compare(..., seeds=0)", lambda: _compare(seeds=0), "seeds", "0"),
+    api("compare(..., seeds=True)", lambda: _compare(seeds=True), "seeds", "True"),
+    api("compare(..., seeds=[])", lambda: _compare(seeds=[]), "seeds", "[]"),
+    api("compare(..., draws=0)", lambda: _compare(draws=0), "draws", "0"),
+    api(
+        "compare(..., timing_repeats=0)", lambda: _compare(timing_repeats=0), "timing_repeats", "0"
+    ),
+    api(
+        "compare(..., noise_fn=noise)",
+        lambda: _compare(noise_fn=noise),
+        "noise_fn",
+        "tensor",
+        elide=(r"(?s)(?<=got )tensor\(.*\)",),
+        gap="prints the whole tensor (several lines) instead of its type",
+    ),
+    # the command line
+    command("compare --estimators ,", "--estimators"),
+    command("compare --estimators exact,nope", "'nope'", elide=AVAILABLE),
+    command("compare --estimators jagg:window=1", "window=1"),
+    command("compare --seeds 0", "--seeds", "0"),
+    command(
+        "compare --draws 0",
+        "--draws",
+        "0",
+    ),
+    command(
+        "compare --repeats 0",
+        "--repeats",
+        "0",
+    ),
+    command(
+        "compare --steps 0",
+        "--steps",
+        "0",
+    ),
+    command(
+        "compare --batch 0 --steps 2 --seeds 1 --draws 1 --quiet",
+        "--batch",
+        "0",
+    ),
+    command("compare --model vit", "--model", "'vit'", elide=(r"(?<=choose one of ).*",)),
+    command("compare --objective both", "--objective", "'both'"),
+    command("compare --dtype float16", "--dtype", "'float16'"),
+    command(
+        "compare --device tpu",
+        "--device",
+        "tpu",
+    ),
+    command(
+        "compare --out <an existing file>",
+        "--out",
+        "file",
+        elide=(r"'[^']*'",),
+        argv=("compare", "--out", "{file}"),
+    ),
+    command("compare --seeds x", "--seeds", "'x'"),
+    command("compare --bogus", "--bogus"),
+    command("check --steps 0", "--steps", "0"),
+    command("check --estimators nope", "'nope'", elide=AVAILABLE),
+    command("check --estimators jagg:window=x", "window='x'"),
+    command("list extra", "extra"),
+    command("frobnicate", "'frobnicate'", elide=(r"(?<=choose from ).*(?=\))",)),
+]
+
+if not torch.cuda.is_available():
+    CASES.append(command("compare --device cuda", "--device", "cuda", gap="no fix (--device cpu)"))
+
+_BY_INPUT = {case.input: case for case in CASES}
+assert len(_BY_INPUT) == len(CASES), "duplicate inputs in CASES"
+
+
+# -- running a case ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Outcome:
+    """What the user sees: the exception (or exit status) and its message."""
+
+    error: str  # "ValueError", "UnknownEstimatorError (ValueError)", "exit 2", "none", ...
+    message: str
+    stderr_lines: tuple[str, ...] = ()
+    traceback: bool = False
+    error_type: type | None = None
+
+
+def _error_label(error: BaseException) -> str:
+    cls = type(error)
+    if cls.__module__ == "builtins":
+        return cls.__name__
+    builtin = next(base for base in cls.__mro__ if base.__module__ == "builtins")
+    return f"{cls.__name__} ({builtin.__name__})"
+
+
+def _argv(case: Case, scratch: Path) -> list[str]:
+    """The case's argv with ``{file}`` replaced by an existing file in ``scratch``."""
+    existing = scratch / "report.md"
+    existing.write_text("")
+    return [arg.replace("{file}", str(existing)) for arg in case.argv]
+
+
+def outcome(case: Case) -> Outcome:
+    if not case.is_cli:
+        try:
+            case.run()
+        except Exception as error:  # recording what the user gets
+            return Outcome(_error_label(error), str(error), error_type=type(error))
+        return Outcome("none (accepted)", "")
+    with tempfile.TemporaryDirectory() as scratch:
+        argv = _argv(case, Path(scratch))
+        stderr, stdout = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+                status = cli.main(argv)
+        except SystemExit as exit_:  # argparse
+            status = exit_.code
+        except Exception as error:  # an uncaught error is a traceback
+            return Outcome(
+                f"{_error_label(error)}, traceback",
+                str(error),
+                traceback=True,
+                error_type=type(error),
+            )
+    lines = tuple(line for line in stderr.getvalue().splitlines() if line.strip())
+    return Outcome(f"exit {status}", lines[-1] if lines else "", stderr_lines=lines)
+
+
+# -- docs/errors.md ------------------------------------------------------------------------------
+
+
+def _elide(case: Case, message: str) -> str:
+    for pattern in case.elide:
+        message = re.sub(pattern, "...", message)
+    return message
+
+
+def _code(text: str) -> str:
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{text}{pad}{fence}".replace("|", r"\|")
+
+
+def _uncode(cell: str) -> str:
+    cell = cell.strip().replace(r"\|", "|")
+    for fence in ("`` ", "``", "`"):
+        closing = fence[::-1]
+        if cell.startswith(fence) and cell.endswith(closing) and len(cell) >= 2 * len(fence):
+            return cell[len(fence) : len(cell) - len(closing)]
+    return cell
+
+
+HEADER = """# Errors
+
+gradest checks its input before any work starts. A bad argument raises a `TypeError` or
+`ValueError` (or a subclass: `UnknownEstimatorError`, `NonFiniteError`) whose message
+names the argument, the value and the fix; the command line prints the same message as
+one `gradest <command>: error: ...` line and exits with status 2 (argparse's own errors,
+such as an unknown flag, print the usage first).
+
+One row per bad input. The exception column is what the caller gets: an exception class
+(its built-in base in parentheses), `exit 2` for the command line, `traceback` where the
+command line lets an exception escape, or `none (accepted)` where the input is not
+rejected. Rows that are not a `TypeError`/`ValueError` (or `exit 2`) are known defects.
+`...` in a message stands for text that depends on the machine, the installed plugins,
+or a printed value.
+
+In the inputs, `model` is a small `torch.nn.Module` velocity model, `flow =
+gradest.RectifiedFlow(steps=4)`, `noise` and `data` are `[2, 3]` float64 tensors,
+`objective` a `TerminalObjective`, `stepwise` a `StepwiseObjective`, `traj` a trajectory
+recorded with `gradest.rollout(model, flow, noise)`, and `estimate(...)` stands for
+`gradest.estimator("exact").estimate(...)`. The table is generated by
+`python tests/test_bad_input_sweep.py > docs/errors.md` and checked row by row by that
+test file.
+
+| input | exception | message |
+|---|---|---|
+"""
+
+
+def render_table() -> str:
+    rows = []
+    for case in CASES:
+        result = outcome(case)
+        if "\n" in _elide(case, result.message):
+            raise ValueError(f"{case.input}: a multi-line message needs an elide pattern")
+        rows.append(
+            f"| {_code(case.input)} | {result.error} | {_code(_elide(case, result.message))} |"
+        )
+    return HEADER + "\n".join(rows) + "\n"
+
+
+def parse_table(text: str) -> dict[str, tuple[str, str]]:
+    """``input -> (exception, message)`` from the table in ``docs/errors.md``."""
+    rows: dict[str, tuple[str, str]] = {}
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+        assert len(cells) == 3, f"docs/errors.md: a row needs 3 cells: {line}"
+        key = _uncode(cells[0])
+        assert key not in rows, f"docs/errors.md: duplicate row {key!r}"
+        rows[key] = (cells[1].strip(), _uncode(cells[2]))
+    return rows
+
+
+def _pattern(documented: str) -> re.Pattern:
+    """The documented message with each ``...`` matching any text."""
+    return re.compile(".*".join(re.escape(part) for part in documented.split("...")), re.DOTALL)
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def documented() -> dict[str, tuple[str, str]]:
+    return parse_table(DOC.read_text())
+
+
+def test_every_table_row_has_a_case_and_every_case_a_row(documented):
+    regenerate = f"regenerate with: .venv/bin/python tests/{Path(__file__).name} > docs/errors.md"
+    assert sorted(set(documented) - set(_BY_INPUT)) == [], f"rows without a case; {regenerate}"
+    assert sorted(set(_BY_INPUT) - set(documented)) == [], f"cases without a row; {regenerate}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.input for case in CASES])
+def test_the_input_fails_as_documented(case, documented):
+    if case.input not in documented:
+        pytest.fail(f"no row for {case.input!r} in docs/errors.md")
+    error, message = documented[case.input]
+    result = outcome(case)
+    assert result.error == error
+    assert _pattern(message).fullmatch(result.message), (
+        f"message changed; regenerate docs/errors.md:\n  now: {result.message}\n  doc: {message}"
+    )
+
+
+def _standard_cases() -> list[Any]:
+    return [
+        pytest.param(
+            case,
+            id=case.input,
+            marks=[pytest.mark.xfail(strict=True, reason=case.defect)] if case.defect else [],
+        )
+        for case in CASES
+    ]
+
+
+@pytest.mark.parametrize("case", _standard_cases())
+def test_the_error_meets_the_standard(case, capsys):
+    """A ValueError/TypeError naming the argument and value; CLI: exit 2, one line."""
+    if case.is_cli:
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                status = cli.main(_argv(case, Path(scratch)))
+            except SystemExit as exit_:
+                status = exit_.code
+        stderr = capsys.readouterr().err
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert status not in (0, None)
+        assert "Traceback" not in stderr
+        assert lines and re.match(r"gradest( \w+)?: error: ", lines[-1]), stderr
+        # argparse prints its usage first; errors gradest raises are exactly one line.
+        assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), stderr
+        message = lines[-1]
+    else:
+        with pytest.raises(Exception) as info:  # noqa: B017 - the type is checked below
+            case.run()
+        assert isinstance(info.value, TypeError | ValueError), traceback.format_exception(
+            info.value
+        )
+        message = str(info.value)
+    for name in case.names:
+        assert name in message, f"{name!r} not in {message!r}"
+
+
+def _print_table(stream: Any = sys.stdout) -> None:
+    stream.write(render_table())
+
+
+if __name__ == "__main__":
+    _print_table()
+
+
+__all__: Sequence[str] = ["CASES", "parse_table", "render_table"]

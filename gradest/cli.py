@@ -119,7 +119,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         cond = problem.cond_fn(0)
         trajectory = rollout(problem.model, problem.flow, problem.noise_fn(0), cond=cond)
         report.config["sweeps"] = {
-            "span": jagg_span_sweep(problem.model, problem.objective, problem.noise_fn(0), cond),
+            # one group of at most 8 steps (a stepwise objective knows only N steps)
+            "span": jagg_span_sweep(
+                problem.model,
+                problem.objective,
+                problem.noise_fn(0),
+                cond,
+                steps=min(8, args.steps),
+            ),
             "tau": jagg_tau_sweep(problem.model, problem.flow, problem.objective, trajectory, cond),
         }
     report.write(out, plots=not args.no_plots)

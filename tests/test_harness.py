@@ -319,3 +319,17 @@ def test_cli_out_that_is_a_file(tmp_path, capsys):
     target.write_text("x")
     assert main(["compare", "--out", str(target), "--quiet"]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_sweeps_work_on_a_float32_model():
+    from gradest.harness.sweeps import jagg_span_sweep, jagg_tau_sweep
+
+    model = tiny_mlp(DIM, hidden=8, dtype=torch.float32)
+    flow = gradest.RectifiedFlow(steps=STEPS)
+    objective = random_stepwise_objective(STEPS, (BATCH, DIM))
+    state = seeded_normal((BATCH, DIM), 0, torch.float32)
+    trajectory = gradest.rollout(model, flow, state)
+    rows = jagg_tau_sweep(model, flow, objective, trajectory, window=3, taus=(0.0, 1.0))
+    assert rows[-1]["relative_error"] <= 1e-6  # tau = 1 falls back everywhere: exact
+    span = jagg_span_sweep(model, objective, state, steps=4, spans=(1e-3, 5e-4), orders=(1,))
+    assert len(span["orders"]["1"]["errors"]) == 2

@@ -21,7 +21,8 @@ from gradest.registry import estimator
 
 
 def _flat_error(result: Any, exact: torch.Tensor) -> tuple[float, float]:
-    flat = result.flat().to(torch.float64)
+    # float64 for the comparison whatever the model's dtype (float32 models included).
+    flat, exact = result.flat().to(torch.float64), exact.to(torch.float64)
     error = float((flat - exact).norm() / exact.norm().clamp_min(1e-300))
     cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
     return error, cosine

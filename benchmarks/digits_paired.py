@@ -93,6 +93,7 @@ def measure_agreement(
     out = {}
     for spec in specs:
         est = gradest.estimator(spec)
+        first = est.estimate(model, flow, objective, trajectory=trajectory, cond=cond)
         draws = [
             est.estimate(
                 model,
@@ -122,6 +123,9 @@ def measure_agreement(
         out[spec] = {
             "cosine": statistics.fmean(_cosine(d, exact.flat()) for d in draws),
             "cosine_of_mean": _cosine(torch.stack(draws).mean(0), exact.flat()),
+            # jagg: the fraction of groups the gate sent back to exact on this minibatch
+            "fallback_fraction": first.info.get("fallback_fraction"),
+            "param_vjps": first.cost.param_vjps,
             "retained_bytes": retained,
         }
     base = out.get("exact", {}).get("retained_bytes") or retained_activation_bytes(
@@ -236,6 +240,10 @@ def summarize(
     return summary
 
 
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
     sampling = "unconditional sampling" if config["labels"] == "none" else "conditioned on it"
     lines = [
@@ -251,8 +259,9 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
         f"the target class, on the digit classifier's features (torch-fidelity).",
         "",
         "| estimator | final reward | vs exact (Δ/|exact|) | wins / seeds (p Wilcoxon, t) "
-        "| gain per backward-s: wins (p) | FID | KID | backward × | retained × | cos to exact |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| gain per backward-s: wins (p) | FID | KID | backward × | retained × | cos to exact "
+        "| fallback |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     n = config["seeds"]
     for spec, s in summary.items():
@@ -263,7 +272,8 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
             f"| {rw['wins']}/{n} ({rw['wilcoxon_p']:.3g}, {rw['ttest_p']:.3g}) "
             f"| {gw['wins']}/{n} ({gw['wilcoxon_p']:.3g}) "
             f"| {s['fid_mean']:.2f} | {s['kid_mean']:.4f} | {s['backward_ratio']:.2f} "
-            f"| {s.get('retained_ratio', math.nan):.3f} | {s.get('cosine', math.nan):.4f} |"
+            f"| {s.get('retained_ratio', math.nan):.3f} | {s.get('cosine', math.nan):.4f} "
+            f"| {_fraction(s.get('fallback_fraction'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -293,6 +303,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/digits_paired")
+    parser.add_argument(
+        "--agreement-only",
+        action="store_true",
+        help="keep the fine-tuning runs in --out/results.json and recompute only the "
+        "minibatch agreement (cosine, fallback, retained bytes) and the summary",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     specs = split_specs(args.estimators)
@@ -300,6 +316,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs.insert(0, "exact")
     for spec in specs:
         gradest.estimator(spec)
+    out = Path(args.out)
+    if args.agreement_only:
+        saved = json.loads((out / "results.json").read_text())
+        runs, config = saved["runs"], saved["config"]
+        specs = list(runs)
+        for key in ("mode", "batch", "sampler_steps", "target", "labels", "group_size"):
+            setattr(args, key, config[key])
+        summary = summarize(runs, measure_agreement(args, specs))
+        _write(out, config, summary, runs)
+        return 0
     images, labels = load_digits_dataset("heldout")
     reference = images[labels == args.target]
     runs: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
@@ -320,15 +346,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
         **{k: v for k, v in vars(args).items() if k not in ("estimators", "out")},
     }
-    summary = summarize(runs, agreement)
-    out = Path(args.out)
+    _write(out, config, summarize(runs, agreement), runs)
+    return 0
+
+
+def _write(
+    out: Path, config: dict[str, Any], summary: dict[str, Any], runs: dict[str, Any]
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(
-        json.dumps({"config": config, "summary": summary, "runs": runs}, indent=2)
-    )
+    payload = {"config": config, "summary": summary, "runs": runs}
+    (out / "results.json").write_text(json.dumps(payload, indent=2))
     (out / "results.md").write_text(to_markdown(config, summary))
     print(to_markdown(config, summary))
-    return 0
 
 
 if __name__ == "__main__":

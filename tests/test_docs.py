@@ -1,0 +1,54 @@
+"""The code in README.md and docs/ runs, so it cannot rot; the docs site builds.
+
+Every fenced ``python`` block is executed, in order, in one namespace per file (like a
+notebook), from a temporary working directory. A block whose first line is
+``# not run: <reason>`` is an excerpt (it needs hub weights or a launched process
+group) and is skipped; the reason names where the same code does run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks(page: Path) -> list[str]:
+    return [b for b in BLOCK.findall(page.read_text()) if not b.startswith("# not run:")]
+
+
+RUNNABLE = [page for page in PAGES if python_blocks(page)]
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=[p.name for p in RUNNABLE])
+def test_code_in_docs_runs(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    for index, block in enumerate(python_blocks(page)):
+        code = compile(block, f"{page.name} block {index}", "exec")
+        exec(code, namespace)  # noqa: S102 - the documentation's own examples
+
+
+def test_excerpts_say_where_they_run():
+    for page in PAGES:
+        for block in BLOCK.findall(page.read_text()):
+            if block.startswith("# not run:"):
+                assert len(block.splitlines()[0]) > len("# not run: "), page
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="needs mkdocs")
+def test_docs_site_builds_strictly(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "site" / "index.html").exists()

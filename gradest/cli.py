@@ -147,6 +147,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     from gradest.workloads.finetune import run_finetune_from_args
 
     result = run_finetune_from_args(args)
+    if result.get("rank", 0) != 0:  # under torchrun, rank 0 reports for everyone
+        return 0
     print(
         f"reward {result['initial_reward']:.4f} -> {result['final_reward']:.4f}; "
         f"log {result['log_path']}"

@@ -201,7 +201,9 @@ def affine_step(
 ) -> Tensor:
     """``z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k`` (differentiable in z and v)."""
     alpha, beta, sigma = coefficients
-    out = z * float(alpha[k]) + v * float(beta[k])
+    scale = float(alpha[k])
+    # alpha = 1 (Euler) skips a multiply and its backward node; z * 1.0 == z exactly.
+    out = (z if scale == 1.0 else z * scale) + v * float(beta[k])
     if step_noise is not None and float(sigma[k]) != 0.0:
         out = out + float(sigma[k]) * step_noise[k]
     return out

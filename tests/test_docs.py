@@ -48,7 +48,10 @@ def test_excerpts_say_where_they_run():
 def test_docs_site_builds_strictly(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "site" / "index.html").exists()

@@ -13,6 +13,11 @@ gradient. This module does the averaging DDP would have done:
   that calls ``estimator.backward`` itself.
 * :func:`rank_generator`: a ``torch.Generator`` per rank, so each rank draws its own
   noise and random steps, reproducibly from one seed.
+* :func:`launched_world` / :func:`process_group_from_env`: the rank and world size a
+  launcher (``torchrun``) put in the environment, and a process group made from them
+  for the duration of a ``with`` block (used by ``gradest finetune``).
+* :func:`broadcast_module` / :func:`replicas_in_sync`: start every rank from rank 0's
+  weights (what DDP's constructor does), and check bit for bit that they stayed equal.
 
 Averaging equals the full-batch gradient when every rank holds an equal share of the
 batch and the objective is a *mean* over samples (as for DDP with a mean-reduced loss).
@@ -20,8 +25,10 @@ batch and the objective is a *mean* over samples (as for DDP with a mean-reduced
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -36,9 +43,13 @@ from gradest.protocol import GradientEstimate
 
 __all__ = [
     "allreduce_gradients",
+    "broadcast_module",
     "check_same_estimator",
     "distributed_backward",
+    "launched_world",
+    "process_group_from_env",
     "rank_generator",
+    "replicas_in_sync",
     "unwrap",
 ]
 
@@ -307,3 +318,112 @@ def rank_generator(
         raise ValueError(f"rank must be an int >= 0, got {rank!r}")
     state = np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator(device=device).manual_seed(int(state))
+
+
+# -- launching: the world from the environment, one process group per run --------------------
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={text!r} must be an int; it is set by the launcher "
+            f"(torchrun); unset it to run as a single process"
+        ) from None
+
+
+def launched_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process.
+
+    From the initialized default process group if there is one; otherwise from the
+    ``RANK`` and ``WORLD_SIZE`` environment variables that ``torchrun`` (and other
+    ``env://`` launchers) set; otherwise ``(0, 1)``, a single process.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(
+            f"environment variables RANK={rank} and WORLD_SIZE={world} are inconsistent "
+            f"(need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE); launch with torchrun, or "
+            f"unset both to run as a single process"
+        )
+    return rank, world
+
+
+@contextlib.contextmanager
+def process_group_from_env(device: str | torch.device = "cpu") -> Iterator[tuple[int, int]]:
+    """A process group for the ``with`` block; yields ``(rank, world_size)``.
+
+    * A default group the caller already initialized is used and left initialized.
+    * Otherwise, with ``WORLD_SIZE > 1`` in the environment (``torchrun``), one is
+      initialized from it (``init_method="env://"``: ``RANK``, ``WORLD_SIZE``,
+      ``MASTER_ADDR``, ``MASTER_PORT``) and destroyed when the block exits, also on an
+      error. The backend is ``"nccl"`` for a CUDA ``device`` (made the current device when
+      it has an index: each rank needs its own GPU, e.g. ``cuda:LOCAL_RANK``) and
+      ``"gloo"`` otherwise.
+    * Otherwise no group is made and ``(0, 1)`` is yielded.
+    """
+    if dist.is_available() and dist.is_initialized():
+        yield dist.get_rank(), dist.get_world_size()
+        return
+    rank, world = launched_world()
+    if world == 1:
+        yield rank, world
+        return
+    if not dist.is_available():
+        raise RuntimeError(
+            f"WORLD_SIZE={world} asks for {world} processes, but this torch build has no "
+            f"torch.distributed; run a single process (unset WORLD_SIZE)"
+        )
+    device = torch.device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.index is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method="env://")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- replicas: start equal, stay equal ------------------------------------------------------
+
+
+def broadcast_module(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite every rank's parameters and buffers with those of the group's rank 0.
+
+    What ``DistributedDataParallel``'s constructor does, so replicas start equal even
+    when each rank built (or randomly initialized) its own copy.
+    """
+    _require_initialized()
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*unwrap(model).parameters(), *unwrap(model).buffers()]:
+            dist.broadcast(tensor.data, src=source, group=group)
+
+
+def _state_digest(module: nn.Module) -> str:
+    """sha256 of the names and raw bytes of every parameter and buffer: equal bit for bit."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def replicas_in_sync(model: nn.Module, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank iff all ranks hold bit-identical parameters and buffers.
+
+    One ``all_gather_object`` of a sha256 digest of the state dict; call it on every rank.
+    """
+    _require_initialized()
+    digests: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, _state_digest(unwrap(model)), group=group)
+    return len(set(digests)) == 1

@@ -34,6 +34,10 @@ Randomness comes only from a ``torch.Generator`` seeded with ``seed``: evaluatio
 noise, training noise, SDE step noise and the estimators' random draws, in that order.
 The same seed on the same machine gives the same run number for number (the JSON log
 differs only in the ``*_seconds`` timings).
+
+Under ``torchrun`` the loop is data-parallel: each rank samples its share of the batch
+with its own generator, the gradients are averaged across ranks as DDP would, and only
+rank 0 writes (see :func:`finetune`).
 """
 
 from __future__ import annotations
@@ -42,16 +46,26 @@ import argparse
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from tqdm.auto import tqdm
 
 import gradest
 from gradest.flow import RectifiedFlow, Trajectory, rollout
+from gradest.integrations.distributed import (
+    broadcast_module,
+    distributed_backward,
+    launched_world,
+    process_group_from_env,
+    rank_generator,
+    replicas_in_sync,
+)
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Cost
 from gradest.workloads.grpo import group_advantages, grpo_objective
@@ -174,8 +188,8 @@ def _cond(labels: Any, batch: int, device: torch.device, key: str) -> dict[str, 
     )
 
 
-def _rewards(reward: Reward, images: Tensor) -> Tensor:
-    """``reward(images)`` checked to be a finite ``[B]`` tensor."""
+def _reward_values(reward: Reward, images: Tensor) -> Tensor:
+    """``reward(images)`` checked to be a ``[B]`` tensor (finite or not)."""
     values = reward(images)
     if not isinstance(values, Tensor) or values.shape != images.shape[:1]:
         shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
@@ -183,11 +197,59 @@ def _rewards(reward: Reward, images: Tensor) -> Tensor:
             f"reward(images) must return one reward per sample, shape [{images.shape[0]}], got "
             f"{shape}; do not reduce over the batch"
         )
+    return values
+
+
+def _require_finite_rewards(values: Tensor) -> Tensor:
     if not bool(torch.isfinite(values).all()):
         raise FloatingPointError(
             "reward(images) returned NaN or Inf; the samples may have diverged (lower lr)"
         )
     return values
+
+
+def _rewards(reward: Reward, images: Tensor) -> Tensor:
+    """``reward(images)`` checked to be a finite ``[B]`` tensor."""
+    return _require_finite_rewards(_reward_values(reward, images))
+
+
+def _check_world(mode: str, batch_size: int, group_size: int, world: int) -> int:
+    """The per-rank batch ``batch_size / world``, checked to split evenly (and, for GRPO,
+    into whole groups: advantages are normalised within a group, so a group must not
+    straddle two ranks)."""
+    if batch_size % world:
+        raise ValueError(
+            f"batch_size={batch_size} is the global batch and must be divisible by the world "
+            f"size {world} (each rank samples batch_size / world_size); e.g. "
+            f"batch_size={world * max(1, batch_size // world)}"
+        )
+    local = batch_size // world
+    if mode == "grpo" and local % group_size:
+        suggestion = world * group_size * max(1, local // group_size)
+        raise ValueError(
+            f"in mode='grpo' the per-rank batch batch_size / world_size = {batch_size} / {world} "
+            f"= {local} must be a multiple of group_size={group_size}, so that no group "
+            f"straddles two ranks; e.g. batch_size={suggestion}"
+        )
+    return local
+
+
+def _gather(values: Tensor, world: int) -> Tensor:
+    """Every rank's ``[b]`` tensor, concatenated in rank order (the global batch)."""
+    parts = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(parts, values.contiguous())
+    return torch.cat(parts)
+
+
+def _mean_across_ranks(
+    values: Sequence[float | None], world: int, device: torch.device
+) -> list[float | None]:
+    """Each value averaged over the ranks (None, i.e. not reported, stays None)."""
+    local = torch.tensor(
+        [math.nan if v is None else v for v in values], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(local)
+    return [None if math.isnan(v) else v / world for v in local.tolist()]
 
 
 # -- the loop ----------------------------------------------------------------------------
@@ -301,14 +363,17 @@ def finetune(
             (Flow-GRPO clipped surrogate on FlowSDE rollouts); see the module docstring.
         steps: outer steps (``reward``: one optimizer step each; ``grpo``: one batch of
             rollouts, then ``inner_epochs`` optimizer steps).
-        batch_size: samples per step (``grpo``: a multiple of ``group_size``).
+        batch_size: samples per step, over all ranks (``grpo``: a multiple of
+            ``group_size``; with several ranks, divisible by the world size, and the
+            per-rank share a multiple of ``group_size``).
         lr, optimizer, weight_decay: ``torch.optim.AdamW`` or plain ``SGD``.
         max_grad_norm: clip the total gradient norm to this (None: no clipping).
-        seed: seeds the run's only ``torch.Generator``.
+        seed: seeds the run's only ``torch.Generator`` (several ranks: the evaluation
+            generator, and each rank's training generator via ``rank_generator(seed)``).
         sampler_steps: ``N``, steps of the sampler.
         labels: the model's class condition, passed as ``cond={cond_key: labels}``:
             None (unconditional call), an int for every sample, or a ``[batch_size]``
-            integer tensor.
+            integer tensor (several ranks: rank ``r`` trains on its consecutive slice).
         sample_shape: one sample's shape; inferred from a DiT's config when None.
         group_size, inner_epochs, clip, noise_level, log_prob_reduction: GRPO's group
             size, optimizer steps per batch, PPO clip range, FlowSDE ``noise_level``,
@@ -321,12 +386,26 @@ def finetune(
 
     Returns:
         ``{"initial_reward", "final_reward", "final_reward_std", "history", "checkpoints",
-        "log_path", "config"}``: the rewards are means on a fixed evaluation batch
-        (drawn first from the seeded generator, sampled with the ODE) before and after
-        training; ``history`` holds the logged records.
+        "log_path", "config", "rank", "world_size", "ranks_in_sync"}``: the rewards are
+        means on a fixed evaluation batch (drawn first from the seeded generator, sampled
+        with the ODE) before and after training; ``history`` holds the logged records;
+        ``ranks_in_sync`` is None for one process, else whether all replicas ended bit
+        for bit equal (False also warns).
 
     Raises:
         ValueError / TypeError: invalid arguments or estimator spec, before any model call.
+
+    Data parallelism (``torchrun --nproc_per_node=R ...``): when ``WORLD_SIZE > 1`` and
+    no default process group exists, one is initialized from the environment (``gloo``,
+    or ``nccl`` for a CUDA model; each rank needs its own GPU) and destroyed on return;
+    a group the caller initialized is used and left as is. Every rank starts from rank
+    0's weights, samples ``batch_size / R`` of the batch with its own generator
+    (``rank_generator(seed)``), averages gradients as DDP would
+    (:func:`~gradest.integrations.distributed.distributed_backward`) and takes the same
+    optimizer step, so the replicas stay equal. The evaluation batch is the global one
+    on every rank. Only rank 0 writes the log and checkpoints and shows the progress
+    bar (other ranks return ``log_path=None`` and no checkpoints). Logged rewards and
+    losses are over the global batch; ``cost`` and ``info`` are rank 0's own.
     """
     # -- everything is validated before the first model call --
     if mode not in MODES:
@@ -372,6 +451,13 @@ def finetune(
             )
     est = resolve_estimator(estimator)
     _check_estimator_fits(est, sampler_steps)
+    # Under torchrun the world size is known from the environment before any group
+    # exists, so a batch that does not split evenly fails here, on every rank alike.
+    _, world = launched_world()
+    local_batch = _check_world(mode, batch_size, group_size, world)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # Estimators call the bare module through functional_call; the wrapper adds nothing.
+        model = model.module
     shape = _sample_shape(model, sample_shape)
     parameters = [p for p in model.parameters() if p.requires_grad]
     if not parameters:
@@ -379,9 +465,8 @@ def finetune(
             f"model {type(model).__name__} has no parameters with requires_grad=True; "
             f"unfreeze the ones to fine-tune"
         )
-    first = parameters[0]
-    dtype, device = first.dtype, first.device
-    cond = _cond(labels, batch_size, device, cond_key)
+    device = parameters[0].device
+    eval_cond = _cond(labels, batch_size, device, cond_key)
 
     config: dict[str, Any] = {
         "estimator": repr(est),
@@ -396,6 +481,7 @@ def finetune(
         "sampler_steps": sampler_steps,
         "labels": labels if labels is None or isinstance(labels, int) else labels.tolist(),
         "sample_shape": list(shape),
+        "world_size": world,
     }
     if mode == "grpo":
         config.update(
@@ -406,67 +492,131 @@ def finetune(
             log_prob_reduction=log_prob_reduction,
         )
 
-    generator = torch.Generator().manual_seed(seed)
+    with process_group_from_env(device) as (rank, world):
+        return _train(
+            model,
+            reward,
+            est,
+            config,
+            rank=rank,
+            world=world,
+            local_batch=local_batch,
+            parameters=parameters,
+            shape=shape,
+            eval_cond=eval_cond,
+            log_path=log_path,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            progress=progress,
+        )
 
-    def draw_noise() -> Tensor:
-        return torch.randn((batch_size, *shape), generator=generator, dtype=dtype).to(device)
+
+def _train(
+    model: torch.nn.Module,
+    reward: Reward,
+    est: Any,
+    config: dict[str, Any],
+    *,
+    rank: int,
+    world: int,
+    local_batch: int,
+    parameters: list[torch.nn.Parameter],
+    shape: tuple[int, ...],
+    eval_cond: dict[str, Tensor] | None,
+    log_path: str | Path | None,
+    checkpoint_dir: str | Path | None,
+    checkpoint_every: int,
+    progress: bool,
+) -> dict[str, Any]:
+    """The loop of :func:`finetune`, on validated arguments, inside the process group."""
+    mode, steps, batch_size = config["mode"], config["steps"], config["batch_size"]
+    sampler_steps, max_grad_norm = config["sampler_steps"], config["max_grad_norm"]
+    lr, weight_decay = config["lr"], config["weight_decay"]
+    group_size, inner_epochs = config.get("group_size", 0), config.get("inner_epochs", 1)
+    dtype, device = parameters[0].dtype, parameters[0].device
+    distributed, main = world > 1, rank == 0
+    # The evaluation batch is the global one, identical on every rank (same seed), so
+    # every rank computes the same initial and final rewards.
+    eval_generator = torch.Generator().manual_seed(config["seed"])
+    # One process: one stream (evaluation noise, then training noise, SDE noise and the
+    # estimators' draws). Several ranks: each draws its share of the batch from its own
+    # stream, derived from (seed, rank).
+    generator = rank_generator(config["seed"], rank=rank) if distributed else eval_generator
+    # The rank's consecutive share of the global batch's labels.
+    cond = (
+        None
+        if eval_cond is None
+        else {k: v[rank * local_batch : (rank + 1) * local_batch] for k, v in eval_cond.items()}
+    )
 
     ode = RectifiedFlow(steps=sampler_steps)
     train_flow: RectifiedFlow | FlowSDE = (
-        ode if mode == "reward" else FlowSDE(sampler_steps, noise_level=noise_level)
+        ode if mode == "reward" else FlowSDE(sampler_steps, noise_level=config["noise_level"])
     )
-    if optimizer == "adamw":
+    if config["optimizer"] == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
     else:
         opt = torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay)
     terminal = TerminalObjective(lambda images: -_rewards(reward, images).mean())
 
+    if distributed:
+        # As DDP's constructor does: every replica starts from rank 0's weights.
+        broadcast_module(model)
+
     # Fixed evaluation noise, drawn first: every estimator run with this seed is scored
     # on the same samples.
-    eval_noise = draw_noise()
+    eval_noise = torch.randn((batch_size, *shape), generator=eval_generator, dtype=dtype).to(device)
 
     def evaluate() -> Tensor:
         with torch.no_grad():
-            final = rollout(model, ode, eval_noise, cond).states[-1]
+            final = rollout(model, ode, eval_noise, eval_cond).states[-1]
             return _rewards(reward, final).detach()
 
     initial = evaluate()
 
+    # Only rank 0 writes; the other ranks' replicas are identical to its own.
     log_file = None
     if log_path is not None:
         log_path = Path(log_path)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = log_path.open("w", encoding="utf-8")
-    if checkpoint_dir is not None:
+        if main:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = log_path.open("w", encoding="utf-8")
+    if checkpoint_dir is not None and main:
         checkpoint_dir = Path(checkpoint_dir)
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
     history: list[dict[str, Any]] = []
     checkpoints: list[str] = []
-    bar = tqdm(range(steps), desc=f"finetune {mode}", unit="step", disable=not progress)
+    bar = tqdm(range(steps), desc=f"finetune {mode}", unit="step", disable=not (progress and main))
     try:
         for step in bar:
             started = time.perf_counter()
-            noise = draw_noise()
+            noise = torch.randn((local_batch, *shape), generator=generator, dtype=dtype).to(device)
             trajectory: Trajectory = rollout(model, train_flow, noise, cond, generator=generator)
             with torch.no_grad():
-                rewards = _rewards(reward, trajectory.states[-1]).detach()
+                rewards = _reward_values(reward, trajectory.states[-1]).detach()
+                # Gathered before the finiteness check, so a NaN on one rank raises on
+                # every rank instead of leaving the others waiting in a collective.
+                all_rewards = _gather(rewards, world) if distributed else rewards
+                _require_finite_rewards(all_rewards)
             objectives: list[Objective]
             if mode == "reward":
                 objectives = [terminal]
             else:
                 assert isinstance(train_flow, FlowSDE)
+                # Groups lie within one rank's share (checked), so these are exactly the
+                # advantages of the global batch.
                 advantages = group_advantages(rewards.to(torch.float64), group_size)
                 old_log_probs = train_flow.trajectory_log_probs(
-                    trajectory, reduction=log_prob_reduction
+                    trajectory, reduction=config["log_prob_reduction"]
                 )
                 surrogate = grpo_objective(
                     train_flow,
                     trajectory,
                     old_log_probs,
                     advantages.to(dtype),
-                    float(clip),
-                    reduction=log_prob_reduction,
+                    config["clip"],
+                    reduction=config["log_prob_reduction"],
                 )
                 objectives = [surrogate] * inner_epochs
             sample_seconds = time.perf_counter() - started
@@ -479,15 +629,31 @@ def finetune(
             for objective in objectives:
                 opt.zero_grad(set_to_none=True)
                 started = time.perf_counter()
-                result = est.backward(
-                    model,
-                    train_flow,
-                    objective,
-                    trajectory=trajectory,
-                    cond=cond,
-                    generator=generator,
-                )
+                if distributed:
+                    # The objectives are means over the rank's samples, so the average
+                    # over equal shares is the global batch's gradient (as with DDP).
+                    result = distributed_backward(
+                        est,
+                        model,
+                        train_flow,
+                        objective,
+                        check_options=step == 0 and not losses,
+                        trajectory=trajectory,
+                        cond=cond,
+                        generator=generator,
+                    )
+                else:
+                    result = est.backward(
+                        model,
+                        train_flow,
+                        objective,
+                        trajectory=trajectory,
+                        cond=cond,
+                        generator=generator,
+                    )
                 backward_seconds += time.perf_counter() - started
+                # The averaged gradient is the same on every rank: so are the norm, the
+                # clipping and the optimizer step, and the replicas stay equal.
                 norm = _grad_norm(parameters)
                 if not math.isfinite(norm):
                     raise FloatingPointError(
@@ -507,11 +673,14 @@ def finetune(
                 norms.append(norm)
                 infos.append(info)
                 cost = cost + result.cost
+            if distributed:
+                # Each rank's loss is the mean over its share: their mean is the global one.
+                losses = _mean_across_ranks(losses, world, device)
 
             record: dict[str, Any] = {
                 "step": step,
-                "reward_mean": float(rewards.mean()),
-                "reward_std": float(rewards.std(unbiased=False)),
+                "reward_mean": float(all_rewards.mean()),
+                "reward_std": float(all_rewards.std(unbiased=False)),
                 "loss": _mean_or_none(losses),
                 "grad_norm": sum(norms) / len(norms),
                 "sample_seconds": sample_seconds,
@@ -529,11 +698,13 @@ def finetune(
                 log_file.flush()
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
             done = step + 1
-            if checkpoint_dir is not None and (
-                (checkpoint_every and done % checkpoint_every == 0) or done == steps
+            if (
+                main
+                and checkpoint_dir is not None
+                and ((checkpoint_every and done % checkpoint_every == 0) or done == steps)
             ):
                 checkpoints.append(
-                    _save_checkpoint(checkpoint_dir, done, model, opt, generator, config)
+                    _save_checkpoint(Path(checkpoint_dir), done, model, opt, generator, config)
                 )
     finally:
         bar.close()
@@ -541,14 +712,26 @@ def finetune(
             log_file.close()
 
     final = evaluate()
+    in_sync = replicas_in_sync(model) if distributed else None
+    if in_sync is False and main:
+        warnings.warn(
+            f"the {world} replicas ended with different weights although every rank stepped "
+            f"with the same averaged gradient; the ranks' arithmetic differs (mixed hardware "
+            f"or nondeterministic kernels): checkpoints hold rank 0's weights",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return {
         "initial_reward": float(initial.mean()),
         "final_reward": float(final.mean()),
         "final_reward_std": float(final.std(unbiased=False)),
         "history": history,
         "checkpoints": checkpoints,
-        "log_path": None if log_path is None else str(log_path),
+        "log_path": None if log_path is None or not main else str(log_path),
         "config": config,
+        "rank": rank,
+        "world_size": world,
+        "ranks_in_sync": in_sync,
     }
 
 
@@ -633,7 +816,10 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``gradest finetune`` on the shipped digits DiT and classifier reward.
 
     Writes ``log.jsonl``, ``result.json`` (the result without the history) and
-    ``checkpoints/`` under ``--out`` and returns the result dict.
+    ``checkpoints/`` under ``--out`` and returns the result dict. Under ``torchrun``
+    (``python -m torch.distributed.run --nproc_per_node=2 -m gradest.cli finetune ...``)
+    the ranks train data-parallel (see :func:`finetune`; ``--batch-size`` is the global
+    batch) and only rank 0 writes.
     """
     # Validate the cheap things before loading checkpoints.
     resolve_estimator(args.estimator)
@@ -648,7 +834,7 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
-    model = load_pretrained_dit()
+    model: torch.nn.Module = load_pretrained_dit()
     if args.lora_rank:
         # After loading: peft renames the targeted weights to *.base_layer.weight.
         from gradest.integrations.peft import add_lora
@@ -678,7 +864,8 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint_every=args.checkpoint_every,
         progress=not args.quiet,
     )
-    summary = {key: value for key, value in result.items() if key != "history"}
-    summary["target"] = args.target
-    (out / "result.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if result["rank"] == 0:
+        summary = {key: value for key, value in result.items() if key not in ("history", "rank")}
+        summary["target"] = args.target
+        (out / "result.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return result

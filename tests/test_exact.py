@@ -5,10 +5,9 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from torch import Tensor
 
 import gradest
-from gradest.reference import exact_gradient, relative_error
+from gradest.reference import exact_gradient, problems, relative_error
 from gradest.reference.problems import (
     random_stepwise_objective,
     seeded_normal,
@@ -19,22 +18,9 @@ from gradest.reference.problems import (
 DIM, BATCH, STEPS, CLASSES = 3, 4, 5, 3
 
 
-@attrs.frozen(eq=False)
-class NoisyAffineSampler:
-    """A test sampler with alpha != 1 and recorded noise, to show estimators only see the
-    affine step form (DDIM / flow-SDE samplers have this shape)."""
-
-    times: Tensor = attrs.field(
-        factory=lambda: torch.linspace(1.0, 0.0, STEPS + 1, dtype=torch.float64)
-    )
-
-    @property
-    def num_steps(self) -> int:
-        return self.times.numel() - 1
-
-    def coefficients(self):
-        h = self.times[1:] - self.times[:-1]
-        return 1.0 + 0.1 * h, h, 0.05 * torch.ones_like(h)
+def NoisyAffineSampler() -> problems.NoisyAffineSampler:  # noqa: N802 - stands for the class
+    """alpha != 1 and recorded noise (DDIM / flow-SDE shape): estimators see only the step form."""
+    return problems.NoisyAffineSampler(STEPS, drift=0.1)
 
 
 def _setup(conditioned: bool, frozen: bool):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 import gradest
-from gradest.reference import dense_chain, exact_gradient, relative_error
+from gradest.reference import dense_chain, exact_gradient, problems, relative_error
 from gradest.reference.jagg_definition import jagg_definition, jagg_gate_cosines
 from gradest.reference.problems import (
     AffineVelocity,
@@ -155,19 +155,9 @@ def test_gate_never_changes_a_passing_group():
     assert off.info["gate_cosines"] == [None] * len(off.info["groups"])
 
 
-@attrs.frozen(eq=False)
-class NoisyAffineSampler:
-    """alpha != 1 and recorded noise (DDIM / flow-SDE shape): jagg sees only the step form."""
-
-    times: Tensor = attrs.field(factory=lambda: torch.linspace(1.0, 0.0, 9, dtype=torch.float64))
-
-    @property
-    def num_steps(self) -> int:
-        return self.times.numel() - 1
-
-    def coefficients(self):
-        h = self.times[1:] - self.times[:-1]
-        return 1.0 + 0.1 * h, h, 0.05 * torch.ones_like(h)
+def NoisyAffineSampler() -> problems.NoisyAffineSampler:  # noqa: N802 - stands for the class
+    """alpha != 1 and recorded noise (DDIM / flow-SDE shape): estimators see only the step form."""
+    return problems.NoisyAffineSampler(8, drift=0.1)
 
 
 def test_jagg_on_a_general_affine_sampler_matches_definition():

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 import gradest
-from gradest.reference import dense_chain, exact_gradient, relative_error
+from gradest.reference import dense_chain, exact_gradient, problems, relative_error
 from gradest.reference.problems import (
     AffineVelocity,
     random_stepwise_objective,
@@ -40,22 +40,9 @@ DIM, BATCH, STEPS, CLASSES = 3, 4, 6, 3
 DRAWS = 400
 
 
-@attrs.frozen(eq=False)
-class NoisyAffineSampler:
-    """A sampler with alpha != 1 and recorded noise (DDIM / flow-SDE shape), so the
-    one-step weights beta_k prod_{j>k} alpha_j are not just h_k."""
-
-    times: Tensor = attrs.field(
-        factory=lambda: torch.linspace(1.0, 0.0, STEPS + 1, dtype=torch.float64)
-    )
-
-    @property
-    def num_steps(self) -> int:
-        return self.times.numel() - 1
-
-    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
-        h = self.times[1:] - self.times[:-1]
-        return 1.0 + 0.3 * h, h, 0.05 * torch.ones_like(h)
+def NoisyAffineSampler() -> problems.NoisyAffineSampler:  # noqa: N802 - stands for the class
+    """alpha != 1 and recorded noise (DDIM / flow-SDE shape): estimators see only the step form."""
+    return problems.NoisyAffineSampler(STEPS, drift=0.3)
 
 
 @attrs.frozen(eq=False)

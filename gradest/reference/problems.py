@@ -5,6 +5,7 @@ Everything here is deterministic given a seed and sized for dense Jacobians.
 
 from __future__ import annotations
 
+import attrs
 import torch
 from torch import Tensor, nn
 
@@ -28,6 +29,36 @@ class AffineVelocity(nn.Module):
 
     def forward(self, z: Tensor, t: Tensor) -> Tensor:
         return z @ self.weight.T + t[:, None] * self.time_direction + self.bias
+
+
+@attrs.frozen(eq=False, init=False)
+class NoisyAffineSampler:
+    """A sampler of the general affine form, for tests: ``alpha_k = 1 + drift h_k`` (not 1),
+    ``beta_k = h_k`` and recorded step noise of scale ``noise_scale``.
+
+    DDIM and flow-SDE samplers have this shape. Estimators see only the step form, so one
+    that passes on this sampler needs no sampler-specific code; the one-step weights
+    ``beta_k prod_{j>k} alpha_j`` of sdo are not just ``h_k`` here.
+    """
+
+    times: Tensor
+    drift: float
+    noise_scale: float
+
+    def __init__(self, steps: int, drift: float = 0.1, noise_scale: float = 0.05):
+        self.__attrs_init__(  # type: ignore[attr-defined]
+            times=torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64),
+            drift=drift,
+            noise_scale=noise_scale,
+        )
+
+    @property
+    def num_steps(self) -> int:
+        return self.times.numel() - 1
+
+    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
+        h = self.times[1:] - self.times[:-1]
+        return 1.0 + self.drift * h, h, self.noise_scale * torch.ones_like(h)
 
 
 def tiny_mlp(

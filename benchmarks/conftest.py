@@ -24,7 +24,7 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.workloads import NUM_THREADS, SPEEDUP_TARGETS, Bench  # noqa: E402
+from benchmarks.workloads import NUM_THREADS, SPEEDUP_TARGETS, Bench, DiTWorkload  # noqa: E402
 from gradest.harness.cost import count_flops, ratio, retained_activation_bytes  # noqa: E402
 
 ROUNDS = int(os.environ.get("GRADEST_BENCH_ROUNDS", "5"))
@@ -38,6 +38,14 @@ def bench() -> Bench:
     previous = torch.get_num_threads()
     torch.set_num_threads(NUM_THREADS)
     yield Bench()
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def bench_dit() -> Bench:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(NUM_THREADS)
+    yield Bench(DiTWorkload())
     torch.set_num_threads(previous)
 
 

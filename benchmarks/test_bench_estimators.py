@@ -28,3 +28,20 @@ def test_stepwise(spec, bench, measure):
 @pytest.mark.parametrize("spec", TERMINAL_ESTIMATORS)
 def test_terminal(spec, bench, measure):
     measure(bench.gradest_terminal(spec), group=TERMINAL, method=spec, baseline="exact")
+
+
+# The tiny DiT: the same estimators, a transformer's cost profile (many small ops).
+
+
+@pytest.mark.parametrize("spec", STEPWISE_ESTIMATORS)
+def test_dit_stepwise(spec, bench_dit, measure):
+    measure(
+        bench_dit.gradest_stepwise(spec), group=f"DiT {STEPWISE}", method=spec, baseline="exact"
+    )
+
+
+@pytest.mark.parametrize("spec", TERMINAL_ESTIMATORS)
+def test_dit_terminal(spec, bench_dit, measure):
+    measure(
+        bench_dit.gradest_terminal(spec), group=f"DiT {TERMINAL}", method=spec, baseline="exact"
+    )

@@ -84,6 +84,39 @@ class Workload:
         )
 
 
+@dataclass(frozen=True)
+class DiTWorkload:
+    """The tiny DiT (8x8x1, patch 2, 16 tokens) with its adaLN-Zero layers perturbed off
+    zero, so every parameter gets a gradient. Attention, layer norms and modulation make
+    its cost profile unlike the MLP's: many small ops rather than a few large matmuls.
+
+    Attributes:
+        batch: samples per state.
+        seed: model and noise seed.
+    """
+
+    batch: int = 64
+    seed: int = 0
+
+    def model(self) -> torch.nn.Module:
+        from gradest.models.dit import DiT
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = DiT.from_config("tiny")
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear) and bool((module.weight == 0).all()):
+                    torch.nn.init.normal_(module.weight, std=0.02)
+        return model.float()
+
+    def noise(self) -> Tensor:
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        return torch.randn(self.batch, 1, 8, 8, generator=generator)
+
+    def description(self) -> str:
+        return f"DiT tiny (8x8x1), batch {self.batch}, float32, {NUM_THREADS} thread(s)"
+
+
 def terminal_loss(z: Tensor) -> Tensor:
     """A reward-like terminal loss: squared distance of the samples to a fixed target."""
     target = torch.linspace(-1.0, 1.0, z.shape[-1], dtype=z.dtype, device=z.device)
@@ -117,7 +150,7 @@ class Bench:
     the same work including the gradient write.
     """
 
-    def __init__(self, workload: Workload | None = None):
+    def __init__(self, workload: Workload | DiTWorkload | None = None):
         self.workload = workload or Workload()
         self.model = self.workload.model()
         self.noise = self.workload.noise()

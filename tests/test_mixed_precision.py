@@ -28,7 +28,8 @@ bits, hence the larger error; under autocast only the matmul-like operators are.
 
 ``jagg``'s gate is excluded from the gradient tolerances (``gate="off"``): a gate cosine
 near ``tau`` may fall on either side under bf16 rounding, and then a different group falls
-back, which is a different (equally valid) estimate, not an error. Its cosines are computed in float32 or better with autocast switched off inside the gate
+back, which is a different (equally valid) estimate, not an error.
+Its cosines are computed in float32 or better with autocast switched off inside the gate
 (autocast would otherwise lower the interpolation ``einsum`` to bfloat16, which moved the
 cosine by up to 2.9e-3 on identical float32 velocities, more than half the margin of the
 default ``tau=0.995``); ``test_jagg_gate_ignores_autocast`` pins that.

@@ -52,16 +52,19 @@ def test_exact_terminal_matches_reference(checkpoint, source, conditioned, froze
     assert relative_error(result.noise_grad, truth_noise) <= 1e-10
 
 
+@pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("source", ["noise", "trajectory"])
 @pytest.mark.parametrize(("conditioned", "frozen"), [(False, False), (True, True)])
-def test_exact_stepwise_matches_reference(source, conditioned, frozen):
+def test_exact_stepwise_matches_reference(checkpoint, source, conditioned, frozen):
     model, noise, cond = _setup(conditioned, frozen)
     flow = gradest.RectifiedFlow(steps=STEPS)
     objective = random_stepwise_objective(STEPS, (BATCH, DIM))
     trajectory = gradest.rollout(model, flow, noise, cond=cond)
     truth, _ = exact_gradient(model, flow, objective, trajectory, cond)
     inputs = {"noise": noise} if source == "noise" else {"trajectory": trajectory}
-    result = gradest.estimator("exact").estimate(model, flow, objective, cond=cond, **inputs)
+    result = gradest.estimator("exact", checkpoint=checkpoint).estimate(
+        model, flow, objective, cond=cond, **inputs
+    )
     assert relative_error(result.grads, truth) <= 1e-10
     assert result.noise_grad is None
 
@@ -253,3 +256,25 @@ def test_estimator_is_frozen_hashable_and_evolvable():
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         est.checkpoint = True  # type: ignore[misc]
     assert isinstance(est, gradest.TrajectoryGradientEstimator)
+
+
+def test_stepwise_checkpoint_trades_memory_for_batching():
+    """checkpoint=False batches the steps (N steps' activations at once), True holds one."""
+    from gradest.harness.cost import retained_activation_bytes
+
+    model, noise, _ = _setup(False, False)
+    flow = gradest.RectifiedFlow(steps=STEPS)
+    objective = random_stepwise_objective(STEPS, (BATCH, DIM))
+    trajectory = gradest.rollout(model, flow, noise)
+    sizes = {}
+    for checkpoint in (False, True):
+        est = gradest.estimator("exact", checkpoint=checkpoint)
+        sizes[checkpoint] = retained_activation_bytes(
+            lambda est=est: est.estimate(model, flow, objective, trajectory=trajectory)
+        )
+        cost = est.estimate(model, flow, objective, trajectory=trajectory).cost
+        assert cost == gradest.Cost(forwards_with_graph=STEPS, param_vjps=STEPS)
+    # activations scale with the rows in one call: N steps vs one step (+10% for small
+    # per-call tensors such as the time embedding's)
+    assert sizes[False] >= 0.9 * STEPS * sizes[True]
+    assert sizes[False] <= 1.1 * STEPS * sizes[True]

@@ -112,9 +112,13 @@ def _tau_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     xs = [r["cost_ratio"] for r in rows]
     ys = [max(r["relative_error"], 1e-17) for r in rows]
     ax.plot(xs, ys, marker="o")
+    # Thresholds that give the same estimate share a point: one label lists them all.
+    labels: dict[tuple[float, float], list[str]] = {}
     for r, x, y in zip(rows, xs, ys, strict=True):
+        labels.setdefault((x, y), []).append(f"{r['tau']:g}")
+    for (x, y), taus in labels.items():
         ax.annotate(
-            f"τ={r['tau']:g}", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points"
+            "τ=" + ", ".join(taus), (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points"
         )
     ax.set_yscale("log")
     ax.set_xlabel("cost ratio to exact (cost model units)")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import os
 
 import pytest
@@ -159,8 +160,14 @@ def test_the_probes_see_a_leak():
     kept = []
     _, alive, _ = graph_bytes(lambda: kept.append((weight * 2).exp()))
     assert alive == 4000  # exp's output, float32 [1000], saved by its own backward
+    # 16 MB of fresh pages. A torch allocation may be served from memory the process
+    # freed earlier and that is still resident (then RSS does not move), so the probe of
+    # the RSS reading itself uses an anonymous mapping, which always brings new pages.
     before = _rss_bytes()
-    kept.append(torch.ones(4 * 2**20))  # 16 MB, touched
+    block = mmap.mmap(-1, 16 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
+    kept.append(block)
     assert _rss_bytes() - before > RSS_GROWTH_BOUND
 
 

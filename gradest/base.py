@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import attrs
 import torch
 from torch import Tensor
 
@@ -153,8 +152,3 @@ class EstimatorBase:
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
             cls.name = cls.__name__.lower()
-
-
-def options_of(estimator: Any) -> dict[str, Any]:
-    """The option values of an attrs estimator instance."""
-    return attrs.asdict(estimator, recurse=False) if attrs.has(type(estimator)) else {}

@@ -224,6 +224,3 @@ class EstimationContext:
             state_grad=adjoint,
             grads=grads,
         )
-
-    def zero_grads(self) -> Grads:
-        return {name: torch.zeros_like(p) for name, p in self.field.params.items()}

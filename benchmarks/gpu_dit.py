@@ -29,7 +29,7 @@ import torch
 import gradest
 from gradest.harness.cost import retained_activation_bytes
 from gradest.models.dit import DiT
-from gradest.reference import exact_gradient, relative_error
+from gradest.reference import exact_gradient, problems, relative_error
 
 ESTIMATORS = ("exact", "jagg:window=4", "jagg:window=4,shared_knots=true", "sdo", "truncated:k=1")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -37,13 +37,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch
 
 def perturbed_dit(config: str, seed: int, device: str, dtype: torch.dtype, classes: int) -> DiT:
     """A DiT whose adaLN-Zero layers are re-drawn small, so it is not the zero map."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DiT.from_config(config, num_classes=classes)
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and bool((module.weight == 0).all()):
-                torch.nn.init.normal_(module.weight, std=0.02)
-    return model.to(device=device, dtype=dtype)
+    model = problems.perturbed_dit(config, seed, num_classes=classes)
+    return model.to(device=device, dtype=dtype)  # type: ignore[return-value]
 
 
 def reference_check(device: str) -> dict[str, float]:

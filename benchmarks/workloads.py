@@ -99,15 +99,9 @@ class DiTWorkload:
     seed: int = 0
 
     def model(self) -> torch.nn.Module:
-        from gradest.models.dit import DiT
+        from gradest.reference.problems import perturbed_dit
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = DiT.from_config("tiny")
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear) and bool((module.weight == 0).all()):
-                    torch.nn.init.normal_(module.weight, std=0.02)
-        return model.float()
+        return perturbed_dit("tiny", self.seed).float()
 
     def noise(self) -> Tensor:
         generator = torch.Generator().manual_seed(self.seed + 1)

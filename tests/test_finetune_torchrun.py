@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_finetune import tiny_dit  # the launched script imports it from this module too
 from torch import Tensor
 
 from gradest.integrations.distributed import launched_world
-from gradest.models.dit import DiT
 from gradest.workloads.finetune import finetune
 
 pytestmark = pytest.mark.skipif(
@@ -45,19 +45,6 @@ WORLD = 2
 # Each launch starts two interpreters that import torch and gradest: ~15 s on 2 cores.
 LAUNCH_TIMEOUT_S = 180
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def tiny_dit(seed: int = 0) -> DiT:
-    """The micro DiT (4x4x1, 3 classes), adaLN-Zero perturbed so every weight gets a gradient."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DiT.from_config("micro")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "adaLN" in name or "final_layer.linear" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=generator))
-    return model
 
 
 class CountingReward:

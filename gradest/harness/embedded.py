@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from gradest.flow import RectifiedFlow
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.problems import (
+    perturbed_dit,
     random_stepwise_objective,
     smooth_terminal_objective,
     tiny_mlp,
@@ -44,15 +45,7 @@ class Problem:
 
 
 def _dit(seed: int) -> nn.Module:
-    from gradest.models.dit import DiT
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DiT.from_config("tiny", num_classes=NUM_CLASSES)
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and bool((module.weight == 0).all()):
-                nn.init.normal_(module.weight, std=0.02)
-    return model
+    return perturbed_dit("tiny", seed, num_classes=NUM_CLASSES)
 
 
 def embedded_problem(

@@ -76,6 +76,23 @@ def tiny_mlp(
     return model.to(dtype)
 
 
+def perturbed_dit(config: str = "tiny", seed: int = 0, **overrides: object) -> nn.Module:
+    """A seeded DiT whose adaLN-Zero (all-zero) linear layers are re-drawn from N(0, 0.02).
+
+    A fresh adaLN-Zero DiT is the zero map and only its final layer gets a gradient; this
+    makes a generic non-trivial DiT for benchmarks and comparisons (float32).
+    """
+    from gradest.models.dit import DiT
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DiT.from_config(config, **overrides)
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and bool((module.weight == 0).all()):
+                nn.init.normal_(module.weight, std=0.02)
+    return model
+
+
 def seeded_normal(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 

@@ -140,8 +140,9 @@ class Bench:
     """The workload's model, noise, grids and recorded path, and the calls to measure.
 
     Every call zeroes the parameter gradients and then accumulates into ``p.grad``
-    (``est.backward`` or ``loss.backward()``), so gradest and the hand-written loops do
-    the same work including the gradient write.
+    (``est.surrogate(...).loss.backward()``, ``est.backward`` or the hand-written
+    ``loss.backward()``), so gradest and the hand-written loops do the same work including
+    the gradient write.
     """
 
     def __init__(self, workload: Workload | DiTWorkload | None = None):
@@ -154,38 +155,34 @@ class Bench:
     def _zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
 
-    def gradest_stepwise(self, spec: str) -> Callable[[], object]:
-        """``est.backward`` on the recorded ``STEPWISE_STEPS``-step path."""
+    def _run(
+        self, est: object, path: str, flow: gradest.AffineSampler, objective: object, **inputs
+    ) -> object:
+        """One gradient into ``p.grad`` by ``path``: the surrogate loss's backward, or
+        ``est.backward`` with the autograd or torch.func engine."""
+        self._zero_grad()
+        if path == "surrogate":
+            sur = est.surrogate(self.model, flow, objective, generator=fresh_generator(), **inputs)
+            sur.loss.backward()
+            return sur
+        return est.backward(
+            self.model, flow, objective, generator=fresh_generator(), engine=path, **inputs
+        )
+
+    def gradest_stepwise(self, spec: str, path: str = "surrogate") -> Callable[[], object]:
+        """A gradient on the recorded ``STEPWISE_STEPS``-step path (``path``: see ``_run``)."""
         est = gradest.estimator(spec)
+        return lambda: self._run(
+            est, path, self.stepwise_flow, stepwise_objective(), trajectory=self.trajectory
+        )
 
-        def call() -> object:
-            self._zero_grad()
-            return est.backward(
-                self.model,
-                self.stepwise_flow,
-                stepwise_objective(),
-                trajectory=self.trajectory,
-                generator=fresh_generator(),
-            )
-
-        return call
-
-    def gradest_terminal(self, spec: str, steps: int = TERMINAL_STEPS) -> Callable[[], object]:
-        """``est.backward`` sampling from noise itself (its cheapest way), ``steps`` steps."""
+    def gradest_terminal(
+        self, spec: str, steps: int = TERMINAL_STEPS, path: str = "surrogate"
+    ) -> Callable[[], object]:
+        """A gradient sampling from noise itself (its cheapest way), ``steps`` steps."""
         est = gradest.estimator(spec)
         flow = gradest.RectifiedFlow(steps=steps)
-
-        def call() -> object:
-            self._zero_grad()
-            return est.backward(
-                self.model,
-                flow,
-                terminal_objective(),
-                noise=self.noise,
-                generator=fresh_generator(),
-            )
-
-        return call
+        return lambda: self._run(est, path, flow, terminal_objective(), noise=self.noise)
 
     def handwritten_stepwise(self) -> Callable[[], object]:
         def call() -> object:

@@ -105,6 +105,8 @@ def first_model_call(
     try:
         v = model(z, t, **cond)
     except (RuntimeError, IndexError, TypeError) as err:
+        if "saved tensor hooks" in str(err).lower():
+            raise  # not a shape problem: the engine explains it (gradest.vjp)
         raise ValueError(
             f"model(z, t, **cond) failed on a state of shape {tuple(z.shape)} "
             f"(dtype {z.dtype}) with cond keys {sorted(cond)}: {err}. "

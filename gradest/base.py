@@ -1,8 +1,11 @@
-"""Shared ``estimate``/``backward`` entry points; strategies implement two methods.
+"""Shared ``estimate``/``surrogate``/``backward`` entry points; strategies implement two methods.
 
 A strategy subclasses :class:`EstimatorBase` as a frozen attrs class and implements
-``_terminal(ctx)`` and ``_stepwise(ctx)``. Input validation, sampling, cost counting,
-the result record and gradient accumulation live here once.
+``_terminal(ctx)`` and ``_stepwise(ctx)``, combining the engine's parameter VJPs with
+:func:`gradest.vjp.add_grads` / :func:`gradest.vjp.scale_grads`. The same two methods
+then serve ``estimate()`` (the VJPs evaluated) and ``surrogate()`` (the VJPs left to the
+caller's autograd backward). Input validation, sampling, cost counting, the result
+records and gradient accumulation live here once.
 """
 
 from __future__ import annotations
@@ -17,8 +20,37 @@ from gradest.context import EstimationContext
 from gradest.flow import AffineSampler, Trajectory
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError
 from gradest.objectives import Objective
-from gradest.protocol import GradientEstimate
-from gradest.vjp import Grads
+from gradest.protocol import GradientEstimate, Surrogate
+from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
+
+# estimate()'s default engine, chosen by measurement (benchmarks/report.py, docs/benchmarks.md):
+# calling the module as itself with torch.autograd.grad matched the hand-written loop,
+# while functional_call + torch.func.vjp cost 6-22% more wall time at identical FLOPs, and
+# only the autograd path runs layer checkpointing and is free of parameter swapping.
+DEFAULT_ENGINE = "autograd"
+
+
+def _refuse_unrelated_stepwise_loss(ctx: EstimationContext) -> None:
+    if not ctx.is_terminal and not ctx.stepwise_loss_depends:
+        raise ValueError(
+            "the stepwise loss does not depend on the velocities at any evaluated step "
+            "(loss_fn returned tensors detached from v_k, integer/bool results, or values "
+            "computed from something else), so the gradient would be zero; return a "
+            "differentiable function of v_k (autograd refuses the same loss: 'element 0 of "
+            "tensors does not require grad')"
+        )
+
+
+def surrogate_from_estimate(model: torch.nn.Module, result: GradientEstimate) -> Tensor:
+    """``sum_p <p, g_p>``: a loss whose gradient is ``result.grads``, for any estimator.
+
+    The fallback for estimators without a ``surrogate()`` of their own: autograd writes
+    ``.grad`` and DDP's hooks average it, but the estimate itself was computed apart from
+    autograd's backward (sharded FSDP parameters are not supported this way).
+    """
+    parameters = dict(model.named_parameters())
+    terms = [inner(parameters[name], grad) for name, grad in result.grads.items()]
+    return torch.stack(terms).sum()
 
 
 class EstimatorBase:
@@ -38,6 +70,7 @@ class EstimatorBase:
         generator: torch.Generator | None = None,
         noise_grad: bool = False,
         on_nonfinite: str = "raise",
+        engine: str = DEFAULT_ENGINE,
     ) -> GradientEstimate:
         """Estimate ``grad_theta L`` for ``model`` sampled along ``flow``.
 
@@ -56,12 +89,24 @@ class EstimatorBase:
                 naming the tensor, the step and the estimator at the first NaN/Inf;
                 ``"skip"`` returns an estimate with empty ``grads`` and
                 ``info["nonfinite"]`` set (``result.usable`` is False).
+            engine: how the VJPs are evaluated. ``"autograd"`` (default): the module is
+                called as itself and differentiated with ``torch.autograd.grad``, so hooks
+                and layer checkpointing run; measured as fast as a hand-written loop.
+                ``"func"``: ``functional_call`` + ``torch.func.vjp`` on a parameter dict
+                (composable with ``vmap``/``jacrev``; 6-22% slower in
+                ``python -m benchmarks.report``; no layer checkpointing; the model's
+                parameters are swapped in and out under a per-model lock). Both give the
+                same numbers (to float rounding); ``.grad`` is never written.
 
         Returns:
             A :class:`~gradest.protocol.GradientEstimate`.
         """
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        if engine not in ENGINES:
+            raise ValueError(
+                f"engine must be one of {ENGINES} ('autograd' is the default), got {engine!r}"
+            )
         ctx = EstimationContext(
             model,
             flow,
@@ -71,12 +116,10 @@ class EstimatorBase:
             cond=cond,
             generator=generator,
             noise_grad=noise_grad,
+            engine=engine,
         )
         try:
-            if ctx.is_terminal:
-                grads, state_grad = self._terminal(ctx)
-            else:
-                grads, state_grad = self._stepwise(ctx), None
+            grads, state_grad = self._run(ctx)
         except NonFiniteError as err:
             err.locate(flow.times, repr(self))
             if on_nonfinite == "raise":
@@ -87,6 +130,7 @@ class EstimatorBase:
                 cost=ctx.meter.freeze(),
                 info={**ctx.info, "nonfinite": str(err)},
             )
+        assert isinstance(grads, dict), "estimate() evaluates every VJP"
         # Keys and order exactly as model.named_parameters(), trainable ones only.
         ordered = {name: grads[name].detach() for name in ctx.field.params}
         return GradientEstimate(
@@ -95,6 +139,87 @@ class EstimatorBase:
             cost=ctx.meter.freeze(),
             info=ctx.info,
         )
+
+    def surrogate(
+        self,
+        model: torch.nn.Module,
+        flow: AffineSampler,
+        objective: Objective,
+        *,
+        noise: Tensor | None = None,
+        trajectory: Trajectory | None = None,
+        cond: Mapping[str, Any] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Surrogate:
+        """A loss whose autograd gradient is this estimator's estimate, for training loops.
+
+        Does the estimator's cotangent work now (rollout, adjoint sweep, gate, random
+        draws: the same decisions and numbers as :meth:`estimate` with the same inputs
+        and generator state) and leaves every parameter VJP to the caller's backward::
+
+            sur = est.surrogate(model, flow, objective, noise=noise, generator=g)
+            sur.loss.backward()          # or accelerator.backward(sur.loss),
+            optimizer.step()             #    scaler.scale(sur.loss).backward()
+
+        The loss is ``sum_j <v_theta(z_j, t_j), G_j>`` over the evaluated steps with the
+        states and cotangents detached (a terminal objective's exact chains end in
+        ``<z_N, a_N>`` with ``a_N = grad l(z_N)``), so ``loss.backward()`` evaluates exactly
+        the VJPs ``estimate()`` would, through the model called as itself: forward hooks,
+        ``DistributedDataParallel`` / ``fully_shard`` wrappers, autocast and
+        ``torch.utils.checkpoint`` inside the model all apply, gradients accumulate over
+        micro-batches, and only autograd writes ``.grad``. The cotangent work calls the
+        module inside a DDP wrapper and differentiates states only, so it never touches
+        ``.grad`` or the reducer. The graphs of the evaluated steps are held until the
+        backward (as for a hand-written loss); ``exact:checkpoint=true`` recomputes them in
+        the backward instead.
+
+        Args: as for :meth:`estimate` (no ``noise_grad``: the loss is for the parameters).
+
+        Returns:
+            A :class:`~gradest.protocol.Surrogate` (``loss``, ``value``, ``cost``, ``info``).
+
+        Raises:
+            NonFiniteError: a NaN/Inf in a velocity, cotangent or the loss's gradient.
+        """
+        ctx = EstimationContext(
+            model,
+            flow,
+            objective,
+            noise=noise,
+            trajectory=trajectory,
+            cond=cond,
+            generator=generator,
+            noise_grad=False,
+            surrogate=True,
+        )
+        try:
+            # The loss is for a backward: build its graph even when called under no_grad.
+            with torch.enable_grad():
+                terms, _ = self._run(ctx)
+                loss = terms.loss() if isinstance(terms, SurrogateTerms) else None
+        except NonFiniteError as err:
+            err.locate(flow.times, repr(self))
+            raise
+        if loss is None:
+            raise TypeError(
+                f"estimator {self!r} combined its gradients outside the engine, so it has no "
+                f"surrogate loss; combine them with gradest.vjp.add_grads/scale_grads, or use "
+                f"gradest.base.surrogate_from_estimate(model, est.estimate(...))"
+            )
+        return Surrogate(
+            loss=loss,
+            value=float(ctx.info.get("loss", float("nan"))),
+            cost=ctx.meter.freeze(),
+            info=ctx.info,
+        )
+
+    def _run(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
+        if ctx.is_terminal:
+            grads, state_grad = self._terminal(ctx)
+        else:
+            grads, state_grad = self._stepwise(ctx), None
+        _refuse_unrelated_stepwise_loss(ctx)
+        return grads, state_grad
 
     def backward(
         self,
@@ -108,8 +233,13 @@ class EstimatorBase:
         generator: torch.Generator | None = None,
         noise_grad: bool = False,
         on_nonfinite: str = "raise",
+        engine: str = DEFAULT_ENGINE,
     ) -> GradientEstimate:
         """Like :meth:`estimate`, then add the gradients into ``p.grad`` (like ``loss.backward()``).
+
+        A convenience for single-process loops; in training code prefer
+        ``est.surrogate(...).loss.backward()``, which DDP/FSDP, GradScaler and accelerate
+        understand.
 
         Existing ``.grad`` values are accumulated into, so gradient accumulation and
         ``optimizer.step()`` work as with plain autograd. With ``on_nonfinite="skip"`` an
@@ -125,6 +255,7 @@ class EstimatorBase:
             generator=generator,
             noise_grad=noise_grad,
             on_nonfinite=on_nonfinite,
+            engine=engine,
         )
         if not result.usable:
             return result
@@ -140,11 +271,11 @@ class EstimatorBase:
 
     # -- what a strategy implements --------------------------------------------------------
 
-    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+    def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         """Gradient for a terminal objective; also the initial-state gradient if wanted."""
         raise NotImplementedError
 
-    def _stepwise(self, ctx: EstimationContext) -> Grads:
+    def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
         """Gradient for a stepwise objective."""
         raise NotImplementedError
 

@@ -2,7 +2,9 @@
 
 Strategies receive an :class:`EstimationContext` and only decide *which cotangents*
 and *how the sum of VJPs* is evaluated; everything else (sampling, loss checks, the
-adjoint sweep, cost counting) is shared here and in :mod:`gradest.vjp`.
+adjoint sweep, exact backpropagation through a tail of the chain, cost counting) is
+shared here and in :mod:`gradest.vjp`. The same strategy code serves ``estimate()`` and
+``surrogate()``: the context's field evaluates parameter VJPs or defers them.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from gradest._checks import check_cond, check_generator, check_noise
 from gradest.flow import (
     AffineSampler,
     Trajectory,
-    affine_step,
     check_sampler,
     check_trajectory_matches,
     draw_step_noise,
+    integrate,
 )
 from gradest.nonfinite import check_finite
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
-from gradest.vjp import CostMeter, Grads, VelocityField, add_grads
+from gradest.ranks import RankAgreement
+from gradest.vjp import CostMeter, ParamGradient, VelocityField, add_grads
 
 
 @attrs.frozen(eq=False)
@@ -33,17 +36,18 @@ class AdjointSweep:
     """Result of the reverse adjoint sweep along a recorded path.
 
     Attributes:
-        cotangents: ``c_k = beta_k a_{k+1}``, ``[N, B, ...]``.
-        velocities: the model's velocity at each recorded state (from the sweep's forwards).
-        state_grad: ``a_0``, the gradient w.r.t. the initial state (only meaningful when
-            the noise gradient was requested or step 0 was a joint step).
-        grads: parameter gradients of the steps swept with joint VJPs (None if none).
+        cotangents: ``c_k = beta_k a_{k+1}`` for the swept steps ``start..N-1``
+            (``[N - start, B, ...]``).
+        velocities: the model's velocity at each swept state (from the sweep's forwards).
+        state_grad: ``a_start``, the gradient w.r.t. the first swept state (only
+            meaningful when the noise gradient was requested or the sweep was joint).
+        grads: the parameter gradient of a joint sweep (None for a state-only sweep).
     """
 
     cotangents: Tensor
     velocities: Tensor
     state_grad: Tensor
-    grads: Grads | None
+    grads: ParamGradient | None
 
 
 class EstimationContext:
@@ -56,6 +60,8 @@ class EstimationContext:
         generator: the only source of randomness.
         want_noise_grad: whether the caller asked for the initial-noise gradient.
         meter: cost counters of this call.
+        surrogate: True inside ``surrogate()``: parameter VJPs become loss terms.
+        ranks: agreement of random and gate decisions across data-parallel ranks.
     """
 
     def __init__(
@@ -69,7 +75,15 @@ class EstimationContext:
         cond: Mapping[str, Any] | None,
         generator: torch.Generator | None,
         noise_grad: bool,
+        engine: str = "autograd",
+        surrogate: bool = False,
     ):
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "gradest cannot differentiate inside torch.inference_mode(): tensors made "
+                "there never record a graph; call the estimator outside it (torch.no_grad() "
+                "around the call is fine)"
+            )
         check_sampler(flow)
         if not isinstance(objective, TerminalObjective | StepwiseObjective):
             raise TypeError(
@@ -100,7 +114,12 @@ class EstimationContext:
             check_noise(model, trajectory.states[0], name="trajectory.states[0]")
             batch = trajectory.batch_size
         self.meter = CostMeter()
-        self.field = VelocityField(model, cond, batch, self.meter)
+        self.field = VelocityField(
+            model, cond, batch, self.meter, engine=engine, surrogate=surrogate
+        )
+        self.surrogate = surrogate
+        # Data-parallel ranks must decide alike (gradest.ranks): draws and gates go through it.
+        self.ranks = RankAgreement(model)
         self.flow = flow
         self.coefficients = flow.coefficients()
         self.objective = objective
@@ -110,6 +129,8 @@ class EstimationContext:
         # Velocities recorded by a rollout made in this call are the current model's, so
         # strategies may reuse them instead of evaluating the model again.
         self._velocities_are_current = False
+        # Whether any evaluated step's loss depended on its velocity (stepwise).
+        self.stepwise_loss_depends = False
         self.info: dict[str, Any] = {}
 
     @property
@@ -130,7 +151,11 @@ class EstimationContext:
         return self.noise is not None
 
     def step_noise(self) -> Tensor | None:
-        """Recorded ``xi_k`` (drawn once from the generator when sampling here)."""
+        """Recorded ``xi_k`` (drawn once from the generator when sampling here).
+
+        Strategies call this before any draw of their own, so that an estimator given
+        the same generator state as ``gradest.rollout`` samples the same path.
+        """
         if self._trajectory is not None:
             return self._trajectory.step_noise
         if not hasattr(self, "_step_noise"):
@@ -138,30 +163,33 @@ class EstimationContext:
             self._step_noise = draw_step_noise(self.coefficients[2], self.noise, self.generator)
         return self._step_noise
 
+    def _sample_without_graph(self, z: Tensor, steps: range) -> tuple[list[Tensor], list[Tensor]]:
+        return integrate(
+            lambda k, state: self.field.velocity(state, self.times[k]),
+            self.coefficients,
+            z,
+            self.step_noise(),
+            steps,
+        )
+
     def trajectory(self) -> Trajectory:
         """The given trajectory, or a no-graph rollout from ``noise`` (``N`` forwards)."""
         if self._trajectory is None:
             assert self.noise is not None
-            step_noise = self.step_noise()
-            z = self.noise.detach()
-            states, velocities = [z], []
-            for k in range(self.num_steps):
-                v = self.field.velocity(z, self.times[k])
-                velocities.append(v)
-                z = affine_step(self.coefficients, k, z, v, step_noise)
-                states.append(z)
-            self._trajectory = Trajectory(
-                times=self.times.clone(),
-                states=torch.stack(states),
-                velocities=torch.stack(velocities),
-                step_noise=step_noise,
+            states, velocities = self._sample_without_graph(
+                self.noise.detach(), range(self.num_steps)
             )
-            self._velocities_are_current = True
-        return self._trajectory
+            self.record(torch.stack(states), torch.stack(velocities))
+        return self._trajectory  # type: ignore[return-value]
 
-    def record(self, trajectory: Trajectory) -> None:
-        """Adopt a path sampled by a strategy itself with the current parameters."""
-        self._trajectory = trajectory
+    def record(self, states: Tensor, velocities: Tensor) -> None:
+        """Adopt a path sampled in this call with the current parameters."""
+        self._trajectory = Trajectory(
+            times=self.times.clone(),
+            states=states,
+            velocities=velocities,
+            step_noise=self.step_noise(),
+        )
         self._velocities_are_current = True
 
     def velocity(self, k: int) -> Tensor:
@@ -183,39 +211,42 @@ class EstimationContext:
     def step_cotangent(self, k: int, velocity: Tensor) -> Tensor:
         """``c_k = d l_k / d v_k`` of a stepwise objective; accumulates the loss."""
         assert isinstance(self.objective, StepwiseObjective)
-        loss, cotangent = self.objective.step_cotangent(k, velocity, self.trajectory())
+        loss, cotangent, depends = self.objective.evaluate_step(k, velocity, self.trajectory())
+        self.stepwise_loss_depends |= depends
         self.info["loss"] = self.info.get("loss", 0.0) + float(loss)
         return cotangent
 
     # -- the adjoint ----------------------------------------------------------------------
 
     def adjoint_sweep(
-        self, terminal_adjoint: Tensor, *, joint_steps: frozenset[int] | range
+        self, terminal_adjoint: Tensor, *, start: int = 0, joint: bool = False
     ) -> AdjointSweep:
         """Reverse sweep ``a_k = alpha_k a_{k+1} + beta_k (dv_k/dz_k)^T a_{k+1}`` on the path.
 
-        Steps in ``joint_steps`` take one full VJP (state and parameters, exact
-        ``J_k^T c_k`` accumulated into ``grads``); the others a state-only VJP, which
-        skips the parameter part. Every step costs one forward with graph, except a
-        state-only step 0 when the noise gradient is not wanted (``c_0`` needs only ``a_1``).
+        Sweeps steps ``N-1`` down to ``start``. ``joint=True`` takes one full VJP per step
+        (state and parameters: the exact ``sum_k J_k^T c_k`` of the swept steps, one
+        step's graph at a time; ``estimate()`` only); otherwise state-only VJPs, which skip
+        the parameter part. Every step costs one forward with graph, except a state-only
+        step 0 when the noise gradient is not wanted (``c_0`` needs only ``a_1``).
         """
         trajectory = self.trajectory()
         alpha, beta, _ = self.coefficients
         adjoint = terminal_adjoint
-        cotangents: list[Tensor] = [terminal_adjoint] * self.num_steps
-        velocities: list[Tensor] = [terminal_adjoint] * self.num_steps
-        grads: Grads | None = None
-        for k in reversed(range(self.num_steps)):
+        swept = range(start, self.num_steps)
+        cotangents: list[Tensor] = [terminal_adjoint] * len(swept)
+        velocities: list[Tensor] = [terminal_adjoint] * len(swept)
+        grads: ParamGradient | None = None
+        for k in reversed(swept):
             cotangent = float(beta[k]) * adjoint
             z, t = trajectory.states[k], self.times[k]
-            if k in joint_steps:
+            if joint:
                 v, z_grad, step_grads = self.field.joint_vjp(z, t, cotangent)
                 grads = add_grads(grads, step_grads)
             elif k == 0 and not self.want_noise_grad:
                 v, z_grad = self.velocity(0), None
             else:
                 v, z_grad = self.field.state_vjp(z, t, cotangent)
-            cotangents[k], velocities[k] = cotangent, v
+            cotangents[k - start], velocities[k - start] = cotangent, v
             adjoint = float(alpha[k]) * adjoint + z_grad if z_grad is not None else adjoint
             check_finite(adjoint, "adjoint", [float(t)])
         return AdjointSweep(
@@ -224,3 +255,64 @@ class EstimationContext:
             state_grad=adjoint,
             grads=grads,
         )
+
+    def backprop_tail(
+        self, start: int, *, low_memory: bool = False
+    ) -> tuple[ParamGradient, Tensor | None]:
+        """Exact ``sum_{k >= start} J_k^T c_k`` of the terminal objective, and ``a_start``.
+
+        Backpropagation through steps ``start..N-1`` with the chain before ``start``
+        detached (``start=0``: the exact gradient; ``start=N-k``: DRaFT-K). How:
+
+        * from ``noise``, ``low_memory=False``: a no-graph rollout of the first ``start``
+          steps, then the remaining steps with their graph kept and one fused VJP
+          (activations of ``N - start`` steps);
+        * from ``noise``, ``low_memory=True``: ``estimate()`` samples without a graph and
+          sweeps joint VJPs in reverse (one step's graph at a time, one forward more per
+          step); ``surrogate()`` checkpoints each step of the chain, so the caller's
+          backward recomputes it (the same cost and memory);
+        * on a recorded trajectory: ``estimate()`` sweeps joint VJPs along the recording;
+          ``surrogate()`` builds the chain with each state pinned to the recording (the
+          graph of ``N - start`` steps, or one at a time with ``low_memory``).
+
+        Returns:
+            ``(parameter gradient, a_start or None)``; ``a_start`` only when the noise
+            gradient was requested (``estimate()``).
+        """
+        want_state_grad = self.want_noise_grad
+        if not self.surrogate and (self._trajectory is not None or low_memory):
+            sweep = self.adjoint_sweep(self.terminal_adjoint(), start=start, joint=True)
+            assert sweep.grads is not None
+            return sweep.grads, sweep.state_grad if want_state_grad else None
+        if self._trajectory is not None:
+            trajectory = self._trajectory
+            chain = self.field.chain(
+                self.coefficients,
+                self.times,
+                start,
+                trajectory.states[start],
+                trajectory.step_noise,
+                recorded=trajectory.states[start:],
+                low_memory=low_memory,
+            )
+            return chain.pull(self.terminal_adjoint())[0], None
+        assert self.noise is not None
+        head_states, head_velocities = self._sample_without_graph(self.noise.detach(), range(start))
+        chain = self.field.chain(
+            self.coefficients,
+            self.times,
+            start,
+            head_states[-1],
+            self.step_noise(),
+            low_memory=low_memory,
+            state_grad=want_state_grad,
+        )
+        states = torch.cat([torch.stack(head_states[:-1]), chain.states]) if start else chain.states
+        velocities = (
+            torch.cat([torch.stack(head_velocities), chain.velocities])
+            if start
+            else chain.velocities
+        )
+        self.record(states, velocities)
+        grads, state_grad = chain.pull(self.terminal_adjoint())
+        return grads, state_grad

@@ -11,7 +11,7 @@ changes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -209,6 +209,45 @@ def affine_step(
     return out
 
 
+def integrate(
+    velocity: Callable[[int, Tensor], Tensor],
+    coefficients: tuple[Tensor, Tensor, Tensor],
+    z: Tensor,
+    step_noise: Tensor | None,
+    steps: range,
+    *,
+    pin: Callable[[int, Tensor], Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The sampling loop: ``z_{k+1} = alpha_k z_k + beta_k velocity(k, z_k) + sigma_k xi_k``.
+
+    The one loop every rollout, sweep and fused chain in gradest runs; graph or no graph
+    is the caller's choice (``velocity`` and the grad mode around the call).
+
+    Args:
+        velocity: ``velocity(k, z_k) -> v_k``.
+        coefficients: the sampler's ``(alpha, beta, sigma)``.
+        z: the state at ``steps.start``.
+        step_noise: recorded ``xi`` for every step of the flow, or None.
+        steps: consecutive step indices.
+        pin: ``pin(k, z_k) -> z_k`` applied to every state after the first (and to the
+            last), e.g. to hold a chain's values to a recorded path.
+
+    Returns:
+        ``(states, velocities)``: ``len(steps) + 1`` states and ``len(steps)`` velocities.
+    """
+    states, velocities = [z], []
+    for k in steps:
+        if pin is not None and k != steps.start:
+            z = states[-1] = pin(k, z)
+        v = velocity(k, z)
+        velocities.append(v)
+        z = affine_step(coefficients, k, z, v, step_noise)
+        states.append(z)
+    if pin is not None and len(steps):
+        states[-1] = pin(steps.stop, states[-1])
+    return states, velocities
+
+
 def rollout(
     model: torch.nn.Module,
     flow: AffineSampler,
@@ -237,16 +276,15 @@ def rollout(
     check_generator(generator)
     coefficients = flow.coefficients()
     step_noise = draw_step_noise(coefficients[2], noise, generator)
-    states = [noise.detach()]
-    velocities = []
+
+    def velocity(k: int, z: Tensor) -> Tensor:
+        t = model_time(flow.times[k], z.shape[0], z)
+        return first_model_call(model, z, t, cond) if k == 0 else model(z, t, **cond)
+
     with torch.no_grad():
-        z = noise.detach()
-        for k in range(flow.num_steps):
-            t = model_time(flow.times[k], z.shape[0], z)
-            v = first_model_call(model, z, t, cond) if k == 0 else model(z, t, **cond)
-            velocities.append(v)
-            z = affine_step(coefficients, k, z, v, step_noise)
-            states.append(z)
+        states, velocities = integrate(
+            velocity, coefficients, noise.detach(), step_noise, range(flow.num_steps)
+        )
     return Trajectory(
         times=flow.times.clone(),
         states=torch.stack(states),

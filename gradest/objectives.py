@@ -23,18 +23,21 @@ from gradest.flow import AffineSampler, Trajectory
 from gradest.nonfinite import NonFiniteError
 
 
-def _loss_and_grad(fn: Callable[[Tensor], Tensor], x: Tensor, where: str) -> tuple[Tensor, Tensor]:
+def _loss_and_grad(
+    fn: Callable[[Tensor], Tensor], x: Tensor, where: str
+) -> tuple[Tensor, Tensor, bool]:
+    """``(loss, d loss / d x, whether the loss depends on x at all)``."""
     leaf = x.detach().requires_grad_(True)
     with torch.enable_grad():
         loss = check_scalar_loss(fn(leaf), where)
         if not loss.requires_grad:
-            return loss.detach(), torch.zeros_like(x)
+            return loss.detach(), torch.zeros_like(x), False
         (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
     if grad is None:
-        grad = torch.zeros_like(x)
+        return loss.detach(), torch.zeros_like(x), False
     if not bool(torch.isfinite(grad).all()):
         raise NonFiniteError(f"gradient of the loss {where}")
-    return loss.detach(), grad
+    return loss.detach(), grad, True
 
 
 @attrs.frozen
@@ -52,8 +55,23 @@ class TerminalObjective:
         return check_scalar_loss(self.loss_fn(final_state), "on the final sample")
 
     def terminal_adjoint(self, final_state: Tensor) -> tuple[Tensor, Tensor]:
-        """``(L, a_N)`` with ``a_N = grad loss_fn(z_N)``."""
-        return _loss_and_grad(self.loss_fn, final_state, "on the final sample")
+        """``(L, a_N)`` with ``a_N = grad loss_fn(z_N)``.
+
+        Raises:
+            ValueError: the loss does not depend on the final sample (detached, an
+                integer/bool result, or computed from something else), where autograd
+                would raise too; a silent all-zero gradient would train nothing.
+        """
+        loss, adjoint, depends = _loss_and_grad(self.loss_fn, final_state, "on the final sample")
+        if not depends:
+            raise ValueError(
+                "the loss on the final sample does not depend on it (loss_fn returned a "
+                "tensor detached from z_final, an integer/bool result, or one computed from "
+                "something else), so every estimator's gradient would be zero; return a "
+                "differentiable function of z_final, e.g. -reward(z_final).mean() (autograd "
+                "refuses the same loss: 'element 0 of tensors does not require grad')"
+            )
+        return loss, adjoint
 
 
 @attrs.frozen
@@ -74,6 +92,17 @@ class StepwiseObjective:
         self, k: int, velocity: Tensor, trajectory: Trajectory
     ) -> tuple[Tensor, Tensor]:
         """``(l_k, c_k)`` with ``c_k = d l_k / d v_k`` at the given velocity."""
+        loss, cotangent, _ = self.evaluate_step(k, velocity, trajectory)
+        return loss, cotangent
+
+    def evaluate_step(
+        self, k: int, velocity: Tensor, trajectory: Trajectory
+    ) -> tuple[Tensor, Tensor, bool]:
+        """``(l_k, c_k, depends)``; ``depends`` is False when ``l_k`` ignores ``v_k`` (``c_k = 0``).
+
+        An estimate in which no evaluated step's loss depends on its velocity is refused
+        by the estimator, as autograd refuses the summed loss.
+        """
         return _loss_and_grad(lambda v: self.loss_fn(k, v, trajectory), velocity, f"at step {k}")
 
 

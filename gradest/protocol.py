@@ -76,6 +76,34 @@ class GradientEstimate:
         return torch.cat([g.reshape(-1) for g in self.grads.values()])
 
 
+@attrs.frozen(eq=False)
+class Surrogate:
+    """A loss for autograd whose parameter gradient is an estimator's estimate.
+
+    Every estimate is ``sum_j J_j^T G_j`` over the steps it evaluates, so its surrogate is
+    ``sum_j <v_theta(z_j, t_j), G_j>`` with the states and cotangents ``G_j`` detached;
+    ``loss.backward()`` (or ``accelerator.backward(loss)``, ``scaler.scale(loss).backward()``)
+    evaluates the VJPs through the model called as itself, so DDP/FSDP, AMP, hooks and
+    layer checkpointing apply and only autograd writes ``.grad``.
+
+    Attributes:
+        loss: 0-dim tensor; its autograd gradient w.r.t. every trainable parameter is
+            the estimate. Its *value* is not the objective (log ``value``).
+        value: the objective's value on this batch, as ``info["loss"]`` (for logging).
+        cost: the :class:`Cost` counts, including the VJPs the caller's backward will run.
+        info: estimator diagnostics, as on :class:`GradientEstimate`.
+    """
+
+    loss: Tensor
+    value: float
+    cost: Cost
+    info: dict[str, Any] = attrs.field(factory=dict)
+
+    def backward(self, **kwargs: Any) -> None:
+        """``self.loss.backward(**kwargs)``."""
+        self.loss.backward(**kwargs)
+
+
 @runtime_checkable
 class TrajectoryGradientEstimator(Protocol):
     """One way of evaluating ``grad_theta L = sum_k J_k^T c_k`` for a sampling trajectory.
@@ -98,6 +126,18 @@ class TrajectoryGradientEstimator(Protocol):
         noise_grad: bool = False,
         on_nonfinite: str = "raise",
     ) -> GradientEstimate: ...
+
+    def surrogate(
+        self,
+        model: torch.nn.Module,
+        flow: AffineSampler,
+        objective: Objective,
+        *,
+        noise: Tensor | None = None,
+        trajectory: Trajectory | None = None,
+        cond: Mapping[str, Any] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Surrogate: ...
 
     def backward(
         self,

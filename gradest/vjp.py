@@ -1,10 +1,30 @@
-"""The one VJP engine: the model evaluated through ``torch.func.functional_call``.
+"""The one VJP engine: every model call and vector-Jacobian product of every estimator.
 
-Every estimator evaluates the model and its vector-Jacobian products through a
-:class:`VelocityField`; none calls the model or autograd itself. That keeps three
-things in one place: which parameters are differentiated (``requires_grad=True`` only),
-how conditioning is repeated when several states are stacked into one batched call, and
-the :class:`~gradest.protocol.Cost` bookkeeping, which is therefore exact by construction.
+Strategies evaluate the model only through a :class:`VelocityField`, which keeps in one
+place which parameters are differentiated (``requires_grad=True`` only), how
+conditioning is repeated when several states are stacked into one batched call, the
+:class:`~gradest.protocol.Cost` bookkeeping (exact by construction), replayed randomness
+for stochastic layers (:mod:`gradest.replay`) and the non-finite checks.
+
+Three ways to evaluate the parameter part, chosen per estimate:
+
+* ``engine="autograd"`` (the default of ``estimate()``): the module is called as itself
+  and VJPs are ``torch.autograd.grad`` calls. Forward hooks, ``torch.utils.checkpoint``
+  and diffusers' gradient checkpointing run; ``.grad`` is never written.
+* ``engine="func"``: ``torch.func.functional_call`` + ``torch.func.vjp`` on an explicit
+  parameter dict, composable with ``vmap``/``jacrev``. ``functional_call`` swaps the
+  module's parameters during the forward, so those forwards hold the model's exclusive
+  lock (:mod:`gradest.model_lock`); it cannot differentiate a model that uses
+  saved-tensor hooks (layer checkpointing).
+* surrogate mode (``surrogate()``): parameter VJPs are not evaluated at all. Each one
+  becomes a term ``<v_theta(z_j, t_j), G_j>`` of a loss whose autograd gradient is the
+  estimate (:class:`SurrogateTerms`); the caller's ``loss.backward()`` evaluates them,
+  through DDP/FSDP wrappers and AMP like any loss.
+
+Cotangent work (no-graph forwards, state-only VJPs of the adjoint sweep, the gate) is
+the same in every mode: the module is called as itself (the inner module of a
+``DistributedDataParallel`` wrapper, so the reducer sees only the parameter terms) and
+state VJPs differentiate the state only, so nothing lands in ``.grad``.
 
 Batched calls stack ``M`` states of batch ``B`` along the batch dimension (one model
 call on ``M*B`` rows), which assumes the model treats rows independently, as diffusion
@@ -21,12 +41,17 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 from torch.func import vjp as _torch_vjp
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from gradest._checks import check_model_output, first_model_call, trainable_parameters
-from gradest.flow import affine_step
+from gradest.flow import integrate
+from gradest.model_lock import lock_for
 from gradest.nonfinite import check_finite
+from gradest.replay import StepRandomness
 
 Grads = dict[str, Tensor]
+
+ENGINES = ("autograd", "func")
 
 # torch.func.vjp's annotations do not distinguish has_aux=True (three results) from the
 # default (two); typed loosely here rather than silenced at every call.
@@ -53,25 +78,107 @@ class CostMeter:
         return Cost(**attrs.asdict(self))
 
 
-def add_grads(total: Grads | None, extra: Grads) -> Grads:
+def inner(velocity: Tensor, cotangent: Tensor) -> Tensor:
+    """``<v, G>`` summed over every element, in float32 or wider (safe under fp16 autocast)."""
+    dtype = torch.promote_types(velocity.dtype, torch.float32)
+    return (velocity.to(dtype) * cotangent.detach().to(dtype)).sum()
+
+
+class SurrogateTerms:
+    """A parameter gradient left to autograd: ``sum_i <v_i, G_i>`` with graphs into theta.
+
+    What the engine returns in surrogate mode wherever it would return a gradient dict;
+    :func:`add_grads` and :func:`scale_grads` combine both kinds, so a strategy is written
+    once for ``estimate()`` and ``surrogate()``.
+    """
+
+    __slots__ = ("terms",)
+
+    def __init__(self, terms: Sequence[Tensor]):
+        self.terms = list(terms)
+
+    def __add__(self, other: SurrogateTerms) -> SurrogateTerms:
+        return SurrogateTerms(self.terms + other.terms)
+
+    def scaled(self, factor: float) -> SurrogateTerms:
+        return SurrogateTerms([term * factor for term in self.terms])
+
+    def _not_a_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "in surrogate() the engine defers parameter VJPs, so a pullback returns "
+            "SurrogateTerms, not a gradient dict; combine gradients with "
+            "gradest.vjp.add_grads / scale_grads so the strategy serves both estimate() and "
+            "surrogate()"
+        )
+
+    items = keys = values = __getitem__ = __iter__ = _not_a_dict
+
+    def loss(self) -> Tensor:
+        """The surrogate loss (0-dim); its gradient w.r.t. the parameters is the estimate."""
+        if len(self.terms) == 1:
+            return self.terms[0]
+        dtype = self.terms[0].dtype
+        for term in self.terms[1:]:
+            dtype = torch.promote_types(dtype, term.dtype)
+        return torch.stack([term.to(dtype) for term in self.terms]).sum()
+
+
+ParamGradient = Grads | SurrogateTerms
+
+
+def add_grads(total: ParamGradient | None, extra: ParamGradient) -> ParamGradient:
     """Accumulate ``extra`` into ``total`` (None for "nothing yet") and return it.
 
-    The first term is copied once into a buffer the caller owns; later terms are added
-    in place, so summing ``N`` per-step gradients allocates one buffer, not ``N``.
+    Gradient dicts: the first term is copied once into a buffer the caller owns; later
+    terms are added in place, so summing ``N`` per-step gradients allocates one buffer,
+    not ``N``. Surrogate terms are concatenated.
     """
+    if isinstance(extra, SurrogateTerms):
+        assert total is None or isinstance(total, SurrogateTerms)
+        return extra if total is None else total + extra
     if total is None:
         return {name: g.clone() for name, g in extra.items()}
+    assert isinstance(total, dict)
     for name, g in extra.items():
         total[name].add_(g)
     return total
 
 
-def scale_grads(grads: Grads, factor: float) -> Grads:
+def scale_grads(grads: ParamGradient, factor: float) -> ParamGradient:
+    if isinstance(grads, SurrogateTerms):
+        return grads.scaled(factor)
     return {name: g * factor for name, g in grads.items()}
 
 
+def unwrap_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (``model`` otherwise)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def _saved_tensor_hooks_error(err: RuntimeError) -> bool:
+    return "saved tensor hooks" in str(err).lower()
+
+
+@attrs.frozen(eq=False)
+class ChainPullback:
+    """A chain sampled with its graph, waiting for the terminal adjoint ``a_N``.
+
+    Attributes:
+        states: ``[N - start + 1, B, ...]`` detached.
+        velocities: ``[N - start, B, ...]`` detached.
+        pull: ``pull(a_N) -> (parameter gradient, gradient w.r.t. the chain's first
+            state or None)``; callable once.
+    """
+
+    states: Tensor
+    velocities: Tensor
+    pull: Callable[[Tensor], tuple[ParamGradient, Tensor | None]]
+
+
 class VelocityField:
-    """``v_theta(z, t, **cond)`` as a function of the trainable parameters.
+    """``v_theta(z, t, **cond)`` as the estimators see it.
 
     Args:
         model: the velocity model, called as ``model(z, t, **cond)``.
@@ -79,6 +186,8 @@ class VelocityField:
             batch size are repeated when ``M`` states are stacked into one call.
         batch_size: ``B``, the number of samples in one state.
         meter: where calls are counted.
+        engine: ``"autograd"`` or ``"func"`` (see the module docstring).
+        surrogate: defer parameter VJPs into :class:`SurrogateTerms`.
     """
 
     def __init__(
@@ -87,16 +196,41 @@ class VelocityField:
         cond: Mapping[str, Any],
         batch_size: int,
         meter: CostMeter,
+        *,
+        engine: str = "autograd",
+        surrogate: bool = False,
     ):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.model = model
-        self.params: Grads = {n: p.detach() for n, p in trainable_parameters(model).items()}
-        frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
-        frozen.update(dict(model.named_buffers()))
-        self.frozen = frozen
+        # DDP's reducer must see only the forwards whose parameter gradient autograd will
+        # compute (the surrogate's terms); everything else goes to the module inside.
+        self.module = unwrap_data_parallel(model)
+        self.engine = "autograd" if surrogate else engine
+        self.surrogate = surrogate
+        self._lock = lock_for(self.module)
+        # Read the parameters under the shared lock: a func-engine estimate in another
+        # thread may have swapped detached tensors into the module for its forward.
+        with self._lock.shared():
+            self.trainable = trainable_parameters(model)
+            self.params: Grads = (
+                {n: p.detach() for n, p in self.trainable.items()}
+                if self.engine == "func"
+                else dict(self.trainable)
+            )
+            if self.engine == "func":
+                module_params = {id(p): n for n, p in self.module.named_parameters()}
+                self._func_names = {n: module_params[id(p)] for n, p in self.trainable.items()}
+                self.frozen = {
+                    n: p.detach() for n, p in self.module.named_parameters() if not p.requires_grad
+                }
+                self.frozen.update(dict(self.module.named_buffers()))
         self.cond = dict(cond)
         self.batch_size = batch_size
         self.meter = meter
         self._checked_output = False
+        first = next(iter(self.trainable.values()))
+        self.randomness = StepRandomness(self.module, first.device)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -110,153 +244,284 @@ class VelocityField:
             for key, value in self.cond.items()
         }
 
-    def _times(self, times: Sequence[float] | Tensor, like: Tensor) -> Tensor:
+    def _row_times(self, times: Sequence[float], like: Tensor) -> Tensor:
         """Per-row model times for ``len(times)`` stacked states of batch ``B``."""
-        t = torch.as_tensor(times, dtype=like.dtype).reshape(-1).to(like.device)
+        t = torch.tensor(list(times), dtype=like.dtype).to(like.device)
         return t.repeat_interleave(self.batch_size)
 
-    def call(self, params: Grads, z: Tensor, t: Tensor) -> Tensor:
-        """Functional model call on ``z`` of ``M*B`` rows with per-row times ``t``."""
-        copies = z.shape[0] // self.batch_size
+    @staticmethod
+    def _floats(times: Sequence[float] | Tensor | float) -> list[float]:
+        return [float(t) for t in torch.as_tensor(times).reshape(-1)]
+
+    def _module_call(
+        self, module: torch.nn.Module, params: Grads | None
+    ) -> Callable[[Tensor, Tensor], Tensor]:
+        """``(z, t) -> v`` for stacked rows: the module as itself, or functionally."""
+
+        def call(z: Tensor, t: Tensor) -> Tensor:
+            cond = self._stacked_cond(z.shape[0] // self.batch_size)
+            if params is None:
+                with self._lock.shared():
+                    return module(z, t, **cond)
+            named = {self._func_names[n]: p for n, p in params.items()}
+            with self._lock.exclusive():
+                return functional_call(module, (named, self.frozen), (z, t), cond)
+
+        return call
+
+    def _evaluate(
+        self,
+        z: Tensor,
+        times: Sequence[float],
+        *,
+        params: Grads | None = None,
+        through_wrapper: bool = False,
+    ) -> Tensor:
+        """The model on ``z`` (``M*B`` stacked rows at ``M`` times), randomness replayed."""
+        call = self._module_call(self.model if through_wrapper else self.module, params)
+        t = self._row_times(times, z)
         if not self._checked_output:
             # First call of an estimate: turn shape mismatches into a readable error.
             self._checked_output = True
-            return first_model_call(
-                lambda z_, t_, **c: functional_call(self.model, (params, self.frozen), (z_, t_), c),
-                z,
-                t,
-                self._stacked_cond(copies),
+            first = call
+
+            def call(z_: Tensor, t_: Tensor) -> Tensor:
+                return first_model_call(lambda a, b, **_: first(a, b), z_, t_, self.cond)
+
+        try:
+            return self.randomness.evaluate(call, z, t, list(times))
+        except RuntimeError as err:
+            if params is not None and _saved_tensor_hooks_error(err):
+                raise ValueError(
+                    "engine='func' cannot differentiate this model: torch.func refuses the "
+                    "saved-tensor hooks of torch.utils.checkpoint / gradient checkpointing "
+                    "inside it; use engine='autograd' (the default) or est.surrogate(...)"
+                ) from err
+            raise
+
+    def _graph_forward(
+        self, z: Tensor, times: Sequence[float], params: Grads | None, *, low_memory: bool
+    ) -> Tensor:
+        """A forward whose graph reaches the parameters (estimate or surrogate term)."""
+        if low_memory and self.surrogate:
+            # Keep only the inputs; autograd recomputes the forward in the caller's backward.
+            return _checkpoint(
+                lambda z_: self._evaluate(z_, times, through_wrapper=True), z, use_reentrant=False
             )
-        return functional_call(
-            self.model, (params, self.frozen), (z, t), self._stacked_cond(copies)
-        )
+        return self._evaluate(z, times, params=params, through_wrapper=self.surrogate)
 
     @staticmethod
     def _stack(states: Tensor) -> Tensor:
         """``[M, B, ...] -> [M*B, ...]``."""
         return states.reshape(-1, *states.shape[2:])
 
-    # -- evaluations ----------------------------------------------------------------------
+    def _param_grads(self, outputs: Tensor, cotangent: Tensor, extra: Sequence[Tensor] = ()):
+        """``torch.autograd.grad`` of ``outputs`` into the parameters (and ``extra`` inputs)."""
+        inputs = [*self.params.values(), *extra]
+        pulled = torch.autograd.grad(outputs, inputs, cotangent, allow_unused=True)
+        filled = [
+            torch.zeros_like(x) if g is None else g for x, g in zip(inputs, pulled, strict=True)
+        ]
+        grads = dict(zip(self.params, filled[: len(self.params)], strict=True))
+        return grads, filled[len(self.params) :]
+
+    # -- cotangent work: no parameter gradient in any mode --------------------------------
 
     def velocity(self, z: Tensor, t: float | Tensor) -> Tensor:
-        """``v(z, t)`` without a graph (one forward)."""
+        """``v(z, t)`` without a graph (one forward; the module as itself in every engine)."""
         self.meter.forwards_without_graph += 1
+        times = self._floats(t)
         with torch.no_grad():
-            v = self.call(self.params, z, self._times([float(t)], z))
-        check_finite(v, "velocity", [float(t)])
+            v = self._evaluate(z, times)
+        check_finite(v, "velocity", times)
         return v
 
     def state_vjp(self, z: Tensor, t: float | Tensor, cotangent: Tensor) -> tuple[Tensor, Tensor]:
-        """``(v, (dv/dz)^T cotangent)``: a forward with graph in ``z`` only, no parameter part."""
-        times = self._times([float(t)], z)
-        v, pullback = vjp(lambda z_: self.call(self.params, z_, times), z)
-        check_finite(v, "velocity", [float(t)])
-        (z_grad,) = pullback(cotangent, **_ONE_SHOT)
-        check_finite(z_grad, "state gradient", [float(t)])
+        """``(v, (dv/dz)^T cotangent)``: a forward with graph in ``z``, no parameter part."""
+        times = self._floats(t)
+        if self.engine == "func":
+            v, pullback = vjp(lambda z_: self._evaluate(z_, times, params=self.params), z)
+            check_finite(v, "velocity", times)
+            (z_grad,) = pullback(cotangent, **_ONE_SHOT)
+        else:
+            with torch.enable_grad():
+                leaf = z.detach().requires_grad_(True)
+                v = self._evaluate(leaf, times)
+                check_finite(v, "velocity", times)
+                (z_grad,) = torch.autograd.grad(v, leaf, cotangent, allow_unused=True)
+            v = v.detach()
+            if z_grad is None:  # a model that ignores its state
+                z_grad = torch.zeros_like(leaf)
+        check_finite(z_grad, "state gradient", times)
         self.meter.forwards_with_graph += 1
         self.meter.state_vjps += 1
         return v, z_grad
 
+    # -- parameter gradients --------------------------------------------------------------
+
     def joint_vjp(
         self, z: Tensor, t: float | Tensor, cotangent: Tensor
     ) -> tuple[Tensor, Tensor, Grads]:
-        """``(v, (dv/dz)^T c, J^T c)``: one forward with graph and one full VJP."""
-        times = self._times([float(t)], z)
-        v, pullback = vjp(lambda p, z_: self.call(p, z_, times), self.params, z)
-        check_finite(v, "velocity", [float(t)])
-        grads, z_grad = pullback(cotangent, **_ONE_SHOT)
-        check_finite(z_grad, "state gradient", [float(t)])
-        check_finite(grads, "parameter gradient", [float(t)])
+        """``(v, (dv/dz)^T c, J^T c)``: one forward with graph and one full VJP (estimate only)."""
+        assert not self.surrogate, "joint VJPs are evaluated immediately; not in surrogate mode"
+        times = self._floats(t)
+        if self.engine == "func":
+            v, pullback = vjp(lambda p, z_: self._evaluate(z_, times, params=p), self.params, z)
+            check_finite(v, "velocity", times)
+            grads, z_grad = pullback(cotangent, **_ONE_SHOT)
+        else:
+            with torch.enable_grad():
+                leaf = z.detach().requires_grad_(True)
+                v = self._evaluate(leaf, times)
+                check_finite(v, "velocity", times)
+                grads, (z_grad,) = self._param_grads(v, cotangent, [leaf])
+            v = v.detach()
+        check_finite(z_grad, "state gradient", times)
+        check_finite(grads, "parameter gradient", times)
         self.meter.forwards_with_graph += 1
         self.meter.param_vjps += 1
         return v, z_grad, grads
 
     def param_pullback(
-        self, states: Tensor, times: Sequence[float] | Tensor
-    ) -> tuple[Tensor, Callable[[Tensor], Grads]]:
+        self, states: Tensor, times: Sequence[float] | Tensor, *, low_memory: bool = False
+    ) -> tuple[Tensor, Callable[[Tensor], ParamGradient]]:
         """Forward ``M`` stacked states with a graph now; pull parameter cotangents later.
 
         Args:
             states: ``[M, B, ...]``.
             times: ``M`` times.
+            low_memory: in surrogate mode, keep only the inputs of this forward and let
+                the caller's backward recompute it (``torch.utils.checkpoint``): one more
+                forward, activations of one call at a time. No effect in ``estimate()``,
+                where the pullback runs at once.
 
         Returns:
-            ``(velocities [M, B, ...], pullback)`` where ``pullback(cotangents [M, B, ...])``
-            returns ``sum_j J_j^T cotangents_j`` as one batched VJP. Holding the pullback
+            ``(velocities [M, B, ...] detached, pull)`` where ``pull(cotangents [M, B, ...])``
+            is ``sum_j J_j^T cotangents_j``: a gradient dict from one batched VJP, or in
+            surrogate mode the term ``sum_j <v_j, cotangents_j>``. Holding the pullback
             holds the ``M`` graphs until it is called; it can be called once.
         """
         count = states.shape[0]
+        step_times = self._floats(times)
         z = self._stack(states)
-        row_times = self._times(times, z)
-        v, pullback = vjp(lambda p: self.call(p, z, row_times), self.params)
+        if self.engine == "func":
+            v, pullback = vjp(lambda p: self._evaluate(z, step_times, params=p), self.params)
+        else:
+            with torch.enable_grad():
+                v = self._graph_forward(z, step_times, None, low_memory=low_memory)
         self.meter.forwards_with_graph += count
-        step_times = [float(t) for t in torch.as_tensor(times).reshape(-1)]
-        check_finite(v.reshape(states.shape), "velocity", step_times)
+        if low_memory and self.surrogate:
+            self.meter.forwards_without_graph += count
+        check_finite(v.detach().reshape(states.shape), "velocity", step_times)
 
-        def pull(cotangents: Tensor) -> Grads:
+        def pull(cotangents: Tensor) -> ParamGradient:
             if cotangents.shape != states.shape:
                 raise ValueError(
                     f"cotangents shape {tuple(cotangents.shape)} != states {tuple(states.shape)}"
                 )
             self.meter.param_vjps += count
-            (grads,) = pullback(self._stack(cotangents), **_ONE_SHOT)
+            flat = self._stack(cotangents)
+            if self.surrogate:
+                return SurrogateTerms([inner(v, flat)])
+            if self.engine == "func":
+                (grads,) = pullback(flat, **_ONE_SHOT)
+            else:
+                grads, _ = self._param_grads(v, flat)
             check_finite(grads, "parameter gradient", step_times)
             return grads
 
-        return v.reshape(states.shape), pull
+        return v.detach().reshape(states.shape), pull
 
     def param_vjp(
         self, states: Tensor, times: Sequence[float] | Tensor, cotangents: Tensor
-    ) -> Grads:
+    ) -> ParamGradient:
         """``sum_j J(z_j, t_j)^T c_j`` over ``M`` stacked states in one batched VJP."""
         _, pull = self.param_pullback(states, times)
         return pull(cotangents)
 
-    def chain_vjp(
+    def chain(
         self,
         coefficients: tuple[Tensor, Tensor, Tensor],
         times: Tensor,
         start: int,
         z_start: Tensor,
         step_noise: Tensor | None,
-        terminal_loss: Callable[[Tensor], Tensor],
         *,
-        state_grad: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Grads, Tensor | None]:
-        """Fused VJP of ``terminal_loss(z_N)`` through steps ``start..N-1`` (graph kept).
+        recorded: Tensor | None = None,
+        low_memory: bool = False,
+        state_grad: bool = False,
+    ) -> ChainPullback:
+        """Steps ``start..N-1`` with the graph kept, for the exact VJP of ``z_N``.
 
-        Returns:
-            ``(loss, states [N-start+1, B, ...], velocities [N-start, B, ...],
-            parameter grads, grad w.r.t. z_start or None)``.
+        Args:
+            recorded: in surrogate mode, the recorded states ``[N - start + 1, B, ...]`` the
+                chain must pass through: each state's value is pinned to the recording and
+                its graph kept, so the gradient is the one along the recorded path.
+            low_memory: in surrogate mode, each step's forward is recomputed in the
+                caller's backward (``torch.utils.checkpoint``): one forward more per step,
+                the activations of one step at a time.
+            state_grad: also return the gradient w.r.t. ``z_start`` (``estimate()`` only).
+
+        ``estimate()`` runs this only for the fused chain (no ``recorded``, no
+        ``low_memory``): one VJP through all steps on ``(theta, z_start)``.
         """
-        num_steps = times.numel() - 1
+        assert self.surrogate or (recorded is None and not low_memory)
+        steps = range(start, times.numel() - 1)
+        chain_times = [float(times[k]) for k in steps]
 
-        def run(params: Grads, z: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-            states, velocities = [z], []
-            for k in range(start, num_steps):
-                v = self.call(params, z, self._times([float(times[k])], z))
+        def pin(k: int, z: Tensor) -> Tensor:
+            if recorded is None or k == start:
+                return z
+            # Value of the recording, derivative of the chain (z - z.detach() is 0).
+            return z - z.detach() + recorded[k - start]
+
+        def run(params: Grads | None, z0: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+            def velocity(k: int, z: Tensor) -> Tensor:
+                v = self._graph_forward(z, [float(times[k])], params, low_memory=low_memory)
                 if k == start:
                     check_model_output(v, z)
                 check_finite(v, "velocity", [float(times[k])])
-                velocities.append(v)
-                z = affine_step(coefficients, k, z, v, step_noise)
-                states.append(z)
-            return terminal_loss(z), (torch.stack(states), torch.stack(velocities))
+                return v
 
-        if state_grad:
-            loss, pullback, (states, velocities) = vjp(run, self.params, z_start, has_aux=True)
-            grads, z_grad = pullback(torch.ones_like(loss), **_ONE_SHOT)
+            states, velocities = integrate(velocity, coefficients, z0, step_noise, steps, pin=pin)
+            return states[-1], (torch.stack(states).detach(), torch.stack(velocities).detach())
+
+        count = len(steps)
+        self.meter.forwards_with_graph += count
+        if low_memory:
+            self.meter.forwards_without_graph += count
+
+        if self.engine == "func":
+            if state_grad:
+                z_final, pullback, (states, velocities) = vjp(
+                    run, self.params, z_start, has_aux=True
+                )
+            else:
+                z_final, pullback, (states, velocities) = vjp(
+                    lambda p: run(p, z_start), self.params, has_aux=True
+                )
         else:
-            loss, pullback, (states, velocities) = vjp(
-                lambda p: run(p, z_start), self.params, has_aux=True
-            )
-            (grads,) = pullback(torch.ones_like(loss), **_ONE_SHOT)
-            z_grad = None
-        chain_times = [float(t) for t in times[start:num_steps]]
-        check_finite(grads, "parameter gradient", chain_times)
-        if z_grad is not None:
-            check_finite(z_grad, "state gradient", chain_times)
-        steps = num_steps - start
-        self.meter.forwards_with_graph += steps
-        self.meter.param_vjps += steps
-        return loss.detach(), states.detach(), velocities.detach(), grads, z_grad
+            with torch.enable_grad():
+                z0 = z_start.detach().requires_grad_(state_grad and not self.surrogate)
+                z_final, (states, velocities) = run(None, z0)
+
+        def pull(terminal_adjoint: Tensor) -> tuple[ParamGradient, Tensor | None]:
+            self.meter.param_vjps += count
+            if self.surrogate:
+                return SurrogateTerms([inner(z_final, terminal_adjoint)]), None
+            z_grad: Tensor | None = None
+            if self.engine == "func":
+                pulled = pullback(terminal_adjoint, **_ONE_SHOT)
+                grads = pulled[0]
+                z_grad = pulled[1] if state_grad else None
+            else:
+                grads, extra = self._param_grads(
+                    z_final, terminal_adjoint, [z0] if state_grad else []
+                )
+                z_grad = extra[0] if state_grad else None
+            check_finite(grads, "parameter gradient", chain_times)
+            if z_grad is not None:
+                check_finite(z_grad, "state gradient", chain_times)
+            return grads, z_grad
+
+        return ChainPullback(states=states, velocities=velocities, pull=pull)

@@ -239,3 +239,33 @@ def test_lora_on_a_diffusers_transformer():
     expected = ["transformer." + n for n in lora_parameters(transformer)]
     assert list(result.grads) == expected and len(expected) == 8  # 4 layers x (A, B)
     assert relative_error(result.grads, truth) <= EXACTNESS
+
+
+@pytest.mark.parametrize("spec", ["exact", "exact:checkpoint=true", "jagg:window=2", "sdo"])
+@pytest.mark.parametrize("kind", ["terminal", "stepwise"])
+def test_surrogate_backward_fills_the_adapters_grad_only(problem, spec, kind):
+    """``surrogate(...).loss.backward()`` on a LoRA model: ``.grad`` on the adapters equals
+    the estimate; the frozen base layers get none."""
+    _, noise, cond, flow, trajectory, _, objectives = problem
+    model = lora_dit()  # a fresh copy: this test writes .grad
+    inputs = {"noise": noise} if kind == "terminal" else {"trajectory": trajectory}
+    est = gradest.estimator(spec)
+    want = est.estimate(
+        model,
+        flow,
+        objectives[kind],
+        cond=cond,
+        generator=torch.Generator().manual_seed(0),
+        **inputs,
+    )
+    est.surrogate(
+        model,
+        flow,
+        objectives[kind],
+        cond=cond,
+        generator=torch.Generator().manual_seed(0),
+        **inputs,
+    ).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert list(grads) == EXPECTED_LORA
+    assert relative_error(grads, want.grads) <= EXACTNESS

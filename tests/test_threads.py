@@ -9,11 +9,17 @@
   looking estimators up at once all see the same estimators and nothing warns.
 * Estimates made from several threads at once (one shared estimator instance per spec,
   one model per thread) are bit-for-bit the estimates made one after another.
+* Threads sharing one model (estimate() with both engines, and surrogate()) get the
+  serial results and the model keeps its own Parameters: the torch.func engine's
+  parameter swaps hold the model's exclusive lock (``gradest.model_lock``). A model that
+  sleeps inside its forward makes the threads interleave; without the lock this test
+  fails in every run (a thread differentiates another's swapped-in, detached tensors).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -212,3 +218,74 @@ def test_backward_from_threads_accumulates_into_each_model_only():
     sequential = [work(index) for index in range(ESTIMATING_THREADS)]
     for one, other in zip(sequential, threaded, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))
+
+
+class _YieldingVelocity(torch.nn.Module):
+    """A small MLP velocity whose forward sleeps briefly in the middle, so that threads
+    switch while one of them is inside a forward (with a functional_call's swapped-in
+    tensors, if there were no lock); without the sleep the GIL rarely interleaves them."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_mlp(DIM, hidden=8, num_classes=2, seed=0)
+
+    def forward(self, z, t, y=None):
+        time.sleep(0.0005)
+        return self.inner(z, t, y=y)
+
+
+def _shared_model_work(problem, estimators, params) -> Callable[[int], list[torch.Tensor]]:
+    """Thread ``index``: every estimator through estimate() (both engines) and surrogate()
+    on the one shared model, with generator seed ``index``."""
+    _, flow, noise, cond, trajectory, objectives = problem
+    model = problem[0]
+
+    def work(index: int) -> list[torch.Tensor]:
+        out = []
+        for est in estimators:
+            for objective in objectives.values():
+                inputs = {"noise": noise} if index % 2 else {"trajectory": trajectory}
+                for engine in ("autograd", "func"):
+                    result = est.estimate(
+                        model,
+                        flow,
+                        objective,
+                        cond=cond,
+                        generator=torch.Generator().manual_seed(index),
+                        engine=engine,
+                        **inputs,
+                    )
+                    out.append(result.flat())
+                sur = est.surrogate(
+                    model,
+                    flow,
+                    objective,
+                    cond=cond,
+                    generator=torch.Generator().manual_seed(index),
+                    **inputs,
+                )
+                grads = torch.autograd.grad(sur.loss, params)
+                out.append(torch.cat([g.reshape(-1) for g in grads]))
+        return out
+
+    return work
+
+
+def test_threads_sharing_one_model_get_serial_results_and_keep_its_parameters():
+    """Several threads on one model: the autograd path calls the module as itself, and the
+    torch.func path swaps parameters only under the model's exclusive lock, so no thread
+    sees another's swapped tensors and the module keeps its own Parameters."""
+    model = _YieldingVelocity()
+    problem = (model, *_problem()[1:])
+    params = [p for p in model.parameters()]
+    identities = [id(p) for p in params]
+    estimators = [gradest.estimator(spec) for spec in THREADED_SPECS]
+    work = _shared_model_work(problem, estimators, params)
+    sequential = [work(index) for index in range(THREADS)]
+    for _ in range(2):  # two rounds: interleavings differ between runs
+        threaded = _run_in_threads(work)
+        for one, other in zip(sequential, threaded, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))
+    assert [id(p) for p in model.parameters()] == identities
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())

@@ -3,8 +3,8 @@
 Each submodule is imported on its own, so that gradest never imports an optional
 dependency it does not need:
 
-* :mod:`gradest.integrations.distributed`: ``torch.distributed`` data parallelism
-  (``distributed_backward``, ``allreduce_gradients``, ``rank_generator``).
+* :mod:`gradest.integrations.distributed`: helpers around DDP / FSDP2 data parallelism
+  (``rank_generator``, ``check_same_estimator``, ``process_group_from_env``).
 * :mod:`gradest.integrations.peft`: LoRA adapters through ``peft`` (``add_lora``).
 * :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching schedulers and
   transformers (``flow_from_scheduler``, ``DiffusersVelocity``).

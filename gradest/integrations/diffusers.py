@@ -144,17 +144,6 @@ def flow_from_scheduler(
     return flow
 
 
-def _random_modules(module: nn.Module) -> list[str]:
-    """Modules that draw random numbers in training mode (dropout, label dropout)."""
-    found = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
-            found.append(f"{name or type(sub).__name__} (p={sub.p})")
-        elif float(getattr(sub, "dropout_prob", 0.0) or 0.0) > 0:
-            found.append(f"{name} (dropout_prob={sub.dropout_prob})")
-    return found
-
-
 class DiffusersVelocity(nn.Module):
     """A diffusers transformer as a gradest velocity model ``model(z, t, **cond)``.
 
@@ -180,10 +169,10 @@ class DiffusersVelocity(nn.Module):
             ``FlowMatchEulerDiscreteScheduler``, what SD3 and DiT pipelines pass).
         fixed_kwargs: keyword arguments passed on every call, not repeated per batch row.
 
-    gradest evaluates the model several times per step, which must give the same function
-    each time: a transformer in training mode with dropout or label dropout (diffusers' DiT
-    drops class labels with probability 0.1) is refused; call ``.eval()`` (parameters
-    still train).
+    A transformer in training mode may keep its dropout or label dropout (diffusers' DiT
+    drops class labels with probability 0.1): estimators evaluate a step several times and
+    replay its random numbers each time (:mod:`gradest.replay`), so every evaluation of a
+    step sees the same masks.
     """
 
     def __init__(
@@ -207,7 +196,6 @@ class DiffusersVelocity(nn.Module):
             raise ValueError(f"timestep_scale must be > 0, got {timestep_scale!r}")
         self.timestep_scale = float(timestep_scale)
         self.fixed_kwargs = dict(fixed_kwargs or {})
-        self._random = _random_modules(transformer)
 
     @property
     def config(self) -> Any:
@@ -268,13 +256,6 @@ class DiffusersVelocity(nn.Module):
 
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
         self.check_latents(z)
-        if self.transformer.training and self._random:
-            raise ValueError(
-                f"{type(self.transformer).__name__} is in training mode with random modules "
-                f"({', '.join(self._random[:4])}); gradest evaluates the model several times "
-                f"per step and needs the same function each time: call .eval() on it "
-                f"(its parameters still train)"
-            )
         if self.is_flux and self.config.guidance_embeds and "guidance" not in cond:
             raise ValueError(
                 f"{type(self.transformer).__name__} has config.guidance_embeds=True and needs "

@@ -1,51 +1,40 @@
-"""Data-parallel training with gradest estimators under ``torch.distributed``.
+"""Data-parallel training with gradest under ``torch.distributed``: the helpers around DDP.
 
-``DistributedDataParallel`` averages gradients from autograd hooks that fire during
-``loss.backward()``. gradest never calls ``loss.backward()`` on the wrapped module: it
-evaluates the model through ``torch.func.functional_call`` on the module's parameters and
-writes ``p.grad`` itself, so DDP's hooks do not fire and each rank would keep its own
-gradient. This module does the averaging DDP would have done:
+gradest needs no gradient plumbing of its own under data parallelism: the surrogate loss
+(``est.surrogate(ddp_model, ...).loss``) is backpropagated through the wrapper, so
+``DistributedDataParallel`` averages the gradients from its backward hooks and FSDP2
+(``fully_shard``) reduce-scatters them, exactly as for any other loss. Estimators'
+random draws and gates agree across ranks (:mod:`gradest.ranks`), so every rank makes
+the same model calls. This module holds what remains around that:
 
-* :func:`distributed_backward`: ``estimator.backward`` on ``ddp_model.module``, with the
-  new gradient contribution averaged across ranks (sum, then divide by the world size)
-  in flattened buckets before it is added to ``p.grad``.
-* :func:`allreduce_gradients`: average whatever ``p.grad`` holds across ranks, for code
-  that calls ``estimator.backward`` itself.
 * :func:`rank_generator`: a ``torch.Generator`` per rank, so each rank draws its own
-  noise and random steps, reproducibly from one seed.
+  noise, reproducibly from one seed.
+* :func:`check_same_estimator`: every rank uses the same estimator options and trainable
+  parameters (a mismatch would mix different estimators in one average).
 * :func:`launched_world` / :func:`process_group_from_env`: the rank and world size a
   launcher (``torchrun``) put in the environment, and a process group made from them
   for the duration of a ``with`` block (used by ``gradest finetune``).
-* :func:`broadcast_module` / :func:`replicas_in_sync`: start every rank from rank 0's
-  weights (what DDP's constructor does), and check bit for bit that they stayed equal.
+* :func:`replicas_in_sync`: check bit for bit that the replicas stayed equal.
 
-Averaging equals the full-batch gradient when every rank holds an equal share of the
-batch and the objective is a *mean* over samples (as for DDP with a mean-reduced loss).
+DDP's average equals the full-batch gradient when every rank holds an equal share of the
+batch and the objective is a *mean* over samples.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-
-from gradest.flow import AffineSampler
-from gradest.nonfinite import ON_NONFINITE, NonFiniteError
-from gradest.objectives import Objective
-from gradest.protocol import GradientEstimate
+from torch import nn
 
 __all__ = [
-    "allreduce_gradients",
-    "broadcast_module",
     "check_same_estimator",
-    "distributed_backward",
     "launched_world",
     "process_group_from_env",
     "rank_generator",
@@ -58,8 +47,7 @@ def _require_initialized() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group(...) on every rank first "
-            "(or use estimator.backward for single-process training)"
+            "torch.distributed.init_process_group(...) on every rank first"
         )
 
 
@@ -119,171 +107,6 @@ def check_same_estimator(
                 else "freeze and unfreeze the same parameters on every rank"
             )
             raise ValueError(f"{what} differ across ranks ({detail}); {fix}")
-
-
-def _world_size(group: dist.ProcessGroup | None) -> int:
-    _require_initialized()
-    return dist.get_world_size(group)
-
-
-def _average_in_buckets(
-    tensors: list[Tensor], group: dist.ProcessGroup | None, flags: Tensor | None = None
-) -> tuple[list[Tensor], Tensor | None]:
-    """Sum across ranks then divide by the world size, one flat bucket per dtype and device.
-
-    ``flags`` (summed, not divided) ride along in the first bucket, so agreeing on whether
-    any rank failed costs no extra collective.
-    """
-    world = _world_size(group)
-    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        buckets.setdefault((tensor.dtype, tensor.device), []).append(index)
-    out: list[Tensor] = list(tensors)
-    summed_flags = None
-    for position, ((dtype, device), indices) in enumerate(buckets.items()):
-        parts = [tensors[i].reshape(-1) for i in indices]
-        carry_flags = flags is not None and position == 0
-        if carry_flags:
-            assert flags is not None
-            parts.append(flags.to(dtype=dtype, device=device))
-        flat = torch.cat(parts)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for i in indices:
-            size = tensors[i].numel()
-            out[i] = (flat[offset : offset + size] / world).reshape(tensors[i].shape)
-            offset += size
-        if carry_flags:
-            summed_flags = flat[offset:]
-    return out, summed_flags
-
-
-def allreduce_gradients(model_or_ddp: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Average ``p.grad`` across ranks, like DDP after ``loss.backward()``.
-
-    Every parameter with ``requires_grad=True`` takes part (a ``None`` gradient counts as
-    zeros and is replaced by the average, so all ranks end with the same ``.grad``);
-    gradients are summed with one ``all_reduce`` per flat bucket (per dtype and device)
-    and divided by the world size. Call it on every rank, after ``estimator.backward``.
-
-    Args:
-        model_or_ddp: the module or its ``DistributedDataParallel`` wrapper.
-        group: the process group (default: the world).
-    """
-    trainable = [p for _, p in _trainable(unwrap(model_or_ddp))]
-    if not trainable:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
-    averaged, _ = _average_in_buckets(grads, group)
-    with torch.no_grad():
-        for param, grad in zip(trainable, averaged, strict=True):
-            if param.grad is None:
-                param.grad = grad.clone()
-            else:
-                param.grad.copy_(grad)
-
-
-def distributed_backward(
-    estimator: Any,
-    ddp_model: nn.Module,
-    flow: AffineSampler,
-    objective: Objective,
-    *,
-    group: dist.ProcessGroup | None = None,
-    check_options: bool = True,
-    on_nonfinite: str = "raise",
-    **kwargs: Any,
-) -> GradientEstimate:
-    """``estimator.backward`` on a data-parallel model: estimate, average across ranks, accumulate.
-
-    Call on every rank with that rank's share of the batch (``noise=`` or
-    ``trajectory=``, and its ``cond``). The estimate's gradients are averaged across
-    ranks (sum, then divide by the world size, in flat buckets) and added into ``p.grad``
-    of ``ddp_model.module``, so gradient accumulation and ``optimizer.step()`` work as
-    with DDP and ``loss.backward()``. With a mean-over-samples objective and equal shares,
-    the result equals the full-batch gradient.
-
-    Args:
-        estimator: any gradest estimator (``gradest.estimator("sdo")``).
-        ddp_model: a ``DistributedDataParallel`` wrapper (or the bare module).
-        flow, objective: as for ``estimator.backward``.
-        group: the process group (default: the world).
-        check_options: first check with :func:`check_same_estimator` that every rank
-            uses the same estimator options and trainable parameters (one small
-            ``all_gather_object``; turn off once the setup is known to be consistent).
-        on_nonfinite: ``"raise"``: if any rank's estimate is non-finite, *every* rank
-            raises :class:`~gradest.NonFiniteError` naming the ranks (instead of the
-            others waiting forever in the collective); ``"skip"``: every rank returns an
-            unusable estimate and leaves ``.grad`` untouched.
-        **kwargs: passed to ``estimator.estimate`` (``noise``, ``trajectory``, ``cond``,
-            ``generator``, ``noise_grad``). ``noise_grad`` stays per rank (it belongs to
-            that rank's samples) and is not averaged.
-
-    Returns:
-        The rank's :class:`~gradest.protocol.GradientEstimate` with ``grads`` replaced
-        by the cross-rank average; ``cost`` and ``info`` stay the rank's own.
-    """
-    if on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-    world = _world_size(group)
-    rank = dist.get_rank(group)
-    module = unwrap(ddp_model)
-    if check_options:
-        check_same_estimator(estimator, module, group)
-    # Always "skip" locally, and hold back any other error until the collective: a rank
-    # that raised before it would leave the others blocked in all_reduce forever. The
-    # decision to raise or skip is then taken on every rank together.
-    error: Exception | None = None
-    try:
-        result = estimator.estimate(module, flow, objective, on_nonfinite="skip", **kwargs)
-    except Exception as err:  # re-raised below, after the collective
-        error, result = err, None
-    trainable = _trainable(module)
-    usable = result is not None and result.usable
-    grads = [
-        result.grads[name] if usable and result is not None else torch.zeros_like(param)
-        for name, param in trainable
-    ]
-    # Per-rank status in the same bucket: 0 fine, 1 non-finite, 2 raised.
-    status = torch.zeros(world, dtype=torch.float64)
-    status[rank] = 2.0 if error is not None else (0.0 if usable else 1.0)
-    averaged, status_sum = _average_in_buckets(grads, group, status)
-    assert status_sum is not None
-    raised = [r for r in range(world) if float(status_sum[r]) == 2.0]
-    if raised:
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            f"estimator.estimate raised on rank(s) {raised} of {world}; see the error "
-            f"printed by those ranks (this rank's estimate was discarded)"
-        )
-    assert result is not None
-    failed_ranks = [r for r in range(world) if float(status_sum[r]) == 1.0]
-    if failed_ranks:
-        local = result.info.get("nonfinite", "")
-        if on_nonfinite == "raise":
-            if not local:
-                raise NonFiniteError(f"estimate on rank(s) {failed_ranks} of {world}")
-            # This rank's own message (tensor, step, estimator), located to the rank.
-            error = NonFiniteError("estimate")
-            error.args = (f"rank {rank} of {world}: {local}",)
-            raise error
-        info = dict(result.info)
-        info["nonfinite"] = local or f"non-finite estimate on rank(s) {failed_ranks}"
-        return attrs.evolve(result, grads={}, noise_grad=None, info=info)
-    averaged_grads = {name: g for (name, _), g in zip(trainable, averaged, strict=True)}
-    _accumulate(trainable, averaged_grads)
-    return attrs.evolve(result, grads=averaged_grads)
-
-
-def _accumulate(trainable: list[tuple[str, nn.Parameter]], grads: Mapping[str, Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in trainable:
-            grad = grads[name]
-            if param.grad is None:
-                param.grad = grad.to(param.dtype).clone()
-            else:
-                param.grad.add_(grad.to(param.grad.dtype))
 
 
 def rank_generator(
@@ -388,24 +211,16 @@ def process_group_from_env(device: str | torch.device = "cpu") -> Iterator[tuple
     dist.init_process_group(backend, init_method="env://")
     try:
         yield dist.get_rank(), dist.get_world_size()
+        # A DistributedDataParallel wrapper still alive (in a reference cycle) when the
+        # group is destroyed aborts the process at exit in about half the runs (torch
+        # 2.14, gloo, measured): collect it, and let every rank get here first.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 # -- replicas: start equal, stay equal ------------------------------------------------------
-
-
-def broadcast_module(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Overwrite every rank's parameters and buffers with those of the group's rank 0.
-
-    What ``DistributedDataParallel``'s constructor does, so replicas start equal even
-    when each rank built (or randomly initialized) its own copy.
-    """
-    _require_initialized()
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for tensor in [*unwrap(model).parameters(), *unwrap(model).buffers()]:
-            dist.broadcast(tensor.data, src=source, group=group)
 
 
 def _state_digest(module: nn.Module) -> str:

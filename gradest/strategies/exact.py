@@ -10,9 +10,13 @@ Cost (DESIGN.md section 4, ``F`` = one forward):
 * terminal, ``checkpoint=True`` (or on a recorded trajectory): sample without a graph
   (``NF``, skipped on a trajectory), then recompute one step at a time in reverse with a
   joint state-and-parameter VJP: ``NF + N(F + 2F)``, activations of one step at a time.
+  ``surrogate()`` gets the same cost and memory from a chain whose steps are
+  ``torch.utils.checkpoint``-ed (recomputed in the caller's backward); on a recorded
+  trajectory with ``checkpoint=False`` it keeps the graph of all ``N`` steps (``3NF``).
 * stepwise: a forward with graph and a parameter VJP per step, ``N(F + 2F)``; with
   ``checkpoint=False`` all steps run as one batched call (activations of ``N`` steps held
-  at once), with ``checkpoint=True`` one step at a time (activations of one step).
+  at once), with ``checkpoint=True`` one step at a time (activations of one step;
+  ``surrogate()`` recomputes each step in the backward for that: ``N(F + F + 2F)``).
 
 Use it as the reference every other estimator is measured against, and whenever the
 chain is short enough to afford it.
@@ -28,9 +32,8 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
-from gradest.flow import Trajectory
 from gradest.options import option
-from gradest.vjp import Grads, add_grads
+from gradest.vjp import ParamGradient, add_grads
 
 
 @attrs.frozen
@@ -54,31 +57,10 @@ class Exact(EstimatorBase):
         expect="true or false",
     )
 
-    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
-        if ctx.sampled_here and not self.checkpoint:
-            return self._fused_chain(ctx)
-        sweep = ctx.adjoint_sweep(ctx.terminal_adjoint(), joint_steps=range(ctx.num_steps))
-        assert sweep.grads is not None
-        return sweep.grads, sweep.state_grad
+    def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
+        return ctx.backprop_tail(0, low_memory=self.checkpoint)
 
-    def _fused_chain(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
-        """Sample with the graph kept, then one VJP through the whole chain on ``(z, theta)``."""
-        assert ctx.noise is not None
-        step_noise = ctx.step_noise()
-        loss, states, velocities, grads, noise_grad = ctx.field.chain_vjp(
-            ctx.coefficients,
-            ctx.times,
-            0,
-            ctx.noise,
-            step_noise,
-            ctx.objective.loss,  # type: ignore[union-attr]
-            state_grad=ctx.want_noise_grad,
-        )
-        ctx.record(Trajectory(ctx.times.clone(), states, velocities, step_noise))
-        ctx.info["loss"] = float(loss)
-        return grads, noise_grad
-
-    def _stepwise(self, ctx: EstimationContext) -> Grads:
+    def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
         trajectory = ctx.trajectory()
         if not self.checkpoint:
             # The states are data, so all N steps' forwards can run as one batched call
@@ -92,10 +74,10 @@ class Exact(EstimatorBase):
                 [ctx.step_cotangent(k, velocities[k]) for k in range(ctx.num_steps)]
             )
             return pull(cotangents)
-        grads: Grads | None = None
+        grads: ParamGradient | None = None
         for k in range(ctx.num_steps):
             velocity, pull_step = ctx.field.param_pullback(
-                trajectory.states[k : k + 1], ctx.times[k : k + 1]
+                trajectory.states[k : k + 1], ctx.times[k : k + 1], low_memory=True
             )
             cotangent = ctx.step_cotangent(k, velocity[0])
             grads = add_grads(grads, pull_step(cotangent[None]))

@@ -59,7 +59,7 @@ from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.options import option
 from gradest.strategies.jagg_layout import Group, distinct_nodes, lagrange_weights, layout_groups
-from gradest.vjp import Grads, add_grads
+from gradest.vjp import ParamGradient, add_grads
 
 GATES = ("min", "mean", "off")
 # Added to |v| |v^| in the gate's cosine, as in the JAGG proposal: a zero velocity gives
@@ -140,10 +140,10 @@ class Jagg(EstimatorBase):
 
     # -- the two objectives ---------------------------------------------------------------
 
-    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+    def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         # The adjoint stays exact, so every step takes a state-only VJP; skipping the
         # parameter part of those VJPs is the whole saving.
-        sweep = ctx.adjoint_sweep(ctx.terminal_adjoint(), joint_steps=frozenset())
+        sweep = ctx.adjoint_sweep(ctx.terminal_adjoint())
         groups = layout_groups(ctx.num_steps, self.window, self.order, self.shared_knots)
         plan = self._plan(ctx, groups, list(sweep.velocities), list(sweep.cotangents))
         steps = sorted(plan.cotangents)
@@ -156,7 +156,7 @@ class Jagg(EstimatorBase):
         self._report(ctx, groups, plan)
         return grads, sweep.state_grad
 
-    def _stepwise(self, ctx: EstimationContext) -> Grads:
+    def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
         trajectory = ctx.trajectory()
         groups = layout_groups(ctx.num_steps, self.window, self.order, self.shared_knots)
         nodes = list(distinct_nodes(groups))
@@ -204,12 +204,25 @@ class Jagg(EstimatorBase):
         totals: dict[int, Tensor] = {
             k: torch.zeros_like(cotangents[k]) for k in distinct_nodes(groups)
         }
-        cosines: list[float | None] = []
+        weights_of = [
+            lagrange_weights(times[list(group.nodes)], times[list(group.steps)]) for group in groups
+        ]
+        cosines = [
+            self._gate_cosine(group, weights, velocities)
+            for group, weights in zip(groups, weights_of, strict=True)
+        ]
+        # Data-parallel ranks gate on the union of their samples (gradest.ranks), so every
+        # rank falls back in the same groups and makes the same model calls.
+        batch = velocities[0].shape[0]
+        cosines = ctx.ranks.gate(
+            cosines,
+            [batch * sum(k not in g.nodes for k in g.steps) for g in groups],
+            self.gate,
+        )
         fallback_groups: list[int] = []
-        for index, group in enumerate(groups):
-            weights = lagrange_weights(times[list(group.nodes)], times[list(group.steps)])
-            cosine = self._gate_cosine(group, weights, velocities)
-            cosines.append(cosine)
+        for index, (group, weights, cosine) in enumerate(
+            zip(groups, weights_of, cosines, strict=True)
+        ):
             # ``not >=`` so that a NaN cosine (non-finite velocities) falls back too.
             if cosine is not None and not cosine >= self.tau:
                 fallback_groups.append(index)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from gradest.context import EstimationContext
-from gradest.vjp import Grads
+from gradest.vjp import ParamGradient
 
 
 def _device(generator: torch.Generator | None) -> torch.device:
@@ -65,7 +65,7 @@ def draw_from_probabilities(
     return max(k for k, p in enumerate(probabilities, start=1) if p > 0)
 
 
-def stepwise_vjp_over(ctx: EstimationContext, steps: Sequence[int]) -> Grads:
+def stepwise_vjp_over(ctx: EstimationContext, steps: Sequence[int]) -> ParamGradient:
     """``sum_{k in steps} J_k^T c_k`` for a stepwise objective, in one batched VJP.
 
     The listed recorded states are forwarded together with a graph; each ``c_k =

@@ -57,7 +57,7 @@ from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.options import option
 from gradest.strategies.sampling import draw_steps, stepwise_vjp_over
-from gradest.vjp import Grads, scale_grads
+from gradest.vjp import ParamGradient, scale_grads
 
 SCALES = ("unbiased", "none")
 
@@ -115,7 +115,7 @@ class ShortcutDiffusion(EstimatorBase):
         expect="true or false",
     )
 
-    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+    def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         # The rollout comes first: it draws any sampler noise from the generator before
         # the step subset does, so the path matches gradest.rollout with the same seed.
         trajectory = ctx.trajectory()
@@ -137,7 +137,7 @@ class ShortcutDiffusion(EstimatorBase):
             noise_grad = float(alpha[0] * after[0]) * terminal_adjoint + pulled
         return scale_grads(grads, factor), noise_grad
 
-    def _stepwise(self, ctx: EstimationContext) -> Grads:
+    def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
         ctx.trajectory()
         steps, factor = self._draw(ctx)
         return scale_grads(stepwise_vjp_over(ctx, steps), factor)
@@ -155,7 +155,7 @@ class ShortcutDiffusion(EstimatorBase):
                     f"N={num_steps} steps; use samples <= {num_steps}, or full_sum=True "
                     f"to evaluate every step"
                 )
-            steps = draw_steps(num_steps, self.samples, ctx.generator)
+            steps = ctx.ranks.same_ints(draw_steps(num_steps, self.samples, ctx.generator))
             factor = num_steps / self.samples if self.scale == "unbiased" else 1.0
         ctx.info["sampled_steps"] = steps
         ctx.info["scale"] = factor

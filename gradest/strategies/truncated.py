@@ -14,7 +14,8 @@ N-k`` depends on steps after ``j`` only), so they are exactly those of ``exact``
 VJP evaluation: one VJP per kept step. Sampling from noise: a no-graph rollout of the
 first ``N - k`` steps, then the last ``k`` with the graph kept and one fused VJP through
 them. On a recorded trajectory: an adjoint sweep over the last ``k`` steps only, each a
-joint state-and-parameter VJP.
+joint state-and-parameter VJP (``surrogate()``: the last ``k`` steps as a chain pinned to
+the recorded states, graph kept).
 
 Randomized truncation (AlignProp-style): ``random="uniform"`` draws ``k`` uniformly from
 ``{1, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset); a probability tuple
@@ -43,14 +44,13 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
-from gradest.flow import Trajectory, affine_step
 from gradest.options import option, parse_float_tuple, parse_optional_int
 from gradest.strategies.sampling import (
     draw_from_probabilities,
     draw_uniform_int,
     stepwise_vjp_over,
 )
-from gradest.vjp import Grads, add_grads
+from gradest.vjp import ParamGradient
 
 _RANDOM_EXPECT = (
     "None (fixed k), 'uniform' (k uniform on 1..K, K = the k option or N), or a tuple of "
@@ -152,63 +152,12 @@ class Truncated(EstimatorBase):
 
     # -- terminal -------------------------------------------------------------------------
 
-    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
-        if ctx.sampled_here:
-            return self._sample_then_backprop_tail(ctx)
-        return self._sweep_tail(ctx)
-
-    def _sample_then_backprop_tail(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
-        """No-graph rollout to step ``N - k``, then one fused VJP through the last ``k`` steps."""
-        assert ctx.noise is not None
-        step_noise = ctx.step_noise()  # sampler noise first, then k (see sampling.py)
+    def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
+        ctx.step_noise()  # sampler noise first, then k (see sampling.py)
         kept = self._draw_k(ctx)
         start = ctx.num_steps - kept
-        z = ctx.noise.detach()
-        head_states, head_velocities = [], []
-        for step in range(start):
-            v = ctx.field.velocity(z, ctx.times[step])
-            head_states.append(z)
-            head_velocities.append(v)
-            z = affine_step(ctx.coefficients, step, z, v, step_noise)
-        loss, tail_states, tail_velocities, grads, start_grad = ctx.field.chain_vjp(
-            ctx.coefficients,
-            ctx.times,
-            start,
-            z,
-            step_noise,
-            ctx.objective.loss,  # type: ignore[union-attr]
-            state_grad=ctx.want_noise_grad and start == 0,
-        )
-        ctx.record(
-            Trajectory(
-                times=ctx.times.clone(),
-                states=torch.cat([torch.stack(head_states), tail_states]) if start else tail_states,
-                velocities=torch.cat([torch.stack(head_velocities), tail_velocities])
-                if start
-                else tail_velocities,
-                step_noise=step_noise,
-            )
-        )
-        ctx.info["loss"] = float(loss)
-        return grads, self._noise_grad(ctx, start, start_grad, ctx.noise)
-
-    def _sweep_tail(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
-        """Adjoint sweep over the recorded last ``k`` steps, one joint VJP per step."""
-        trajectory = ctx.trajectory()
-        kept = self._draw_k(ctx)
-        start = ctx.num_steps - kept
-        alpha, beta, _ = ctx.coefficients
-        adjoint = ctx.terminal_adjoint()
-        grads: Grads | None = None
-        for step in reversed(range(start, ctx.num_steps)):
-            cotangent = float(beta[step]) * adjoint
-            _, pulled, step_grads = ctx.field.joint_vjp(
-                trajectory.states[step], ctx.times[step], cotangent
-            )
-            grads = add_grads(grads, step_grads)
-            adjoint = float(alpha[step]) * adjoint + pulled
-        assert grads is not None
-        return grads, self._noise_grad(ctx, start, adjoint, trajectory.states[0])
+        grads, start_grad = ctx.backprop_tail(start)
+        return grads, self._noise_grad(ctx, start, start_grad, ctx.trajectory().states[0])
 
     @staticmethod
     def _noise_grad(
@@ -223,7 +172,7 @@ class Truncated(EstimatorBase):
 
     # -- stepwise -------------------------------------------------------------------------
 
-    def _stepwise(self, ctx: EstimationContext) -> Grads:
+    def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
         ctx.trajectory()
         kept = self._draw_k(ctx)
         return stepwise_vjp_over(ctx, range(ctx.num_steps - kept, ctx.num_steps))
@@ -254,5 +203,6 @@ class Truncated(EstimatorBase):
             kept = draw_uniform_int(1, largest, ctx.generator)
         else:
             kept = largest
+        (kept,) = ctx.ranks.same_ints([kept])  # data-parallel ranks keep rank 0's depth
         ctx.info["k"] = kept
         return kept

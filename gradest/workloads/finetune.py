@@ -1,7 +1,7 @@
 """Reward fine-tuning of a flow model with any gradest estimator: the user-facing loop.
 
-Two objectives, one loop (``est.backward(...)`` then ``optimizer.step()``, as with
-``loss.backward()``):
+Two objectives, one loop (``est.surrogate(...).loss.backward()`` then
+``optimizer.step()``, as with any loss):
 
 * ``mode="reward"``: the terminal objective ``L = -mean_b reward(z_N)``, differentiated
   through the deterministic Euler sampler (:class:`gradest.RectifiedFlow`) by the
@@ -14,17 +14,19 @@ Two objectives, one loop (``est.backward(...)`` then ``optimizer.step()``, as wi
 
 Every estimator differentiates the **same recorded path**: the loop samples without a
 graph (``gradest.rollout``, timed as ``sample_seconds``) and hands the trajectory to
-``est.backward(..., trajectory=...)`` (``backward_seconds``). That separates the common
-sampling cost from the estimator's own; the price is that ``exact`` recomputes the
-forwards instead of keeping the sampling graph (``N`` extra forwards; call
-``est.backward(model, flow, objective, noise=...)`` directly for its fused path).
+``est.surrogate(..., trajectory=...)``, whose loss it backpropagates
+(``backward_seconds``). That separates the common sampling cost from the estimator's
+own; the price is that ``exact`` recomputes the forwards instead of keeping the sampling
+graph (``N`` extra forwards; call ``est.surrogate(model, flow, objective, noise=...)``
+directly for its fused path).
 
 The JSON log has one line per outer step: ``step``; ``reward_mean`` / ``reward_std`` of
 that step's samples (before its update); ``loss`` (the estimator's ``info["loss"]``,
 averaged over GRPO's inner epochs, whose per-epoch values are in ``losses``);
 ``grad_norm`` (before clipping; per epoch in ``grad_norms``); ``sample_seconds`` (the
 rollout, the rewards and, for GRPO, advantages and old log-probabilities);
-``backward_seconds`` (the estimator's ``backward`` calls); ``optimizer_seconds``;
+``backward_seconds`` (the estimator's ``surrogate`` calls and their ``loss.backward()``);
+``optimizer_seconds``;
 ``cost`` (the estimators' :class:`~gradest.protocol.Cost` counts summed over the
 step's backwards, their ``model_units``, and the rollout's ``sample_forwards``); and
 ``info`` (:func:`summarize_info` of the estimators' diagnostics, e.g. jagg's
@@ -35,9 +37,10 @@ noise, training noise, SDE step noise and the estimators' random draws, in that 
 The same seed on the same machine gives the same run number for number (the JSON log
 differs only in the ``*_seconds`` timings).
 
-Under ``torchrun`` the loop is data-parallel: each rank samples its share of the batch
-with its own generator, the gradients are averaged across ranks as DDP would, and only
-rank 0 writes (see :func:`finetune`).
+Under ``torchrun`` the loop is data-parallel: the model is wrapped in
+``DistributedDataParallel``, each rank samples its share of the batch with its own
+generator, DDP averages the surrogate losses' gradients, and only rank 0 writes (see
+:func:`finetune`).
 """
 
 from __future__ import annotations
@@ -57,17 +60,17 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 import gradest
+from gradest.base import surrogate_from_estimate
 from gradest.flow import RectifiedFlow, Trajectory, rollout
 from gradest.integrations.distributed import (
-    broadcast_module,
-    distributed_backward,
+    check_same_estimator,
     launched_world,
     process_group_from_env,
     rank_generator,
     replicas_in_sync,
 )
 from gradest.objectives import Objective, TerminalObjective
-from gradest.protocol import Cost
+from gradest.protocol import Cost, Surrogate
 from gradest.workloads.grpo import group_advantages, grpo_objective
 from gradest.workloads.sde import LOG_PROB_REDUCTIONS, FlowSDE
 
@@ -120,13 +123,25 @@ def resolve_estimator(estimator: Any) -> Any:
     """
     if isinstance(estimator, str):
         return gradest.estimator(estimator)
-    if callable(getattr(estimator, "estimate", None)) and callable(
-        getattr(estimator, "backward", None)
-    ):
+    if callable(getattr(estimator, "estimate", None)):
         return estimator
     raise TypeError(
         f"estimator must be a spec string such as 'exact' or 'jagg:window=4', or an "
-        f"estimator object with estimate() and backward(); got {type(estimator).__name__}"
+        f"estimator object with estimate() (and surrogate()); got {type(estimator).__name__}"
+    )
+
+
+def surrogate_loss(est: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``est.surrogate(...)``, or for an estimator without one, the linear surrogate of its
+    estimate (:func:`gradest.base.surrogate_from_estimate`) in the same record."""
+    if callable(getattr(est, "surrogate", None)):
+        return est.surrogate(model, *args, **kwargs)
+    result = est.estimate(model, *args, **kwargs)
+    return Surrogate(
+        loss=surrogate_from_estimate(model, result),
+        value=float(result.info.get("loss", float("nan"))),
+        cost=result.cost,
+        info=result.info,
     )
 
 
@@ -399,12 +414,14 @@ def finetune(
     no default process group exists, one is initialized from the environment (``gloo``,
     or ``nccl`` for a CUDA model; each rank needs its own GPU) and destroyed on return;
     a group the caller initialized is used and left as is. Every rank starts from rank
-    0's weights, samples ``batch_size / R`` of the batch with its own generator
-    (``rank_generator(seed)``), averages gradients as DDP would
-    (:func:`~gradest.integrations.distributed.distributed_backward`) and takes the same
-    optimizer step, so the replicas stay equal. The evaluation batch is the global one
-    on every rank. Only rank 0 writes the log and checkpoints and shows the progress
-    bar (other ranks return ``log_path=None`` and no checkpoints). Logged rewards and
+    0's weights (the model is wrapped in ``DistributedDataParallel``), samples
+    ``batch_size / R`` of the batch with its own generator (``rank_generator(seed)``),
+    backpropagates its surrogate loss (DDP averages the gradients) and takes the same
+    optimizer step, so the replicas stay equal. The estimators' random draws and gates are
+    rank 0's (:mod:`gradest.ranks`), so every rank makes the same model calls. The
+    evaluation batch is the global one on every rank. Only rank 0 writes the log and
+    checkpoints and shows the progress bar (other ranks return ``log_path=None`` and no
+    checkpoints). Logged rewards and
     losses are over the global batch; ``cost`` and ``info`` are rank 0's own.
     """
     # -- everything is validated before the first model call --
@@ -456,7 +473,7 @@ def finetune(
     _, world = launched_world()
     local_batch = _check_world(mode, batch_size, group_size, world)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        # Estimators call the bare module through functional_call; the wrapper adds nothing.
+        # The loop wraps the bare module itself once the process group exists.
         model = model.module
     shape = _sample_shape(model, sample_shape)
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -559,9 +576,17 @@ def _train(
         opt = torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay)
     terminal = TerminalObjective(lambda images: -_rewards(reward, images).mean())
 
+    # DDP's constructor starts every replica from rank 0's weights and buffers; its
+    # backward hooks average the surrogate losses' gradients.
+    trained: torch.nn.Module = (
+        torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+        if distributed
+        else model
+    )
     if distributed:
-        # As DDP's constructor does: every replica starts from rank 0's weights.
-        broadcast_module(model)
+        check_same_estimator(est, trained)
 
     # Fixed evaluation noise, drawn first: every estimator run with this seed is scored
     # on the same samples.
@@ -629,28 +654,18 @@ def _train(
             for objective in objectives:
                 opt.zero_grad(set_to_none=True)
                 started = time.perf_counter()
-                if distributed:
-                    # The objectives are means over the rank's samples, so the average
-                    # over equal shares is the global batch's gradient (as with DDP).
-                    result = distributed_backward(
-                        est,
-                        model,
-                        train_flow,
-                        objective,
-                        check_options=step == 0 and not losses,
-                        trajectory=trajectory,
-                        cond=cond,
-                        generator=generator,
-                    )
-                else:
-                    result = est.backward(
-                        model,
-                        train_flow,
-                        objective,
-                        trajectory=trajectory,
-                        cond=cond,
-                        generator=generator,
-                    )
+                # The objectives are means over the rank's samples, so DDP's average over
+                # equal shares is the global batch's gradient.
+                result = surrogate_loss(
+                    est,
+                    trained,
+                    train_flow,
+                    objective,
+                    trajectory=trajectory,
+                    cond=cond,
+                    generator=generator,
+                )
+                result.loss.backward()
                 backward_seconds += time.perf_counter() - started
                 # The averaged gradient is the same on every rank: so are the norm, the
                 # clipping and the optimizer step, and the replicas stay equal.

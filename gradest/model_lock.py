@@ -1,0 +1,78 @@
+"""One lock per model, so ``functional_call`` never swaps parameters under another thread.
+
+``torch.func.functional_call`` puts the tensors it is given into the module's attributes
+for the duration of the call and puts the originals back afterwards. Two threads doing
+that on one module interleave: the second saves the first one's (detached) tensors as
+"originals" and restores them last, so the module loses its parameters for good; a
+thread calling the module as itself meanwhile computes with tensors that autograd cannot
+trace back to the parameters.
+
+Calls of the module as itself only read its attributes, so they may run together
+(shared); a ``functional_call`` writes them and runs alone (exclusive). The lock is held
+for the forward only: backward passes read saved tensors, never module attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+
+from torch import nn
+
+
+class _SharedExclusiveLock:
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._readers = 0
+        self._writer: int | None = None
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._condition:
+            # A thread already inside its own exclusive section may call the module too.
+            if self._writer != me:
+                while self._writer is not None:
+                    self._condition.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._readers -= 1
+                self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._condition:
+            if self._writer == me:
+                self._depth += 1
+            else:
+                while self._writer is not None or self._readers:
+                    self._condition.wait()
+                self._writer, self._depth = me, 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._writer = None
+                    self._condition.notify_all()
+
+
+_locks: weakref.WeakKeyDictionary[nn.Module, _SharedExclusiveLock] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def lock_for(model: nn.Module) -> _SharedExclusiveLock:
+    """The lock of ``model`` (created on first use, forgotten with the model)."""
+    with _registry_lock:
+        lock = _locks.get(model)
+        if lock is None:
+            lock = _locks[model] = _SharedExclusiveLock()
+        return lock

@@ -1,9 +1,10 @@
 """gradest: parameter gradients through diffusion / flow-model sampling chains.
 
-Swap estimators by name::
+Swap estimators by name; train with the surrogate loss::
 
     est = gradest.estimator("jagg", window=4)
-    result = est.estimate(model, gradest.RectifiedFlow(steps=50), objective, noise=noise)
+    sur = est.surrogate(model, gradest.RectifiedFlow(steps=50), objective, noise=noise)
+    sur.loss.backward()   # .grad now holds the estimate; or est.estimate(...) for a dict
 """
 
 from gradest.flow import AffineSampler, RectifiedFlow, Trajectory, rollout
@@ -16,7 +17,7 @@ from gradest.objectives import (
     flow_matching_objective,
     flow_matching_trajectory,
 )
-from gradest.protocol import Cost, GradientEstimate, TrajectoryGradientEstimator
+from gradest.protocol import Cost, GradientEstimate, Surrogate, TrajectoryGradientEstimator
 from gradest.registry import UnknownEstimatorError, available_estimators, estimator
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "RectifiedFlow",
     "Report",
     "StepwiseObjective",
+    "Surrogate",
     "TerminalObjective",
     "Trajectory",
     "TrajectoryGradientEstimator",

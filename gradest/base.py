@@ -23,10 +23,11 @@ from gradest.objectives import Objective
 from gradest.protocol import GradientEstimate, Surrogate
 from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
 
-# estimate()'s default engine, chosen by measurement (benchmarks/report.py, docs/benchmarks.md):
-# calling the module as itself with torch.autograd.grad matched the hand-written loop,
-# while functional_call + torch.func.vjp cost 6-22% more wall time at identical FLOPs, and
-# only the autograd path runs layer checkpointing and is free of parameter swapping.
+# estimate()'s default engine, chosen by measurement (python -m benchmarks.report, two runs,
+# docs/benchmarks.md): against the hand-written loop, terminal exact ran 0.96x-0.98x with
+# the autograd engine and 0.91x-0.94x with torch.func (the transform around every op of
+# the sequential chain); on the batched stepwise call the two were within noise. Only the
+# autograd path runs layer checkpointing, and it never swaps the module's parameters.
 DEFAULT_ENGINE = "autograd"
 
 
@@ -93,8 +94,8 @@ class EstimatorBase:
                 called as itself and differentiated with ``torch.autograd.grad``, so hooks
                 and layer checkpointing run; measured as fast as a hand-written loop.
                 ``"func"``: ``functional_call`` + ``torch.func.vjp`` on a parameter dict
-                (composable with ``vmap``/``jacrev``; 6-22% slower in
-                ``python -m benchmarks.report``; no layer checkpointing; the model's
+                (composable with ``vmap``/``jacrev``; 2-6% slower on the terminal chain
+                in ``python -m benchmarks.report``; no layer checkpointing; the model's
                 parameters are swapped in and out under a per-model lock). Both give the
                 same numbers (to float rounding); ``.grad`` is never written.
 

@@ -3,8 +3,10 @@
 The toy problem is a class-conditional MLP velocity model in float64 with a smooth
 terminal loss and a stepwise loss on one recorded trajectory (common random numbers).
 For each estimator it reports the relative error to the estimator's own dense
-definition (must be at float64 precision), and its relative error and cosine to the
-exact gradient (how good an approximation it is on this problem).
+definition (must be at float64 precision), the relative error of its surrogate loss's
+autograd gradient to its estimate (must be at float64 precision too; "n/a" for an
+estimator without ``surrogate()``), and its relative error and cosine to the exact
+gradient (how good an approximation it is on this problem).
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ def run_check(
             error = relative_error(flat, definition)
             ok &= error <= DEFINITION_TOLERANCE
             vs_definition = f"{error:.1e}" + ("" if error <= DEFINITION_TOLERANCE else " FAIL")
+        vs_surrogate = _surrogate_error(est, model, flow, objective, trajectory, cond, seed, flat)
+        if vs_surrogate is None:
+            surrogate_cell = "n/a"
+        else:
+            ok &= vs_surrogate <= DEFINITION_TOLERANCE
+            surrogate_cell = f"{vs_surrogate:.1e}" + (
+                "" if vs_surrogate <= DEFINITION_TOLERANCE else " FAIL"
+            )
         exact = truth[kind]
         cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
         cost = result.cost
@@ -97,6 +107,7 @@ def run_check(
                 repr(est),
                 kind,
                 vs_definition,
+                surrogate_cell,
                 f"{relative_error(flat, exact):.2e}",
                 f"{cosine:.4f}",
                 str(cost.param_vjps),
@@ -108,6 +119,7 @@ def run_check(
         "estimator",
         "objective",
         "vs definition",
+        "surrogate vs estimate",
         "rel.err vs exact",
         "cos vs exact",
         "param VJPs",
@@ -125,6 +137,31 @@ def run_check(
         else "SOME ESTIMATORS DO NOT MATCH THEIR DEFINITIONS"
     )
     return ok
+
+
+def _surrogate_error(
+    est, model, flow, objective, trajectory, cond, seed: int, estimate: torch.Tensor
+) -> float | None:
+    """Relative error of ``autograd.grad(est.surrogate(...).loss)`` to the estimate."""
+    if not callable(getattr(est, "surrogate", None)):
+        return None
+    sur = est.surrogate(
+        model,
+        flow,
+        objective,
+        trajectory=trajectory,
+        cond=cond,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(sur.loss, params, allow_unused=True)
+    flat = torch.cat(
+        [
+            (torch.zeros_like(p) if g is None else g).reshape(-1)
+            for p, g in zip(params, grads, strict=True)
+        ]
+    )
+    return relative_error(flat, estimate)
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -79,7 +79,7 @@ class EstimationContext:
         surrogate: bool = False,
     ):
         if torch.is_inference_mode_enabled():
-            raise RuntimeError(
+            raise ValueError(
                 "gradest cannot differentiate inside torch.inference_mode(): tensors made "
                 "there never record a graph; call the estimator outside it (torch.no_grad() "
                 "around the call is fine)"

@@ -92,6 +92,22 @@ stepwise = random_stepwise_objective(STEPS, (BATCH, DIM))
 trajectory = gradest.rollout(model, flow, noise)
 
 
+class _CheckpointedMLP(nn.Module):
+    """Layer checkpointing inside the model (saved-tensor hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_mlp(DIM)
+
+    def forward(self, z, t):
+        return torch.utils.checkpoint.checkpoint(self.inner, z, t, use_reentrant=False)
+
+
+def _in_inference_mode(run: Callable[[], Any]) -> Any:
+    with torch.inference_mode():
+        return run()
+
+
 def estimate(*args: Any, estimator: str = "exact", **kwargs: Any) -> Any:
     """``gradest.estimator(estimator).estimate(...)`` with the defaults filled in."""
     call_args = list(args) + [model, flow, objective][len(args) :]
@@ -452,6 +468,45 @@ CASES: list[Case] = [
         lambda: estimate(_frozen_mlp()),
         "requires_grad=True",
         "MLPVelocity",
+    ),
+    api('estimate(..., engine="jax")', lambda: estimate(engine="jax"), "engine", "'jax'"),
+    api(
+        'estimate(<model with torch.utils.checkpoint inside>, ..., engine="func")',
+        lambda: estimate(_CheckpointedMLP(), engine="func"),
+        "engine='func'",
+        "checkpoint",
+    ),
+    api(
+        "estimate(model, flow, TerminalObjective(lambda z: z.detach().sum()))",
+        lambda: estimate(model, flow, gradest.TerminalObjective(lambda z: z.detach().sum())),
+        "loss_fn",
+        "z_final",
+    ),
+    api(
+        "estimate(model, flow, TerminalObjective(lambda z: (z > 0).sum()))",
+        lambda: estimate(model, flow, gradest.TerminalObjective(lambda z: (z > 0).sum())),
+        "loss_fn",
+        "integer/bool",
+    ),
+    api(
+        "estimate(model, flow, StepwiseObjective(lambda k, v, traj: v.detach().sum()), "
+        "trajectory=traj)",
+        lambda: estimate(
+            model,
+            flow,
+            gradest.StepwiseObjective(lambda k, v, traj: v.detach().sum()),
+            trajectory=gradest.rollout(model, flow, noise),
+        ),
+        "loss_fn",
+        "v_k",
+    ),
+    api(
+        "estimator(...).surrogate(...) inside torch.inference_mode()",
+        lambda: _in_inference_mode(
+            lambda: gradest.estimator("exact").surrogate(model, flow, objective, noise=noise)
+        ),
+        "inference_mode",
+        "torch.no_grad()",
     ),
     # estimator options: exact
     api(

@@ -1,8 +1,8 @@
 """Mixed precision: bfloat16 autocast and bfloat16 parameters on the CPU.
 
-gradest evaluates the model through ``torch.func.functional_call`` and takes VJPs with
-``torch.func.vjp``; both work under ``torch.autocast("cpu", dtype=torch.bfloat16)``
-wrapped around ``estimate``/``backward``: linear layers, convolutions and attention run
+gradest calls the model as itself and takes VJPs with ``torch.autograd.grad`` (or, with
+``engine="func"``, through ``torch.func``); both work under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` wrapped around ``estimate``/``backward``: linear layers, convolutions and attention run
 in bfloat16, the states, cotangents and the returned gradients stay float32 (the
 parameters' dtype). A model converted with ``model.to(torch.bfloat16)`` (with bfloat16
 noise) runs end to end too, and its gradients are bfloat16.

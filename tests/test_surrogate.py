@@ -185,7 +185,7 @@ def test_surrogate_works_inside_no_grad_and_refuses_inference_mode():
         result = est.estimate(p.model, p.flow, p.objectives["terminal"], noise=p.noise, cond=p.cond)
     got = flat(torch.autograd.grad(sur.loss, trainable(p.model)))
     assert relative_error(got, result.flat()) <= EXACTNESS
-    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+    with torch.inference_mode(), pytest.raises(ValueError, match="inference_mode"):
         est.surrogate(p.model, p.flow, p.objectives["terminal"], noise=p.noise, cond=p.cond)
 
 
@@ -268,3 +268,25 @@ def test_a_stepwise_loss_that_skips_some_steps_is_fine():
         p.model, p.flow, objective, trajectory=p.trajectory, cond=p.cond
     )
     assert float(result.flat().norm()) > 0
+
+
+def test_gradest_check_fails_an_estimator_whose_surrogate_is_wrong(monkeypatch, capsys):
+    """``gradest check`` compares every estimator's surrogate with its estimate, so a
+    plugin whose surrogate loss is off (here by a factor 2) fails the check."""
+    from gradest import check
+    from gradest.strategies.exact import Exact
+
+    @attrs.frozen
+    class DoubledSurrogate(Exact):
+        name = "exact"  # checked against exact's definition, which its estimate meets
+
+        def surrogate(self, *args, **kwargs):
+            sur = super().surrogate(*args, **kwargs)
+            return attrs.evolve(sur, loss=2 * sur.loss)
+
+    monkeypatch.setattr(check, "estimator", lambda spec: DoubledSurrogate())
+    assert not check.run_check(["exact"], steps=3, show_progress=False)
+    rows = [line for line in capsys.readouterr().out.splitlines() if "DoubledSurrogate" in line]
+    assert len(rows) == 2 and all("FAIL" in row for row in rows)
+    monkeypatch.undo()
+    assert check.run_check(["exact"], steps=3, show_progress=False)

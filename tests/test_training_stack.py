@@ -130,9 +130,14 @@ accelerate = pytest.importorskip("accelerate")
 def fresh_accelerate_state():
     from accelerate.state import AcceleratorState, GradientState
 
+    def reset() -> None:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    # accelerate keeps one global state per process (the docs' examples make one too).
+    reset()
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset()
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -103,10 +103,13 @@ class MeanOfSdoDraws(EstimatorBase):
                 f"N={num_steps} steps; use samples <= {num_steps}"
             )
         device = ctx.generator.device if ctx.generator is not None else torch.device("cpu")
-        subsets = []
+        drawn: list[int] = []
         for _ in range(self.draws):
             order = torch.randperm(num_steps, generator=ctx.generator, device=device)
-            subsets.append(sorted(int(step) for step in order[: self.samples].tolist()))
+            drawn.extend(sorted(int(step) for step in order[: self.samples].tolist()))
+        # Data-parallel ranks must make the same model calls: take rank 0's draws.
+        drawn = ctx.ranks.same_ints(drawn)
+        subsets = [drawn[i : i + self.samples] for i in range(0, len(drawn), self.samples)]
         counts = Counter(step for subset in subsets for step in subset)
         scale = num_steps / self.samples
         steps = sorted(counts)

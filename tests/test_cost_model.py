@@ -201,6 +201,59 @@ def test_exact_stepwise_has_the_flops_of_the_handwritten_loop(wide_model, flops_
     assert gradest_flops == handwritten
 
 
+def surrogate_backward(est, model, flow, objective, **inputs) -> None:
+    """The training path: the surrogate loss and its backward into ``.grad``."""
+    model.zero_grad(set_to_none=True)
+    est.surrogate(model, flow, objective, generator=seeded(), **inputs).loss.backward()
+
+
+def test_the_exact_surrogate_has_the_flops_of_the_handwritten_loops(wide_model, flops_noise):
+    flow = gradest.RectifiedFlow(steps=FLOPS_STEPS)
+    exact = gradest.estimator("exact")
+    terminal = gradest.TerminalObjective(lambda z: z.pow(2).sum())
+    assert count_flops(
+        lambda: surrogate_backward(exact, wide_model, flow, terminal, noise=flops_noise)
+    ) == count_flops(lambda: handwritten_bptt(wide_model, flow, flops_noise, terminal.loss_fn))
+    trajectory = gradest.rollout(wide_model, flow, flops_noise)
+    stepwise = random_stepwise_objective(FLOPS_STEPS, (FLOPS_BATCH, 8))
+    assert count_flops(
+        lambda: surrogate_backward(exact, wide_model, flow, stepwise, trajectory=trajectory)
+    ) == count_flops(lambda: handwritten_stepwise(wide_model, trajectory, stepwise))
+
+
+# The surrogate does estimate()'s work; where its docstrings say so, one forward per step
+# more (a checkpointed step is recomputed in the caller's backward).
+SURROGATE_EXTRA_FORWARDS = {"exact:checkpoint=true": {"terminal": 0, "stepwise": FLOPS_STEPS}}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["exact", "exact:checkpoint=true", "jagg:window=4,tau=0.5", "sdo:samples=2", "truncated:k=3"],
+)
+@pytest.mark.parametrize("kind", ["terminal", "stepwise"])
+def test_the_surrogate_does_the_work_of_the_estimate(
+    spec, kind, wide_model, flops_noise, forward_flops
+):
+    est = gradest.estimator(spec)
+    flow = gradest.RectifiedFlow(steps=FLOPS_STEPS)
+    if kind == "terminal":
+        objective = gradest.TerminalObjective(lambda z: z.pow(2).sum())
+        inputs = {"noise": flops_noise}
+    else:
+        objective = random_stepwise_objective(FLOPS_STEPS, (FLOPS_BATCH, 8))
+        inputs = {"trajectory": gradest.rollout(wide_model, flow, flops_noise)}
+    estimate = count_flops(
+        lambda: est.estimate(wide_model, flow, objective, generator=seeded(), **inputs)
+    )
+    surrogate = count_flops(lambda: surrogate_backward(est, wide_model, flow, objective, **inputs))
+    extra = SURROGATE_EXTRA_FORWARDS.get(spec, {}).get(kind, 0)
+    # (Checkpointed terminal: the estimate's reverse sweep also pulls the state gradient
+    # through step 0, which the surrogate's chain from noise does not need: ~0.06F less.)
+    assert surrogate / forward_flops == pytest.approx(
+        estimate / forward_flops + extra, rel=COST_MODEL_RTOL
+    )
+
+
 # -- every estimator against the DESIGN.md formula ------------------------------------------
 
 N = FLOPS_STEPS
@@ -300,6 +353,27 @@ def test_checkpointed_exact_retains_about_one_step(memory_setup, one_step_bytes)
     # One step's graph at a time; the sweep also keeps each step's velocity output
     # (N x batch x dim, ~10% of a step here).
     assert one_step_bytes <= retained <= 1.2 * one_step_bytes
+
+
+def surrogate_retained(spec: str, steps: int, setup) -> int:
+    model, noise, objective = setup
+    est = gradest.estimator(spec)
+    flow = gradest.RectifiedFlow(steps=steps)
+    return retained_activation_bytes(
+        lambda: surrogate_backward(est, model, flow, objective, noise=noise)
+    )
+
+
+@pytest.mark.parametrize("spec", ["exact", "exact:checkpoint=true", "sdo:samples=1"])
+def test_the_surrogate_retains_what_the_estimate_retains(spec, memory_setup):
+    """The surrogate's forward keeps what the estimate keeps. Checkpointed exact keeps
+    less still until the backward: its steps save only their inputs, and each step's
+    activations exist only while the backward recomputes it (one step at a time; created
+    by the backward, so not counted here)."""
+    estimate = terminal_retained(spec, MEMORY_STEPS, memory_setup)
+    surrogate = surrogate_retained(spec, MEMORY_STEPS, memory_setup)
+    low = 0.0 if spec == "exact:checkpoint=true" else 0.9 * estimate
+    assert low <= surrogate <= 1.1 * estimate
 
 
 def test_sdo_retains_a_step_of_what_exact_retains(memory_setup):

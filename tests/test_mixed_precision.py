@@ -2,10 +2,11 @@
 
 gradest calls the model as itself and takes VJPs with ``torch.autograd.grad`` (or, with
 ``engine="func"``, through ``torch.func``); both work under
-``torch.autocast("cpu", dtype=torch.bfloat16)`` wrapped around ``estimate``/``backward``: linear layers, convolutions and attention run
-in bfloat16, the states, cotangents and the returned gradients stay float32 (the
-parameters' dtype). A model converted with ``model.to(torch.bfloat16)`` (with bfloat16
-noise) runs end to end too, and its gradients are bfloat16.
+``torch.autocast("cpu", dtype=torch.bfloat16)`` wrapped around ``estimate``/``backward``:
+linear layers, convolutions and attention run in bfloat16, the states, cotangents and
+the returned gradients stay float32 (the parameters' dtype). A model converted with
+``model.to(torch.bfloat16)`` (with bfloat16 noise) runs end to end too, and its
+gradients are bfloat16.
 
 Tolerances, from measurements: tiny DiT perturbed off its adaLN-Zero init and a tiny MLP,
 8 steps, terminal and stepwise objectives, the seven ``SPECS`` below, 8 seeds of model and

@@ -7,6 +7,7 @@ Swap estimators by name; train with the surrogate loss::
     sur.loss.backward()   # .grad now holds the estimate; or est.estimate(...) for a dict
 """
 
+from gradest.conditioning import Shared
 from gradest.flow import AffineSampler, RectifiedFlow, Trajectory, rollout
 from gradest.harness.compare import compare
 from gradest.harness.report import Report
@@ -29,6 +30,7 @@ __all__ = [
     "NonFiniteError",
     "RectifiedFlow",
     "Report",
+    "Shared",
     "StepwiseObjective",
     "Surrogate",
     "TerminalObjective",

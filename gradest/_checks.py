@@ -53,12 +53,21 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
         f"{name} must have a batch dimension and a state dimension ([B, ...]), "
         f"got shape {tuple(noise.shape)}; for a single sample use noise[None]",
     )
-    first = next(iter(model.parameters()), None)
-    if first is not None:
+    require(
+        noise.shape[0] >= 1 and noise.numel() > 0,
+        f"{name} is empty (shape {tuple(noise.shape)}): there is nothing to sample; pass at "
+        f"least one sample with a non-empty state",
+    )
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if floating:
+        # A model may keep some parameters in another precision (float32 norms beside
+        # bfloat16 weights) and cast inside; the noise must match one of them.
+        dtypes = sorted({str(p.dtype) for p in floating})
+        first = floating[0]
         require(
-            noise.dtype == first.dtype,
-            f"{name} has dtype {noise.dtype} but the model's parameters are {first.dtype}; "
-            f"pass {name}.to({first.dtype}) or convert the model",
+            any(noise.dtype == p.dtype for p in floating),
+            f"{name} has dtype {noise.dtype} but the model's parameters are "
+            f"{' / '.join(dtypes)}; pass {name}.to({first.dtype}) or convert the model",
             TypeError,
         )
         require(
@@ -91,6 +100,12 @@ def check_model_output(v: Any, z: Tensor) -> None:
             f"model(z, t) must return a velocity tensor, got {type(v).__name__}; "
             f"wrap models that return tuples or dataclasses so they return the velocity"
         )
+    require(
+        v.is_floating_point(),
+        f"model(z, t) returned a tensor of dtype {v.dtype}; a velocity must be floating point "
+        f"(no .long()/.round() at the output): integers have no gradient",
+        TypeError,
+    )
     require(
         v.shape == z.shape,
         f"model(z, t) returned shape {tuple(v.shape)} for a state of shape {tuple(z.shape)}; "
@@ -132,10 +147,38 @@ def check_scalar_loss(loss: Any, where: str) -> Tensor:
     return loss.reshape(())
 
 
-def check_generator(generator: Any) -> torch.Generator | None:
+def check_generator(generator: Any, like: Tensor | None = None) -> torch.Generator | None:
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}; "
             f"e.g. generator=torch.Generator().manual_seed(0)"
         )
+    if generator is not None:
+        # torch draws on the generator's device: the CPU, or the device the noise lives on.
+        like = like if isinstance(like, Tensor) else None
+        allowed = {"cpu"} | ({like.device.type} if like is not None else set())
+        require(
+            generator.device.type in allowed,
+            f"generator is on {generator.device} but draws must happen on the CPU or on the "
+            f"noise's device ({like.device if like is not None else 'cpu'}); e.g. "
+            f"generator=torch.Generator().manual_seed(0)",
+        )
     return generator
+
+
+def check_model_modes(model: torch.nn.Module) -> None:
+    """Refuse layers whose output mixes the samples of a batch (batch norm in training)."""
+    check_model(model)
+    mixing = [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+    ]
+    require(
+        not mixing,
+        f"model has batch-norm layers in training mode ({', '.join(mixing[:4])}"
+        f"{', ...' if len(mixing) > 4 else ''}): their output depends on the other samples "
+        f"of the call, and estimators stack several steps' states into one call (and "
+        f"evaluate a step several times, each updating the running statistics); call .eval() "
+        f"on them, or use GroupNorm / LayerNorm",
+    )

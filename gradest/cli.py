@@ -14,9 +14,9 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 from gradest import registry
+from gradest.files import check_output_dir
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -75,9 +75,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     ):
         if value <= 0:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a file; pass a folder path")
+    # Before the work, not after it (created only when the report is written).
+    out = check_output_dir(args.out, what="--out", create=False)
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise ValueError(f"--dtype must be float64 or float32, got {args.dtype!r}")

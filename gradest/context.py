@@ -16,7 +16,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import check_cond, check_generator, check_noise
+from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
 from gradest.flow import (
     AffineSampler,
     Trajectory,
@@ -25,7 +25,7 @@ from gradest.flow import (
     draw_step_noise,
     integrate,
 )
-from gradest.nonfinite import check_finite
+from gradest.nonfinite import NonFiniteError, check_finite
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.ranks import RankAgreement
 from gradest.vjp import CostMeter, ParamGradient, VelocityField, add_grads
@@ -103,7 +103,10 @@ class EstimationContext:
                 "noise_grad=True needs a TerminalObjective: a StepwiseObjective treats the "
                 "recorded states as data, so the loss does not depend on the initial noise"
             )
-        self.generator = check_generator(generator)
+        check_model_modes(model)
+        self.generator = check_generator(
+            generator, noise if noise is not None else getattr(trajectory, "states", None)
+        )
         cond = check_cond(cond)
         if noise is not None:
             check_noise(model, noise)
@@ -113,6 +116,16 @@ class EstimationContext:
             check_trajectory_matches(flow, trajectory)
             check_noise(model, trajectory.states[0], name="trajectory.states[0]")
             batch = trajectory.batch_size
+            # Recorded tensors are data: never let a graph they carry reach the estimate
+            # (or the caller's leaves through the surrogate's backward).
+            trajectory = attrs.evolve(
+                trajectory,
+                states=trajectory.states.detach(),
+                velocities=trajectory.velocities.detach(),
+                step_noise=None
+                if trajectory.step_noise is None
+                else trajectory.step_noise.detach(),
+            )
         self.meter = CostMeter()
         self.field = VelocityField(
             model, cond, batch, self.meter, engine=engine, surrogate=surrogate
@@ -314,5 +327,14 @@ class EstimationContext:
             else chain.velocities
         )
         self.record(states, velocities)
-        grads, state_grad = chain.pull(self.terminal_adjoint())
-        return grads, state_grad
+        terminal_adjoint = self.terminal_adjoint()
+        try:
+            return chain.pull(terminal_adjoint)
+        except NonFiniteError:
+            if self.surrogate:
+                raise
+            # The fused backward saw a NaN/Inf somewhere in the chain: sweep again one step
+            # at a time along the recorded path, whose checks name the step where it
+            # first appears (the failure path only; a clean estimate never pays this).
+            self.adjoint_sweep(terminal_adjoint, start=start, joint=True)
+            raise

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradest._checks import first_model_call, require
+from gradest.conditioning import model_kwargs
 
 
 @runtime_checkable
@@ -156,20 +157,65 @@ def check_sampler(flow: Any) -> None:
 
 
 def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> None:
-    """A trajectory can only be differentiated with the sampler grid it was recorded on."""
+    """A trajectory is differentiated on the grid it was recorded on, and must be whole.
+
+    Checks the type, that ``times`` is the flow's grid, that ``states`` is ``[N+1, B, ...]``
+    and ``velocities`` (and ``step_noise`` if given) ``[N, B, ...]`` with the same sample
+    shape, floating point of one dtype, and that every state is finite.
+    """
     if not isinstance(trajectory, Trajectory):
         raise TypeError(
             f"trajectory must be a gradest.Trajectory (from gradest.rollout), "
             f"got {type(trajectory).__name__}"
         )
-    same = trajectory.times.shape == flow.times.shape and torch.allclose(
-        trajectory.times.to(torch.float64).cpu(), flow.times, rtol=0, atol=1e-12
+    fields = {"states": trajectory.states, "velocities": trajectory.velocities}
+    if trajectory.step_noise is not None:
+        fields["step_noise"] = trajectory.step_noise
+    for name, value in fields.items():
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            what = f"dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+            raise TypeError(
+                f"trajectory.{name} must be a floating-point tensor, got {what}; record "
+                f"trajectories with gradest.rollout(model, flow, noise)"
+            )
+    times = trajectory.times
+    same = (
+        isinstance(times, Tensor)
+        and times.shape == flow.times.shape
+        and torch.allclose(times.to(torch.float64).cpu(), flow.times, rtol=0, atol=1e-12)
     )
     if not same:
+        recorded = f"{times.numel() - 1} steps" if isinstance(times, Tensor) else "no grid"
         raise ValueError(
-            f"trajectory was recorded on a different time grid ({trajectory.num_steps} steps) "
+            f"trajectory was recorded on a different time grid ({recorded}) "
             f"than flow={flow!r} ({flow.num_steps} steps); record it with "
             f"gradest.rollout(model, flow, noise) using the same flow"
+        )
+    steps = flow.num_steps
+    states = trajectory.states
+    require(
+        states.ndim >= 3 and states.shape[0] == steps + 1,
+        f"trajectory.states must be [N+1, B, ...] = [{steps + 1}, B, ...] for flow={flow!r}, "
+        f"got shape {tuple(states.shape)}",
+    )
+    for name, value in fields.items():
+        if name == "states":
+            continue
+        require(
+            tuple(value.shape) == (steps, *states.shape[1:]),
+            f"trajectory.{name} must be [N, B, ...] = {[steps, *states.shape[1:]]} to match "
+            f"trajectory.states {tuple(states.shape)}, got shape {tuple(value.shape)}",
+        )
+        require(
+            value.dtype == states.dtype,
+            f"trajectory.{name} has dtype {value.dtype} but trajectory.states {states.dtype}",
+            TypeError,
+        )
+    if not bool(torch.isfinite(states).all()):
+        bad = sorted({int(k) for k in torch.nonzero(~torch.isfinite(states))[:, 0].tolist()})
+        raise ValueError(
+            f"trajectory.states contains NaN or Inf at steps {bad[:8]}; the rollout that "
+            f"recorded it diverged"
         )
 
 
@@ -277,9 +323,11 @@ def rollout(
     coefficients = flow.coefficients()
     step_noise = draw_step_noise(coefficients[2], noise, generator)
 
+    kwargs = model_kwargs(cond, noise.shape[0])
+
     def velocity(k: int, z: Tensor) -> Tensor:
         t = model_time(flow.times[k], z.shape[0], z)
-        return first_model_call(model, z, t, cond) if k == 0 else model(z, t, **cond)
+        return first_model_call(model, z, t, kwargs) if k == 0 else model(z, t, **kwargs)
 
     with torch.no_grad():
         states, velocities = integrate(

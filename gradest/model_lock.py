@@ -1,4 +1,4 @@
-"""One lock per model, so ``functional_call`` never swaps parameters under another thread.
+"""``functional_call`` without side effects: one lock per model, and tensors put back.
 
 ``torch.func.functional_call`` puts the tensors it is given into the module's attributes
 for the duration of the call and puts the originals back afterwards. Two threads doing
@@ -10,6 +10,12 @@ trace back to the parameters.
 Calls of the module as itself only read its attributes, so they may run together
 (shared); a ``functional_call`` writes them and runs alone (exclusive). The lock is held
 for the forward only: backward passes read saved tensors, never module attributes.
+
+A second hazard, in one thread: when one submodule is registered under two names
+(``self.again = self.shared``), torch 2.14's ``functional_call`` puts a plain tensor back
+instead of the original ``Parameter`` (measured: the model then trains a copy the optimizer
+does not hold). :func:`tensors_restored` records every module's parameter and buffer
+slots before the call and puts back any that changed.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 
@@ -76,3 +83,26 @@ def lock_for(model: nn.Module) -> _SharedExclusiveLock:
         if lock is None:
             lock = _locks[model] = _SharedExclusiveLock()
         return lock
+
+
+def has_shared_submodules(model: nn.Module) -> bool:
+    """Whether a submodule is registered under more than one name."""
+    return sum(1 for _ in model.named_modules(remove_duplicate=False)) != sum(
+        1 for _ in model.modules()
+    )
+
+
+@contextlib.contextmanager
+def tensors_restored(model: nn.Module) -> Iterator[None]:
+    """Put back every parameter and buffer slot of ``model``'s modules on exit."""
+    slots: list[tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]] = []
+    for module in model.modules():
+        slots.append((module._parameters, dict(module._parameters)))
+        slots.append((module._buffers, dict(module._buffers)))
+    try:
+        yield
+    finally:
+        for live, saved in slots:
+            for name, tensor in saved.items():
+                if live.get(name) is not tensor:
+                    live[name] = tensor

@@ -8,6 +8,7 @@ the value and the valid range.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,16 @@ def _kind_name(kind: Any) -> str:
     return " or ".join("None" if k is None else k.__name__ for k in kinds)
 
 
+def bool_types() -> tuple[type, ...]:
+    """``bool`` and numpy's ``bool_`` (which is not an ``int``, but must not pass as one)."""
+    try:
+        import numpy
+
+        return (bool, numpy.bool_)
+    except ImportError:  # pragma: no cover
+        return (bool,)
+
+
 def option(
     default: Any,
     *,
@@ -69,8 +80,9 @@ def option(
 
     Args:
         default: default value.
-        kind: accepted Python type(s); ``None`` in a tuple allows None. A float option
-            accepts ints (converted).
+        kind: accepted Python type(s); ``None`` in a tuple allows None. An int option
+            accepts any integral number (numpy ints), a float option any real number;
+            both are converted to the Python type.
         doc: one line for ``gradest list``.
         valid: extra check on the value.
         expect: the valid range in words, for error messages.
@@ -91,8 +103,15 @@ def option(
                 f"expected {expect}"
             )
 
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+
     def convert(value: Any) -> Any:
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        # numpy scalars (np.int64 from np.arange sweeps, np.float32) are plain numbers.
+        if isinstance(value, bool) or isinstance(value, bool_types()):
+            return value
+        if int in kinds and isinstance(value, numbers.Integral):
+            return int(value)
+        if float in kinds and isinstance(value, numbers.Real):
             return float(value)
         return value
 

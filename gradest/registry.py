@@ -1,14 +1,18 @@
 """Estimators by name, discovered through the ``gradest.estimators`` entry-point group.
 
 Built-ins are registered in gradest's own ``pyproject.toml`` exactly like third-party
-plugins, so one mechanism serves both. Discovery is cached; a plugin that fails to load
-warns (naming its distribution) and is skipped, never breaking ``import gradest``;
+plugins, so one mechanism serves both (and they load even without that metadata).
+Discovery is cached; a plugin that fails to load in any way (an exception, even
+``SystemExit``; only ``KeyboardInterrupt`` propagates) warns, naming the entry point and
+its distribution, and is skipped, never breaking ``import gradest``;
 ``GRADEST_DISABLE_PLUGINS=1`` loads gradest's own estimators only.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
+import importlib
 import os
 import threading
 import warnings
@@ -20,6 +24,14 @@ import attrs
 from gradest.options import describe_options, parse_option_text
 
 GROUP = "gradest.estimators"
+# gradest's own estimators, as pyproject.toml registers them (the fallback when its entry
+# points are not installed; tests/test_registry.py checks the two agree).
+BUILTINS = {
+    "exact": "gradest.strategies.exact:Exact",
+    "jagg": "gradest.strategies.jagg:Jagg",
+    "sdo": "gradest.strategies.sdo:ShortcutDiffusion",
+    "truncated": "gradest.strategies.truncated:Truncated",
+}
 DISABLE_ENV = "GRADEST_DISABLE_PLUGINS"
 _OWN_DISTRIBUTION = "gradest"
 _lock = threading.Lock()
@@ -59,7 +71,10 @@ def _load_registry(plugins_enabled: bool) -> dict[str, type]:
             continue
         try:
             cls = entry.load()
-        except Exception as err:  # a broken plugin must never break gradest
+            usable = callable(getattr(cls, "estimate", None))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # a broken plugin (even sys.exit()) never breaks gradest
             warnings.warn(
                 f"gradest: skipping estimator plugin {entry.name!r} from {source} "
                 f"({entry.value}): {type(err).__name__}: {err}",
@@ -67,7 +82,7 @@ def _load_registry(plugins_enabled: bool) -> dict[str, type]:
                 stacklevel=2,
             )
             continue
-        if not callable(getattr(cls, "estimate", None)):
+        if not usable:
             warnings.warn(
                 f"gradest: skipping estimator plugin {entry.name!r} from {source}: "
                 f"{entry.value} has no estimate() method",
@@ -77,13 +92,13 @@ def _load_registry(plugins_enabled: bool) -> dict[str, type]:
             continue
         registry[entry.name] = cls
         sources[entry.name] = source
-    if not registry:
-        warnings.warn(
-            "gradest: no estimators registered; is gradest installed (pip install -e .)? "
-            "Entry points come from the installed package metadata.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    # Built-ins always load: without gradest's own entry points (a source checkout that
+    # is not pip-installed) they are imported directly.
+    for name, target in BUILTINS.items():
+        if name not in registry:
+            module, _, attribute = target.partition(":")
+            registry[name] = getattr(importlib.import_module(module), attribute)
+            sources[name] = _OWN_DISTRIBUTION
     return registry
 
 
@@ -111,6 +126,11 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
             f"estimator spec must be a non-empty string like 'jagg:window=4', got {spec!r}"
         )
     name, _, rest = spec.strip().partition(":")
+    if ":" in rest:
+        raise ValueError(
+            f"estimator spec {spec!r} has more than one ':'; separate options with commas, "
+            f"e.g. '{name.strip()}:window=4,tau=0.9'"
+        )
     options: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, sep, value = item.partition("=")
@@ -118,6 +138,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
             raise ValueError(
                 f"estimator spec {spec!r}: option {item!r} is not key=value; "
                 f"write e.g. '{name}:key=value,other=value'"
+            )
+        if key.strip() in options:
+            raise ValueError(
+                f"estimator spec {spec!r} sets option {key.strip()!r} twice; give each option once"
             )
         options[key.strip()] = value.strip()
     return name.strip(), options
@@ -138,8 +162,11 @@ def estimator(spec: str, **options: Any) -> Any:
     name, text_options = parse_spec(spec)
     registry = available_estimators()
     if name not in registry:
+        close = difflib.get_close_matches(name.lower(), list(registry), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise UnknownEstimatorError(
-            f"unknown estimator {name!r}; available: {', '.join(sorted(registry)) or 'none'} "
+            f"unknown estimator {name!r}; {hint}available: "
+            f"{', '.join(sorted(registry)) or 'none'} "
             f"(plugins register under the {GROUP!r} entry-point group)"
         )
     cls = registry[name]

@@ -34,6 +34,7 @@ transformers and MLPs do (no batch norm in training mode).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import attrs
@@ -44,8 +45,9 @@ from torch.func import vjp as _torch_vjp
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from gradest._checks import check_model_output, first_model_call, trainable_parameters
+from gradest.conditioning import model_kwargs
 from gradest.flow import integrate
-from gradest.model_lock import lock_for
+from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
 from gradest.nonfinite import check_finite
 from gradest.replay import StepRandomness
 
@@ -182,8 +184,9 @@ class VelocityField:
 
     Args:
         model: the velocity model, called as ``model(z, t, **cond)``.
-        cond: keyword arguments for every call; tensors whose first dimension is the
-            batch size are repeated when ``M`` states are stacked into one call.
+        cond: keyword arguments for every call; per-sample tensors (first dimension the
+            batch size) are repeated when ``M`` states are stacked into one call, shared
+            values are not (:mod:`gradest.conditioning`).
         batch_size: ``B``, the number of samples in one state.
         meter: where calls are counted.
         engine: ``"autograd"`` or ``"func"`` (see the module docstring).
@@ -225,6 +228,7 @@ class VelocityField:
                     n: p.detach() for n, p in self.module.named_parameters() if not p.requires_grad
                 }
                 self.frozen.update(dict(self.module.named_buffers()))
+                self._shared_submodules = has_shared_submodules(self.module)
         self.cond = dict(cond)
         self.batch_size = batch_size
         self.meter = meter
@@ -233,16 +237,6 @@ class VelocityField:
         self.randomness = StepRandomness(self.module, first.device)
 
     # -- plumbing -------------------------------------------------------------------------
-
-    def _stacked_cond(self, copies: int) -> dict[str, Any]:
-        if copies == 1:
-            return self.cond
-        return {
-            key: torch.cat([value] * copies)
-            if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == self.batch_size
-            else value
-            for key, value in self.cond.items()
-        }
 
     def _row_times(self, times: Sequence[float], like: Tensor) -> Tensor:
         """Per-row model times for ``len(times)`` stacked states of batch ``B``."""
@@ -259,12 +253,13 @@ class VelocityField:
         """``(z, t) -> v`` for stacked rows: the module as itself, or functionally."""
 
         def call(z: Tensor, t: Tensor) -> Tensor:
-            cond = self._stacked_cond(z.shape[0] // self.batch_size)
+            cond = model_kwargs(self.cond, self.batch_size, z.shape[0] // self.batch_size)
             if params is None:
                 with self._lock.shared():
                     return module(z, t, **cond)
             named = {self._func_names[n]: p for n, p in params.items()}
-            with self._lock.exclusive():
+            restored = tensors_restored(module) if self._shared_submodules else nullcontext()
+            with self._lock.exclusive(), restored:
                 return functional_call(module, (named, self.frozen), (z, t), cond)
 
         return call
@@ -286,7 +281,9 @@ class VelocityField:
             first = call
 
             def call(z_: Tensor, t_: Tensor) -> Tensor:
-                return first_model_call(lambda a, b, **_: first(a, b), z_, t_, self.cond)
+                return first_model_call(
+                    lambda a, b, **_: first(a, b), z_, t_, model_kwargs(self.cond, self.batch_size)
+                )
 
         try:
             return self.randomness.evaluate(call, z, t, list(times))

@@ -92,6 +92,51 @@ stepwise = random_stepwise_objective(STEPS, (BATCH, DIM))
 trajectory = gradest.rollout(model, flow, noise)
 
 
+class _BatchNormVelocity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM).double()
+        self.norm = nn.BatchNorm1d(DIM).double()
+
+    def forward(self, z, t):
+        return self.norm(self.linear(z))
+
+
+class _IntegerVelocity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM).double()
+
+    def forward(self, z, t):
+        return self.linear(z).round().long()
+
+
+def _malformed(**fields: Any) -> gradest.Trajectory:
+    """The module's recorded trajectory with some fields replaced."""
+    return attrs.evolve(trajectory, **fields)
+
+
+def _finetune(**overrides: Any) -> Any:
+    from gradest.workloads.finetune import finetune
+
+    arguments = {
+        "sample_shape": (DIM,),
+        "steps": 1,
+        "batch_size": BATCH,
+        "sampler_steps": 2,
+        "progress": False,
+    }
+    arguments.update(overrides)
+    return finetune(model, lambda images: -images.pow(2).sum(-1), **arguments)
+
+
+def _used_log() -> Path:
+    """A log file that holds one record of an earlier run."""
+    folder = Path(tempfile.mkdtemp())
+    (folder / "log.jsonl").write_text('{"step": 0}\n')
+    return folder / "log.jsonl"
+
+
 class _CheckpointedMLP(nn.Module):
     """Layer checkpointing inside the model (saved-tensor hooks)."""
 
@@ -508,6 +553,74 @@ CASES: list[Case] = [
         "inference_mode",
         "torch.no_grad()",
     ),
+    api(
+        "estimate(<model with BatchNorm1d in training mode>, ...)",
+        lambda: estimate(_BatchNormVelocity().train()),
+        "batch-norm",
+        "norm",
+    ),
+    api(
+        "estimate(<model returning .round().long()>, ...)",
+        lambda: estimate(_IntegerVelocity()),
+        "dtype torch.int64",
+        "floating point",
+    ),
+    api(
+        "estimate(..., trajectory=<traj with states[:-1]>)",
+        lambda: estimate(trajectory=_malformed(states=trajectory.states[:-1])),
+        "trajectory.states",
+        "(4, 2, 3)",
+    ),
+    api(
+        "estimate(..., trajectory=<traj with velocities[:, :1]>)",
+        lambda: estimate(trajectory=_malformed(velocities=trajectory.velocities[:, :1])),
+        "trajectory.velocities",
+        "(4, 1, 3)",
+    ),
+    api(
+        "estimate(..., trajectory=<traj with states as a list>)",
+        lambda: estimate(trajectory=_malformed(states=list(trajectory.states))),
+        "trajectory.states",
+        "list",
+    ),
+    api(
+        "estimate(..., trajectory=<traj with a NaN at step 2>)",
+        lambda: estimate(
+            trajectory=_malformed(
+                states=torch.cat(
+                    [trajectory.states[:2], trajectory.states[2:3] * NAN, trajectory.states[3:]]
+                )
+            )
+        ),
+        "trajectory.states",
+        "[2]",
+    ),
+    api(
+        "estimate(..., trajectory=<traj with float32 velocities>)",
+        lambda: estimate(trajectory=_malformed(velocities=trajectory.velocities.float())),
+        "trajectory.velocities",
+        "torch.float32",
+    ),
+    api(
+        "finetune(..., log_path=<a log holding a record>)",
+        lambda: _finetune(log_path=_used_log()),
+        "log_path",
+        "1 log records",
+        elide=(r"'/[^']*'",),
+    ),
+    api(
+        "finetune(..., resume=<a folder that does not exist>)",
+        lambda: _finetune(resume="no/such/run"),
+        "resume",
+        "'no/such/run'",
+    ),
+    api(
+        "finetune(..., checkpoint_dir=<a path under a file>)",
+        lambda: _finetune(checkpoint_dir=_used_log() / "checkpoints"),
+        "checkpoint_dir",
+        "a part of the path is a file",
+        elide=(r"'/[^']*'",),
+    ),
     # estimator options: exact
     api(
         'estimator("exact", checkpoint="yes")',
@@ -699,6 +812,45 @@ CASES: list[Case] = [
         "--batch",
         "0",
     ),
+    api(
+        'estimator("jagg:window=4:tau=0.9")',
+        lambda: gradest.estimator("jagg:window=4:tau=0.9"),
+        "'jagg:window=4:tau=0.9'",
+        "':'",
+    ),
+    api(
+        'estimator("jagg:window=4,window=8")',
+        lambda: gradest.estimator("jagg:window=4,window=8"),
+        "'window'",
+        "twice",
+    ),
+    api(
+        'estimator("EXACT")',
+        lambda: gradest.estimator("EXACT"),
+        "'EXACT'",
+        "did you mean 'exact'",
+        elide=AVAILABLE,
+    ),
+    command(
+        "finetune --resume A --out B",
+        "--resume",
+        "'B'",
+        argv=("finetune", "--resume", "A", "--out", "B"),
+    ),
+    command(
+        "pretrain --what dit --out <a path under a file>",
+        "out",
+        "is a file",
+        elide=(r"'[^']*'",),
+        argv=("pretrain", "--what", "dit", "--out", "{file}/model.pt", "--quiet"),
+    ),
+    command(
+        "compare --out <a path under a file>",
+        "--out",
+        "a part of the path is a file",
+        elide=(r"'[^']*'",),
+        argv=("compare", "--out", "{file}/sub", "--quiet"),
+    ),
     command("compare --model vit", "--model", "'vit'", elide=(r"(?<=choose one of ).*",)),
     command("compare --objective both", "--objective", "'both'"),
     command("compare --dtype float16", "--dtype", "'float16'"),
@@ -831,6 +983,19 @@ recorded with `gradest.rollout(model, flow, noise)`, and `estimate(...)` stands 
 `gradest.estimator("exact").estimate(...)`. The table is generated by
 `python tests/test_bad_input_sweep.py > docs/errors.md` and checked row by row by that
 test file.
+
+Unusual inputs that are *not* errors, and give the right answer (checked against the
+dense reference or the hand-written loop in `tests/test_unusual_inputs.py`): tied weights
+(one `Parameter` used twice, or one submodule under two names: gradients appear once,
+under the first name), `torch.nn.utils.parametrize` (weight norm), layers in two dtypes
+(the noise must have one of them), a model that updates a buffer in its forward (it moves
+once per model call), conditioning values that are not per-sample (scalars, 0-dim tensors,
+non-tensors, and `[B, ...]` tensors wrapped in `gradest.Shared`), noise that carries a
+graph or is expanded, a recorded trajectory whose tensors carry a graph (used as data:
+nothing flows back into it), a stochastic sampler's trajectory recorded without its step
+noise (estimates need only the recorded states), and a float32 velocity for a float64
+state. Degenerate shapes (one sample, one step, a window longer than the chain) give
+exact's answer where it is defined (`tests/test_nonfinite.py`).
 
 | input | exception | message |
 |---|---|---|

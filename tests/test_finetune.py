@@ -246,7 +246,9 @@ def test_checkpoints_load(tmp_path):
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     optimizer.load_state_dict(state["optimizer"])
     assert optimizer.state_dict()["state"][0]["step"] == 3
-    torch.Generator().set_state(state["generator_state"])
+    torch.Generator().set_state(state["generators"][0])
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state["torch_rng"][0])
 
 
 def test_summarize_info():

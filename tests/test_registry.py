@@ -133,3 +133,55 @@ def test_spec_strings_parse_and_keywords_override():
         parse_spec("jagg:window")
     with pytest.raises(ValueError, match="non-empty"):
         gradest.estimator("")
+
+
+@pytest.mark.parametrize(
+    ("statement", "kind"),
+    [
+        ("raise SystemExit(3)", "SystemExit"),
+        ("import sys; sys.exit('plugin says bye')", "SystemExit"),
+        ("raise GeneratorExit()", "GeneratorExit"),
+        ("raise RuntimeError('boom')", "RuntimeError"),
+    ],
+)
+def test_a_plugin_failing_with_any_exception_is_isolated(
+    statement, kind, fake_plugins, tmp_path, monkeypatch
+):
+    """Even SystemExit at a plugin's import is a warning naming the entry point; built-ins
+    load and gradest keeps working (only KeyboardInterrupt propagates)."""
+    module = f"gradest_test_plugin_{abs(hash(statement))}"
+    (tmp_path / f"{module}.py").write_text(statement + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake_plugins(_entry("exiting", f"{module}:Thing", "exiting-dist"))
+    with pytest.warns(RuntimeWarning, match=rf"'exiting' from exiting-dist.*{kind}"):
+        available = gradest.available_estimators()
+    assert "exiting" not in available
+    assert {"exact", "jagg", "sdo", "truncated"} <= set(available)
+    gradest.estimator("exact")
+
+
+def test_keyboard_interrupt_in_a_plugin_is_not_swallowed(fake_plugins, tmp_path, monkeypatch):
+    (tmp_path / "gradest_test_interrupting.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake_plugins(_entry("interrupting", "gradest_test_interrupting:Thing", "interrupting-dist"))
+    with pytest.raises(KeyboardInterrupt):
+        gradest.available_estimators()
+
+
+def test_builtins_load_without_their_entry_points(monkeypatch):
+    """A source checkout that is not pip-installed has no entry points: built-ins still load."""
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    registry.clear_cache()
+    try:
+        assert set(gradest.available_estimators()) == set(registry.BUILTINS)
+        assert gradest.estimator("jagg:window=3").window == 3
+    finally:
+        registry.clear_cache()
+
+
+def test_the_builtin_fallback_table_matches_pyproject():
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["gradest.estimators"] == registry.BUILTINS

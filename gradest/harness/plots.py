@@ -20,6 +20,16 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    """The figure as a PNG at ``path``, written atomically (``gradest.files``)."""
+    from gradest.files import atomic_write
+
+    try:
+        atomic_write(path, lambda file: fig.savefig(file, format="png", dpi=120))
+    finally:
+        plt.close(fig)
+
+
 def plot_report(report: Any, folder: Path) -> list[Path]:
     """Write every plot the report has data for into ``folder``; returns the paths."""
     written = [_mse_vs_cost(report, folder)]
@@ -51,8 +61,7 @@ def _mse_vs_cost(report: Any, folder: Path) -> Path:
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path = folder / "mse_vs_cost.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -75,8 +84,7 @@ def _gate_cosines(report: Any, folder: Path) -> Path:
     ax.legend(fontsize=7)
     fig.tight_layout()
     path = folder / "gate_cosines.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -101,8 +109,7 @@ def _span_sweep(span: dict[str, Any], folder: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = folder / "jagg_span.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -127,6 +134,5 @@ def _tau_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path = folder / "tau_sweep.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path

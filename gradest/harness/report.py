@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 
+from gradest.files import OutputError, atomic_write_text, check_output_dir
 from gradest.harness.cost import ratio
 from gradest.harness.statistics import Estimate
 from gradest.protocol import Cost
@@ -187,24 +188,32 @@ class Report:
     def write(self, out: str | os.PathLike[str], *, plots: bool = True) -> Path:
         """Write ``report.md``, ``report.json`` and the plots to ``out`` atomically.
 
-        Everything is written into a temporary folder beside ``out`` and moved into place
-        at the end, so an interrupted run never leaves a half-written report.
+        Everything is written (and fsynced) into a temporary folder beside ``out`` and
+        moved into place at the end, each file with ``os.replace``, so an interrupted run
+        never leaves a half-written report, and a failed write (disk full, read-only)
+        raises :class:`gradest.files.OutputError` naming the path.
         """
-        target = Path(out)
-        if target.exists() and not target.is_dir():
-            raise ValueError(f"--out {str(target)!r} is a file; pass a folder path")
+        # Checked before writing, but created only when the report moves in, so an
+        # interrupted write leaves no (empty) report folder behind.
+        target = check_output_dir(out, what="--out", create=False)
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            (staging / "report.md").write_text(self.to_markdown())
-            (staging / "report.json").write_text(self.to_json())
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        except OSError as err:
+            raise OutputError(f"cannot write a report next to {str(target)!r}: {err}") from None
+        try:
+            atomic_write_text(staging / "report.md", self.to_markdown())
+            atomic_write_text(staging / "report.json", self.to_json())
             if plots:
                 from gradest.harness.plots import plot_report
 
                 plot_report(self, staging)
             target.mkdir(exist_ok=True)
             for item in staging.iterdir():
-                os.replace(item, target / item.name)
+                try:
+                    os.replace(item, target / item.name)
+                except OSError as err:
+                    raise OutputError(f"cannot write {str(target / item.name)!r}: {err}") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return target

@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jacrev
 
+from gradest.conditioning import model_kwargs
 from gradest.flow import AffineSampler, Trajectory
+from gradest.model_lock import tensors_restored
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 
 
@@ -95,10 +97,13 @@ def dense_chain(
             offset += shape.numel()
         return out
 
+    kwargs = model_kwargs(cond or {}, state_shape[0])
+
     def velocity(flat: Tensor, z_flat: Tensor, t: Tensor) -> Tensor:
         z = z_flat.reshape(state_shape)
         times = torch.full((state_shape[0],), float(t), dtype=torch.float64)
-        v = functional_call(model, (unflatten(flat), others), (z, times), cond)
+        with tensors_restored(model):
+            v = functional_call(model, (unflatten(flat), others), (z, times), kwargs)
         return v.reshape(-1)
 
     velocities, param_jacobians, state_jacobians = [], [], []

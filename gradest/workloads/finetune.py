@@ -61,6 +61,13 @@ from tqdm.auto import tqdm
 
 import gradest
 from gradest.base import surrogate_from_estimate
+from gradest.files import (
+    JsonLog,
+    atomic_write_text,
+    check_output_dir,
+    check_output_file,
+    remove_stale_temporaries,
+)
 from gradest.flow import RectifiedFlow, Trajectory, rollout
 from gradest.integrations.distributed import (
     check_same_estimator,
@@ -72,6 +79,12 @@ from gradest.integrations.distributed import (
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Cost, Surrogate
 from gradest.workloads.grpo import group_advantages, grpo_objective
+from gradest.workloads.run_state import (
+    check_same_run,
+    earlier_run,
+    newest_checkpoint,
+    save_checkpoint,
+)
 from gradest.workloads.sde import LOG_PROB_REDUCTIONS, FlowSDE
 
 MODES = ("reward", "grpo")
@@ -316,26 +329,16 @@ def _grad_norm(parameters: list[torch.nn.Parameter]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
 
 
-def _save_checkpoint(
-    directory: Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    generator: torch.Generator,
-    config: dict[str, Any],
-) -> str:
-    path = directory / f"step_{step:06d}.pt"
-    torch.save(
-        {
-            "step": step,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "generator_state": generator.get_state(),
-            "config": config,
-        },
-        path,
-    )
-    return str(path)
+def _rng_states(
+    generator: torch.Generator, distributed: bool, world: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Every rank's training generator and global torch RNG state, in rank order."""
+    mine = (generator.get_state(), torch.get_rng_state())
+    if not distributed:
+        return [mine[0]], [mine[1]]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return [g for g, _ in gathered], [r for _, r in gathered]
 
 
 def finetune(
@@ -364,6 +367,7 @@ def finetune(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 0,
     progress: bool = True,
+    resume: str | Path | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` (in place) to raise ``reward`` of its samples.
 
@@ -393,11 +397,21 @@ def finetune(
         group_size, inner_epochs, clip, noise_level, log_prob_reduction: GRPO's group
             size, optimizer steps per batch, PPO clip range, FlowSDE ``noise_level``,
             and the reduction of :meth:`FlowSDE.step_log_prob`.
-        log_path: write one JSON line per step (keys :data:`LOG_KEYS` plus mode extras).
-        checkpoint_dir: write ``step_XXXXXX.pt`` (model, optimizer and generator state
-            and the config; loadable with ``torch.load(weights_only=True)``) every
-            ``checkpoint_every`` steps (0: only at the end).
+        log_path: append one JSON line per step (keys :data:`LOG_KEYS` plus mode
+            extras); every line is written whole (:class:`gradest.files.JsonLog`).
+        checkpoint_dir: write ``step_XXXXXX.pt`` every ``checkpoint_every`` steps (0:
+            only at the end), atomically: the model and optimizer state, every rank's
+            generator and torch RNG state, the step, the config, the history and the
+            initial reward (:mod:`gradest.workloads.run_state`; loadable with
+            ``torch.load(weights_only=True)``).
         progress: show a tqdm progress bar.
+        resume: a checkpoint file, or a folder of them (or a ``gradest finetune --out``
+            folder): continue from the newest checkpoint that loads. The settings must be
+            the checkpoint's (``steps`` may be larger); the continued run ends with
+            bitwise the parameters of an uninterrupted one, and its log is cut back to
+            the checkpoint's step before it goes on. Without ``resume``, a ``log_path``
+            that already holds records or a ``checkpoint_dir`` that holds checkpoints is
+            refused (two runs never mix in one place).
 
     Returns:
         ``{"initial_reward", "final_reward", "final_reward_std", "history", "checkpoints",
@@ -408,7 +422,9 @@ def finetune(
         for bit equal (False also warns).
 
     Raises:
-        ValueError / TypeError: invalid arguments or estimator spec, before any model call.
+        ValueError / TypeError: invalid arguments or estimator spec, an output path that
+            cannot be written (:class:`gradest.files.OutputError`), or a run that cannot be
+            resumed, all before any model call.
 
     Data parallelism (``torchrun --nproc_per_node=R ...``): when ``WORLD_SIZE > 1`` and
     no default process group exists, one is initialized from the environment (``gloo``,
@@ -466,6 +482,28 @@ def finetune(
                 f"log_prob_reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, "
                 f"got {log_prob_reduction!r}"
             )
+    if log_path is not None:
+        log_path = check_output_file(log_path, what="log_path")
+    if checkpoint_dir is not None:
+        checkpoint_dir = check_output_dir(checkpoint_dir, what="checkpoint_dir")
+    resumed = None
+    if resume is not None:
+        resumed = newest_checkpoint(resume)
+        if resumed is None:
+            warnings.warn(
+                f"resume={str(resume)!r}: no checkpoint was written before the run stopped; "
+                f"starting it over from step 0",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    else:
+        found = earlier_run(log_path, checkpoint_dir)
+        if found is not None:
+            # Two runs never mix in one place.
+            raise ValueError(
+                f"an earlier run wrote to log_path / checkpoint_dir ({found}); continue it "
+                f"with resume=<its folder>, or pass new paths"
+            )
     est = resolve_estimator(estimator)
     _check_estimator_fits(est, sampler_steps)
     # Under torchrun the world size is known from the environment before any group
@@ -509,6 +547,14 @@ def finetune(
             log_prob_reduction=log_prob_reduction,
         )
 
+    if resumed is not None:
+        check_same_run(resumed["config"], config)
+        if resumed["step"] > steps:
+            raise ValueError(
+                f"the checkpoint is at step {resumed['step']}, past steps={steps}; pass "
+                f"steps >= {resumed['step']} to continue the run"
+            )
+
     with process_group_from_env(device) as (rank, world):
         return _train(
             model,
@@ -525,6 +571,7 @@ def finetune(
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             progress=progress,
+            resumed=resumed,
         )
 
 
@@ -544,6 +591,7 @@ def _train(
     checkpoint_dir: str | Path | None,
     checkpoint_every: int,
     progress: bool,
+    resumed: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The loop of :func:`finetune`, on validated arguments, inside the process group."""
     mode, steps, batch_size = config["mode"], config["steps"], config["batch_size"]
@@ -576,6 +624,10 @@ def _train(
         opt = torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay)
     terminal = TerminalObjective(lambda images: -_rewards(reward, images).mean())
 
+    if resumed is not None:
+        # Before DDP's constructor, which broadcasts rank 0's weights: every rank loads.
+        model.load_state_dict(resumed["model"])
+        opt.load_state_dict(resumed["optimizer"])
     # DDP's constructor starts every replica from rank 0's weights and buffers; its
     # backward hooks average the surrogate losses' gradients.
     trained: torch.nn.Module = (
@@ -597,22 +649,32 @@ def _train(
             final = rollout(model, ode, eval_noise, eval_cond).states[-1]
             return _rewards(reward, final).detach()
 
-    initial = evaluate()
+    # The evaluation noise came first from a fresh generator; a resumed run drew it again
+    # above and now continues every stream where the checkpoint left it.
+    initial = evaluate() if resumed is None else torch.tensor(resumed["initial_reward"])
+    start = 0 if resumed is None else int(resumed["step"])
+    if resumed is not None:
+        generator.set_state(resumed["generators"][rank])
+        torch.set_rng_state(resumed["torch_rng"][rank])
 
     # Only rank 0 writes; the other ranks' replicas are identical to its own.
-    log_file = None
-    if log_path is not None:
-        log_path = Path(log_path)
-        if main:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log_file = log_path.open("w", encoding="utf-8")
+    log = JsonLog(log_path) if log_path is not None and main else None
+    if log is not None:
+        # A resumed run redoes the steps after its checkpoint; a new one starts empty.
+        log.keep(lambda record: record["step"] < start)
     if checkpoint_dir is not None and main:
-        checkpoint_dir = Path(checkpoint_dir)
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(checkpoint_dir)
 
-    history: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = [] if resumed is None else list(resumed["history"])
     checkpoints: list[str] = []
-    bar = tqdm(range(steps), desc=f"finetune {mode}", unit="step", disable=not (progress and main))
+    bar = tqdm(
+        range(start, steps),
+        desc=f"finetune {mode}",
+        unit="step",
+        initial=start,
+        total=steps,
+        disable=not (progress and main),
+    )
     try:
         for step in bar:
             started = time.perf_counter()
@@ -708,23 +770,28 @@ def _train(
                 record["losses"] = losses
                 record["grad_norms"] = norms
             history.append(record)
-            if log_file is not None:
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
+            if log is not None:
+                log.append(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
             done = step + 1
-            if (
-                main
-                and checkpoint_dir is not None
-                and ((checkpoint_every and done % checkpoint_every == 0) or done == steps)
+            if checkpoint_dir is not None and (
+                (checkpoint_every and done % checkpoint_every == 0) or done == steps
             ):
-                checkpoints.append(
-                    _save_checkpoint(Path(checkpoint_dir), done, model, opt, generator, config)
-                )
+                # Every rank's streams, gathered on every rank (a collective), saved by rank 0.
+                generators, torch_rng = _rng_states(generator, distributed, world)
+                if main:
+                    state = {
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "generators": generators,
+                        "torch_rng": torch_rng,
+                        "config": config,
+                        "history": history,
+                        "initial_reward": initial.tolist(),
+                    }
+                    checkpoints.append(save_checkpoint(Path(checkpoint_dir), done, state))
     finally:
         bar.close()
-        if log_file is not None:
-            log_file.close()
 
     final = evaluate()
     in_sync = replicas_in_sync(model) if distributed else None
@@ -815,8 +882,17 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        default="runs/finetune",
-        help="output folder: log.jsonl, result.json, checkpoints/ (default runs/finetune)",
+        default=None,
+        help="output folder: log.jsonl, result.json, checkpoints/ (default runs/finetune; "
+        "a folder that holds an earlier run is refused: --resume it or pass a new one)",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the run in DIR (an earlier --out) from its newest valid checkpoint, "
+        "with the same settings (--steps may be larger); it ends bitwise as an "
+        "uninterrupted run would",
     )
     parser.add_argument(
         "--checkpoint-every",
@@ -831,7 +907,8 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``gradest finetune`` on the shipped digits DiT and classifier reward.
 
     Writes ``log.jsonl``, ``result.json`` (the result without the history) and
-    ``checkpoints/`` under ``--out`` and returns the result dict. Under ``torchrun``
+    ``checkpoints/`` under ``--out`` (or continues the run in ``--resume DIR``) and returns
+    the result dict; every output path is checked before any work. Under ``torchrun``
     (``python -m torch.distributed.run --nproc_per_node=2 -m gradest.cli finetune ...``)
     the ranks train data-parallel (see :func:`finetune`; ``--batch-size`` is the global
     batch) and only rank 0 writes.
@@ -840,9 +917,22 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     resolve_estimator(args.estimator)
     if not 0 <= args.target <= 9:
         raise ValueError(f"--target must be a digit 0..9, got {args.target}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a file; pass a folder path")
+    if args.resume is not None and args.out is not None and Path(args.out) != Path(args.resume):
+        raise ValueError(
+            f"--resume {args.resume!r} continues the run in that folder; drop --out "
+            f"{args.out!r} or pass the same folder"
+        )
+    out = check_output_dir(args.resume or args.out or "runs/finetune", what="--out")
+    # finetune() checks the log and checkpoint folder; result.json is written here.
+    check_output_file(out / "result.json", what="--out")
+    if args.resume is None:
+        found = earlier_run(out / "log.jsonl", out / "checkpoints")
+        if found is not None:
+            raise ValueError(
+                f"--out {str(out)!r} holds an earlier run ({found}); continue it with "
+                f"--resume {str(out)}, or pass a new --out"
+            )
+    remove_stale_temporaries(out)
     # Loaded lazily so that this module imports without the shipped checkpoints.
     from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
     from gradest.workloads.rewards import ClassifierReward
@@ -878,9 +968,10 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint_dir=out / "checkpoints",
         checkpoint_every=args.checkpoint_every,
         progress=not args.quiet,
+        resume=out if args.resume is not None else None,
     )
     if result["rank"] == 0:
         summary = {key: value for key, value in result.items() if key not in ("history", "rank")}
         summary["target"] = args.target
-        (out / "result.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        atomic_write_text(out / "result.json", json.dumps(summary, indent=2) + "\n")
     return result

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gradest.files import atomic_save, check_output_file
 from gradest.flow import RectifiedFlow, rollout
 from gradest.models.dit import DiT
 from gradest.workloads.assets import classifier_checkpoint, dit_checkpoint, load_digit_classifier
@@ -274,9 +275,8 @@ def pretrain(
     """
     if what not in WHATS:
         raise ValueError(f"what={what!r} is not one of {', '.join(WHATS)}")
-    out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"out={str(out)!r} is a folder; pass a file path such as model.pt")
+    # Checked before training, so a bad path costs seconds, not the trained model.
+    out = check_output_file(out, what="out")
     # Options left as None keep the training function's own defaults.
     settings: dict[str, Any] = {
         key: value for key, value in (("batch_size", batch_size), ("lr", lr)) if value is not None
@@ -297,8 +297,7 @@ def pretrain(
         if evaluate:
             info["evaluation"] = evaluate_dit(model, load_digit_classifier(), seed=seed)
         checkpoint = dit_checkpoint(model, info)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, out)
+    atomic_save(checkpoint, out)
     return {**info, "out": str(out), "bytes": out.stat().st_size}
 
 

@@ -1,0 +1,253 @@
+"""Files gradest writes: checked before the work, replaced atomically, never half-written.
+
+Three rules, for every file gradest writes (checkpoints, logs, reports, pretrained assets):
+
+* **Check first.** :func:`check_output_dir` / :func:`check_output_file` run before any work
+  starts: a path under a file, a read-only folder or a folder that cannot be created
+  fails in seconds with one line, not after an hour of training.
+* **Replace atomically.** :func:`atomic_write` writes a temporary file in the same folder,
+  flushes and fsyncs it, then ``os.replace``-s it over the final name (and fsyncs the
+  folder). A process killed at any moment leaves either the previous file or the new
+  one under the final name, never a truncated one; a full disk or a read-only folder
+  raises :class:`OutputError` naming the path, with the previous file intact and the
+  temporary removed.
+* **Append whole records.** :class:`JsonLog` (``log.jsonl``) appends one JSON line per
+  ``os.write`` call and fsyncs it: a record is in the file whole or not at all. A short
+  write (disk full) is cut back before the error is raised, and a partial last line left
+  by anything else is dropped when the log is opened again.
+
+Temporary files are named ``.<name>.<random>.tmp`` beside their target;
+:func:`remove_stale_temporaries` clears those a killed process left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+_TMP_SUFFIX = ".tmp"
+
+
+class OutputError(ValueError):
+    """A file or folder gradest must write cannot be written (the message names it)."""
+
+
+def _reason(err: OSError) -> str:
+    hints = {
+        errno.ENOSPC: "the disk is full",
+        errno.EFBIG: "the file is larger than allowed (disk quota or file-size limit)",
+        errno.EDQUOT: "the disk quota is exceeded",
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.ENOTDIR: "a part of the path is a file, not a folder",
+        errno.EISDIR: "it is a folder",
+    }
+    return hints.get(err.errno or 0, err.strerror or type(err).__name__)
+
+
+def check_output_dir(path: str | os.PathLike[str], *, what: str, create: bool = True) -> Path:
+    """Prove the folder ``path`` writable (creating it and its parents), before any work.
+
+    Args:
+        path: the folder.
+        what: how the caller names it in messages (``"--out"``, ``"checkpoint_dir"``).
+        create: False checks without creating anything: the nearest existing folder on
+            the way must be writable (so that a failed run leaves no empty folder behind).
+
+    Raises:
+        OutputError: it is a file, lies under a file, or cannot be created or written.
+    """
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{what} {str(folder)!r} is a file; pass a folder path")
+    probe_in = folder
+    if not create:
+        while not probe_in.exists() and probe_in.parent != probe_in:
+            probe_in = probe_in.parent
+        if not probe_in.is_dir():
+            raise OutputError(
+                f"{what} {str(folder)!r} cannot be written: a part of the path is a file, not "
+                f"a folder; pass a folder you can write to"
+            )
+    try:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=".gradest-probe.", suffix=_TMP_SUFFIX, dir=probe_in)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise OutputError(
+            f"{what} {str(folder)!r} cannot be written: {_reason(err)}; pass a folder you "
+            f"can write to"
+        ) from None
+    return folder
+
+
+def check_output_file(path: str | os.PathLike[str], *, what: str) -> Path:
+    """Check that the file ``path`` can be (re)written: its folder exists or can be made and
+    is writable, and ``path`` is not a folder. Before any work."""
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(f"{what} {str(target)!r} is a folder; pass a file path such as model.pt")
+    try:
+        check_output_dir(target.parent, what="its folder")
+    except OutputError as err:
+        raise OutputError(f"{what} {str(target)!r} cannot be written: {err}") from None
+    return target
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable; not every platform can open a folder.
+    with contextlib.suppress(OSError):
+        handle = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+
+
+def _mode_for(target: Path) -> int:
+    """The existing file's permissions, or what ``open()`` would create under the umask."""
+    with contextlib.suppress(OSError):
+        return target.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> Path:
+    """Write ``path`` through ``write(binary_file)`` atomically (temporary file + replace).
+
+    Raises:
+        OutputError: the temporary could not be written or moved (disk full, read-only,
+            file-size limit); ``path`` keeps its previous content.
+    """
+    target = Path(path)
+    folder = target.parent
+    try:
+        handle, temporary = tempfile.mkstemp(
+            prefix=f".{target.name}.", suffix=_TMP_SUFFIX, dir=folder
+        )
+    except OSError as err:
+        raise OutputError(f"cannot write {str(target)!r}: {_reason(err)}") from None
+    try:
+        # mkstemp makes the file private (0600); give it the mode a plain open() would.
+        os.chmod(temporary, _mode_for(target))
+        with os.fdopen(handle, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        kept = "the previous file is unchanged" if target.exists() else "nothing was written"
+        raise OutputError(f"cannot write {str(target)!r}: {_reason(err)}; {kept}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_dir(folder)
+    return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    return atomic_write(path, lambda file: file.write(text.encode("utf-8")))
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj, path)``, atomically.
+
+    Serialized in memory first: torch's zip writer turns a failed ``write`` (disk full)
+    into a bare ``RuntimeError``, so the bytes are written by :func:`atomic_write`, where
+    an ``OSError`` is an ``OSError``. (The checkpoint is held twice in host memory while
+    it is written: fine for the fine-tuning checkpoints gradest writes.)
+    """
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return atomic_write(path, lambda file: file.write(buffer.getbuffer()))
+
+
+def remove_stale_temporaries(folder: str | os.PathLike[str]) -> list[Path]:
+    """Delete the ``.<name>.*.tmp`` files a killed writer left in ``folder``."""
+    removed = []
+    directory = Path(folder)
+    if not directory.is_dir():
+        return removed
+    for item in directory.glob(f".*{_TMP_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            item.unlink()
+            removed.append(item)
+    return removed
+
+
+class JsonLog:
+    """An append-only JSON-lines log in which every record is whole.
+
+    Args:
+        path: the ``.jsonl`` file; created if missing. A partial last line (a writer
+            killed mid-record by something other than gradest's own checks) is dropped.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if self.path.exists():
+            self._drop_partial_tail()
+
+    def _drop_partial_tail(self) -> None:
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            with open(self.path, "r+b") as file:
+                file.truncate(keep)
+                os.fsync(file.fileno())
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every whole record, in order."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text("utf-8").splitlines() if line]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.records())
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one line with one ``os.write``, then fsync.
+
+        Raises:
+            OutputError: the write failed or was short (disk full); the log is cut back
+                to its previous whole records first.
+        """
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        handle = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            before = os.fstat(handle).st_size
+            try:
+                written = os.write(handle, line)
+                if written != len(line):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.fsync(handle)
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(handle, before)
+                raise OutputError(
+                    f"cannot append to {str(self.path)!r}: {_reason(err)}; its previous "
+                    f"records are intact"
+                ) from None
+        finally:
+            os.close(handle)
+
+    def keep(self, predicate: Callable[[dict[str, Any]], bool]) -> None:
+        """Rewrite the log (atomically) with only the records for which ``predicate`` holds."""
+        kept = [record for record in self.records() if predicate(record)]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -34,13 +34,13 @@ from tqdm import tqdm
 import gradest
 from gradest.cli import split_specs
 from gradest.harness.cost import retained_activation_bytes
+from gradest.samplers import FlowSDE
 from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
 from gradest.workloads.digits import load_digits_dataset
 from gradest.workloads.finetune import finetune
 from gradest.workloads.grpo import group_advantages, grpo_objective
 from gradest.workloads.metrics import fid_kid
 from gradest.workloads.rewards import ClassifierReward
-from gradest.workloads.sde import FlowSDE
 
 DEFAULT_ESTIMATORS = "exact,jagg:window=4,jagg:window=4,shared_knots=true,sdo,truncated:k=1"
 

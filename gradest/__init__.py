@@ -8,7 +8,7 @@ Swap estimators by name; train with the surrogate loss::
 """
 
 from gradest.conditioning import Shared
-from gradest.flow import AffineSampler, RectifiedFlow, Trajectory, rollout
+from gradest.flow import Trajectory, rollout
 from gradest.harness.compare import compare
 from gradest.harness.report import Report
 from gradest.nonfinite import NonFiniteError
@@ -20,12 +20,14 @@ from gradest.objectives import (
 )
 from gradest.protocol import Cost, GradientEstimate, Surrogate, TrajectoryGradientEstimator
 from gradest.registry import UnknownEstimatorError, available_estimators, estimator
+from gradest.samplers import AffineSampler, FlowSDE, RectifiedFlow
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AffineSampler",
     "Cost",
+    "FlowSDE",
     "GradientEstimate",
     "NonFiniteError",
     "RectifiedFlow",

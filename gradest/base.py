@@ -17,10 +17,11 @@ import torch
 from torch import Tensor
 
 from gradest.context import EstimationContext
-from gradest.flow import AffineSampler, Trajectory
+from gradest.flow import Trajectory
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError
 from gradest.objectives import Objective
 from gradest.protocol import GradientEstimate, Surrogate
+from gradest.samplers import AffineSampler
 from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
 
 # estimate()'s default engine, chosen by measurement (python -m benchmarks.report, two runs,

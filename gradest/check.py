@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from gradest.flow import RectifiedFlow, rollout
+from gradest.flow import rollout
 from gradest.objectives import Objective
 from gradest.reference.definitions import definition_gradient
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
@@ -27,6 +27,7 @@ from gradest.reference.problems import (
     tiny_mlp,
 )
 from gradest.registry import available_estimators, estimator
+from gradest.samplers import RectifiedFlow
 
 DEFINITION_TOLERANCE = 1e-8
 

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
 from gradest.flow import (
-    AffineSampler,
     Trajectory,
     check_sampler,
     check_trajectory_matches,
@@ -28,6 +27,7 @@ from gradest.flow import (
 from gradest.nonfinite import NonFiniteError, check_finite
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.ranks import RankAgreement
+from gradest.samplers import AffineSampler
 from gradest.vjp import CostMeter, ParamGradient, VelocityField, add_grads
 
 
@@ -139,6 +139,14 @@ class EstimationContext:
         self.noise = noise
         self.want_noise_grad = noise_grad
         self._trajectory = trajectory
+        # The sampler's step noise is drawn first, before anything a strategy draws, so
+        # that an estimator given the same generator state as gradest.rollout samples
+        # the same path, and strategies need not order their draws around the rollout.
+        self._step_noise = (
+            draw_step_noise(self.coefficients[2], noise, self.generator)
+            if noise is not None
+            else trajectory.step_noise  # type: ignore[union-attr]
+        )
         # Velocities recorded by a rollout made in this call are the current model's, so
         # strategies may reuse them instead of evaluating the model again.
         self._velocities_are_current = False
@@ -164,16 +172,7 @@ class EstimationContext:
         return self.noise is not None
 
     def step_noise(self) -> Tensor | None:
-        """Recorded ``xi_k`` (drawn once from the generator when sampling here).
-
-        Strategies call this before any draw of their own, so that an estimator given
-        the same generator state as ``gradest.rollout`` samples the same path.
-        """
-        if self._trajectory is not None:
-            return self._trajectory.step_noise
-        if not hasattr(self, "_step_noise"):
-            assert self.noise is not None
-            self._step_noise = draw_step_noise(self.coefficients[2], self.noise, self.generator)
+        """Recorded ``xi_k``: the trajectory's, or drawn from the generator at construction."""
         return self._step_noise
 
     def _sample_without_graph(self, z: Tensor, steps: range) -> tuple[list[Tensor], list[Tensor]]:

@@ -1,18 +1,16 @@
-"""Time grids, affine sampler steps, recorded trajectories and the no-graph rollout.
+"""Recorded trajectories, the one sampling loop, and the no-graph rollout.
 
-Every sampler gradest supports takes affine steps (DESIGN.md section 1)::
-
-    z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k
-
-with per-step scalars and recorded noise ``xi_k``. Estimators are written against this
-step form only (through :class:`AffineSampler`), so a new sampler needs no estimator
-changes.
+Samplers (:mod:`gradest.samplers`) give a grid and the coefficients of the affine step
+``z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k``; this module runs them:
+:func:`draw_step_noise` draws every ``xi_k`` up front from the generator (never hidden
+randomness inside a transform), :func:`integrate` is the loop every rollout, sweep and
+fused chain in gradest runs, and :func:`rollout` records a :class:`Trajectory`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -20,107 +18,7 @@ from torch import Tensor
 
 from gradest._checks import first_model_call, require
 from gradest.conditioning import model_kwargs
-
-
-@runtime_checkable
-class AffineSampler(Protocol):
-    """What estimators need to know about a sampler: its grid and its affine step.
-
-    Attributes:
-        times: ``[N+1]`` float64, strictly decreasing.
-    """
-
-    @property
-    def times(self) -> Tensor: ...
-
-    @property
-    def num_steps(self) -> int: ...
-
-    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(alpha, beta, sigma)``, each ``[N]`` float64."""
-        ...
-
-
-def _as_time_grid(times: Any) -> Tensor:
-    if isinstance(times, Tensor):
-        grid = times.detach().to(device="cpu", dtype=torch.float64)
-    else:
-        try:
-            grid = torch.as_tensor(times, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(
-                f"times must be a 1-D sequence or tensor of floats, got {type(times).__name__}"
-            ) from err
-    require(
-        grid.ndim == 1 and grid.numel() >= 2,
-        f"times must be 1-D with at least 2 entries (one step), got shape {tuple(grid.shape)}",
-    )
-    require(bool(torch.isfinite(grid).all()), f"times must be finite, got {grid.tolist()}")
-    diffs = grid[1:] - grid[:-1]
-    if not bool((diffs < 0).all()):
-        bad = int(torch.nonzero(diffs >= 0)[0])
-        raise ValueError(
-            f"times must be strictly decreasing (t=1 is noise, t=0 is data), but "
-            f"times[{bad}]={grid[bad].item():g} <= times[{bad + 1}]={grid[bad + 1].item():g}; "
-            f"pass e.g. torch.linspace(1, 0, steps + 1)"
-        )
-    require(
-        bool(((grid >= 0) & (grid <= 1)).all()),
-        f"times must lie in [0, 1], got range [{grid.min().item():g}, {grid.max().item():g}]",
-    )
-    return grid
-
-
-@attrs.frozen(eq=False, repr=False, init=False)
-class RectifiedFlow:
-    """Rectified-flow Euler sampler: ``z_{k+1} = z_k + h_k v_k`` with ``h_k = t_{k+1} - t_k < 0``.
-
-    Give either ``steps`` (a uniform grid from 1 to 0) or ``times`` (any strictly
-    decreasing grid in [0, 1]; it need not start at 1 or end at 0).
-
-    Attributes:
-        times: the ``[N+1]`` float64 grid on the CPU.
-    """
-
-    times: Tensor
-
-    def __init__(self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None):
-        if (steps is None) == (times is None):
-            raise ValueError(
-                "RectifiedFlow needs exactly one of steps=N (uniform grid 1 -> 0) or times=..."
-                f" (got steps={steps!r}, times={'given' if times is not None else None})"
-            )
-        if steps is not None:
-            if isinstance(steps, bool) or not isinstance(steps, int):
-                raise TypeError(f"steps must be an int >= 1, got {steps!r}")
-            require(steps >= 1, f"steps must be >= 1, got {steps}; use steps=50 for example")
-            grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-        else:
-            grid = _as_time_grid(times)
-        self.__attrs_init__(times=grid)  # type: ignore[attr-defined]
-
-    @property
-    def num_steps(self) -> int:
-        return self.times.numel() - 1
-
-    @property
-    def step_sizes(self) -> Tensor:
-        """``h_k = t_{k+1} - t_k`` (negative), ``[N]`` float64."""
-        return self.times[1:] - self.times[:-1]
-
-    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
-        h = self.step_sizes
-        return torch.ones_like(h), h, torch.zeros_like(h)
-
-    def __repr__(self) -> str:
-        uniform = torch.allclose(
-            self.times, torch.linspace(1.0, 0.0, self.num_steps + 1, dtype=torch.float64)
-        )
-        return (
-            f"RectifiedFlow(steps={self.num_steps})"
-            if uniform
-            else f"RectifiedFlow(times=<{self.num_steps + 1} points>)"
-        )
+from gradest.samplers import AffineSampler, same_grid
 
 
 @attrs.frozen(eq=False)
@@ -179,12 +77,7 @@ def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> Non
                 f"trajectories with gradest.rollout(model, flow, noise)"
             )
     times = trajectory.times
-    same = (
-        isinstance(times, Tensor)
-        and times.shape == flow.times.shape
-        and torch.allclose(times.to(torch.float64).cpu(), flow.times, rtol=0, atol=1e-12)
-    )
-    if not same:
+    if not same_grid(times, flow.times):
         recorded = f"{times.numel() - 1} steps" if isinstance(times, Tensor) else "no grid"
         raise ValueError(
             f"trajectory was recorded on a different time grid ({recorded}) "

@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_scalar_loss
-from gradest.flow import AffineSampler, Trajectory
+from gradest.flow import Trajectory
 from gradest.nonfinite import NonFiniteError
+from gradest.samplers import AffineSampler
 
 
 def _loss_and_grad(

@@ -9,8 +9,9 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest.flow import AffineSampler, Trajectory
+from gradest.flow import Trajectory
 from gradest.objectives import Objective
+from gradest.samplers import AffineSampler
 
 
 @attrs.frozen

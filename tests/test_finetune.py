@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 import gradest
 from gradest.models.dit import DiT
+from gradest.samplers import FlowSDE
 from gradest.workloads.finetune import (
     LOG_KEYS,
     add_finetune_arguments,
@@ -24,7 +25,6 @@ from gradest.workloads.finetune import (
     summarize_info,
 )
 from gradest.workloads.grpo import group_advantages, grpo_objective
-from gradest.workloads.sde import FlowSDE
 
 TARGET, STEPS, BATCH = 1, 4, 4
 SPECS = (

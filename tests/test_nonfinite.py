@@ -162,7 +162,9 @@ def test_a_nan_only_in_the_fused_backward_is_located_at_its_step(engine):
 def test_a_nan_in_the_terminal_loss_gradient_is_not_blamed_on_the_model():
     flow = gradest.RectifiedFlow(steps=STEPS)
     noise = seeded_normal((BATCH, DIM), 0)
-    objective = gradest.TerminalObjective(lambda z: z.sum() + 0.0 * torch.sqrt(z - z.detach()).sum())
+    objective = gradest.TerminalObjective(
+        lambda z: z.sum() + 0.0 * torch.sqrt(z - z.detach()).sum()
+    )
     for spec in ("exact", "exact:checkpoint=true", "jagg:window=3", "sdo", "truncated"):
         with pytest.raises(gradest.NonFiniteError) as info:
             gradest.estimator(spec).estimate(tiny_mlp(DIM), flow, objective, noise=noise)

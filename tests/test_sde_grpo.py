@@ -13,8 +13,8 @@ import gradest
 from gradest.reference import dense_chain, exact_gradient, relative_error
 from gradest.reference.definitions import definition_gradient
 from gradest.reference.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
+from gradest.samplers import FlowSDE
 from gradest.workloads.grpo import ADVANTAGE_EPS, group_advantages, grpo_objective
-from gradest.workloads.sde import FlowSDE
 
 DIM, BATCH, STEPS, GROUP = 3, 4, 5, 2
 SEED = 7

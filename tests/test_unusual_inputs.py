@@ -153,8 +153,8 @@ def test_a_model_updating_a_buffer_sees_every_evaluation():
     want = handwritten(model)
     for spec in SPECS:
         before = int(model.calls)
-        calls = []
-        hook = model.register_forward_hook(lambda *args: calls.append(1))
+        calls: list[int] = []
+        hook = model.register_forward_hook(lambda *args, seen=calls: seen.append(1))
         result = gradest.estimator(spec).estimate(model, FLOW, OBJECTIVE, noise=NOISE)
         hook.remove()
         assert relative_error(result.flat(), want) < EXACTNESS

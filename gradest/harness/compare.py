@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from gradest.flow import AffineSampler, Trajectory, rollout
+from gradest.flow import Trajectory, rollout
 from gradest.harness.cost import (
     count_flops,
     interleaved_wall_times,
@@ -30,6 +30,7 @@ from gradest.harness.report import CostRow, EstimatorRow, Report
 from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.registry import estimator as build_estimator
+from gradest.samplers import AffineSampler
 
 NoiseFn = Callable[[int], Tensor]
 CondFn = Callable[[int], Mapping[str, Any] | None]

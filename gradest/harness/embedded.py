@@ -20,7 +20,6 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest.flow import RectifiedFlow
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.problems import (
     perturbed_dit,
@@ -28,6 +27,7 @@ from gradest.reference.problems import (
     smooth_terminal_objective,
     tiny_mlp,
 )
+from gradest.samplers import RectifiedFlow
 
 MODELS = ("mlp", "dit", "digits")
 NUM_CLASSES = 4

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from gradest.flow import AffineSampler, Trajectory
+from gradest.flow import Trajectory
 from gradest.objectives import Objective
 from gradest.registry import estimator
+from gradest.samplers import AffineSampler
 
 
 def _flat_error(result: Any, exact: torch.Tensor) -> tuple[float, float]:
@@ -60,7 +61,8 @@ def jagg_span_sweep(
     slope is fitted over ``span <= fit_below``. Larger spans show where the asymptotic
     regime ends, which is the regime a 50-step sampler (step 0.02) actually runs in.
     """
-    from gradest.flow import RectifiedFlow, rollout
+    from gradest.flow import rollout
+    from gradest.samplers import RectifiedFlow
 
     exact = estimator("exact")
     out: dict[str, Any] = {"start": start, "steps": steps, "fit_below": fit_below, "orders": {}}

@@ -27,42 +27,14 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest.flow import RectifiedFlow
+from gradest.samplers import RectifiedFlow, StochasticFlowMatchSampler
 
 __all__ = ["DiffusersVelocity", "StochasticFlowMatchSampler", "flow_from_scheduler"]
 
 NUM_TRAIN_TIMESTEPS = 1000
-
-
-@attrs.frozen(eq=False, repr=False)
-class StochasticFlowMatchSampler:
-    """``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)`` as an affine sampler.
-
-    Its step predicts ``x0 = z - sigma v`` and re-noises to the next level with fresh
-    noise ``xi``: ``z_next = (1 - sigma_next) x0 + sigma_next xi``, i.e.
-    ``alpha = 1 - sigma_next``, ``beta = -(1 - sigma_next) sigma``, ``sigma_k = sigma_next``
-    in gradest's step form ``z_next = alpha z + beta v + sigma_k xi``.
-
-    Attributes:
-        times: ``[N+1]`` float64, the scheduler's sigmas (1 -> 0).
-    """
-
-    times: Tensor
-
-    @property
-    def num_steps(self) -> int:
-        return self.times.numel() - 1
-
-    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
-        sigma, sigma_next = self.times[:-1], self.times[1:]
-        return 1.0 - sigma_next, -(1.0 - sigma_next) * sigma, sigma_next.clone()
-
-    def __repr__(self) -> str:
-        return f"StochasticFlowMatchSampler(steps={self.num_steps})"
 
 
 def flow_from_scheduler(

@@ -9,9 +9,10 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest.flow import AffineSampler, Trajectory
+from gradest.flow import Trajectory
 from gradest.models.mlp import MLPVelocity
 from gradest.objectives import StepwiseObjective, TerminalObjective, flow_matching_trajectory
+from gradest.samplers import AffineSampler
 
 
 class AffineVelocity(nn.Module):

@@ -5,9 +5,9 @@ depth, each **once per call**. Every draw goes through these helpers so that the
 source of randomness is the ``generator`` passed to ``estimate`` (with ``None``,
 torch's default generator, which is reproducible only through ``torch.manual_seed``).
 
-Strategies make these draws *after* the context has drawn the sampler's step noise
-(``ctx.step_noise()``), so an estimator given the same generator state as
-``gradest.rollout`` samples the same path as it does, and the draws below come next.
+The context draws the sampler's step noise first, when it is built, so an estimator
+given the same generator state as ``gradest.rollout`` samples the same path as it does,
+and the draws below always come after it.
 """
 
 from __future__ import annotations

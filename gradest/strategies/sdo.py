@@ -116,10 +116,8 @@ class ShortcutDiffusion(EstimatorBase):
     )
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
-        # The rollout comes first: it draws any sampler noise from the generator before
-        # the step subset does, so the path matches gradest.rollout with the same seed.
-        trajectory = ctx.trajectory()
         steps, factor = self._draw(ctx)
+        trajectory = ctx.trajectory()
         terminal_adjoint = ctx.terminal_adjoint()
         alpha, beta, _ = ctx.coefficients
         # c~_k = w_k a_N: the model-detached chain's derivative of z_N in v_k.
@@ -138,7 +136,6 @@ class ShortcutDiffusion(EstimatorBase):
         return scale_grads(grads, factor), noise_grad
 
     def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
-        ctx.trajectory()
         steps, factor = self._draw(ctx)
         return scale_grads(stepwise_vjp_over(ctx, steps), factor)
 

@@ -20,7 +20,7 @@ the recorded states, graph kept).
 Randomized truncation (AlignProp-style): ``random="uniform"`` draws ``k`` uniformly from
 ``{1, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset); a probability tuple
 ``(p_1, ..., p_K)`` draws ``k`` with ``P(k) = p_k``. ``k`` is drawn **once per call**
-from the ``generator`` (after any sampler noise), never per step, so the result is an
+from the ``generator``, never per step, so the result is an
 unbiased estimate of ``sum_k p_k g_k`` (``gradest.reference.truncated_definition.
 truncated_expectation``), itself still biased against ``exact`` unless ``p_N = 1``.
 
@@ -153,7 +153,6 @@ class Truncated(EstimatorBase):
     # -- terminal -------------------------------------------------------------------------
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
-        ctx.step_noise()  # sampler noise first, then k (see sampling.py)
         kept = self._draw_k(ctx)
         start = ctx.num_steps - kept
         grads, start_grad = ctx.backprop_tail(start)
@@ -173,7 +172,6 @@ class Truncated(EstimatorBase):
     # -- stepwise -------------------------------------------------------------------------
 
     def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
-        ctx.trajectory()
         kept = self._draw_k(ctx)
         return stepwise_vjp_over(ctx, range(ctx.num_steps - kept, ctx.num_steps))
 

@@ -8,6 +8,7 @@ The entry points live in their modules (exporting them here would shadow the mod
 names): ``gradest.workloads.finetune.finetune`` and ``gradest.workloads.pretrain.pretrain``.
 """
 
+from gradest.samplers import FlowSDE
 from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
 from gradest.workloads.classifier import DigitClassifier, train_classifier
 from gradest.workloads.digits import load_digits_dataset
@@ -16,7 +17,6 @@ from gradest.workloads.grpo import group_advantages, grpo_objective
 from gradest.workloads.metrics import fid_kid
 from gradest.workloads.pretrain import pretrain_dit
 from gradest.workloads.rewards import ClassifierReward
-from gradest.workloads.sde import FlowSDE
 
 __all__ = [
     "LOG_KEYS",

@@ -68,7 +68,7 @@ from gradest.files import (
     check_output_file,
     remove_stale_temporaries,
 )
-from gradest.flow import RectifiedFlow, Trajectory, rollout
+from gradest.flow import Trajectory, rollout
 from gradest.integrations.distributed import (
     check_same_estimator,
     launched_world,
@@ -78,6 +78,7 @@ from gradest.integrations.distributed import (
 )
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Cost, Surrogate
+from gradest.samplers import LOG_PROB_REDUCTIONS, FlowSDE, RectifiedFlow
 from gradest.workloads.grpo import group_advantages, grpo_objective
 from gradest.workloads.run_state import (
     check_same_run,
@@ -85,7 +86,6 @@ from gradest.workloads.run_state import (
     newest_checkpoint,
     save_checkpoint,
 )
-from gradest.workloads.sde import LOG_PROB_REDUCTIONS, FlowSDE
 
 MODES = ("reward", "grpo")
 OPTIMIZERS = ("adamw", "sgd")

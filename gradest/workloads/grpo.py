@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradest.flow import Trajectory, check_trajectory_matches
 from gradest.objectives import StepwiseObjective
-from gradest.workloads.sde import FlowSDE
+from gradest.samplers import FlowSDE
 
 ADVANTAGE_EPS = 1e-4
 

@@ -34,8 +34,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradest.files import atomic_save, check_output_file
-from gradest.flow import RectifiedFlow, rollout
+from gradest.flow import rollout
 from gradest.models.dit import DiT
+from gradest.samplers import RectifiedFlow
 from gradest.workloads.assets import classifier_checkpoint, dit_checkpoint, load_digit_classifier
 from gradest.workloads.classifier import accuracy, train_classifier
 from gradest.workloads.digits import IMAGE_SHAPE, NUM_CLASSES, load_digits_dataset

@@ -65,10 +65,8 @@ class MeanOfSdoDraws(EstimatorBase):
     )
 
     def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
-        # The rollout first: it draws any sampler noise before the subsets are drawn, so
-        # the path matches gradest.rollout with the same generator state.
-        trajectory = ctx.trajectory()
         steps, weights = self._draw(ctx)
+        trajectory = ctx.trajectory()
         terminal_adjoint = ctx.terminal_adjoint()
         alpha, beta, _ = ctx.coefficients
         cotangents = []

@@ -20,7 +20,7 @@ from gradest.context import EstimationContext
 from gradest.flow import Trajectory
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError
 from gradest.objectives import Objective
-from gradest.protocol import GradientEstimate, Surrogate
+from gradest.protocol import Definition, GradientEstimate, Surrogate
 from gradest.samplers import AffineSampler
 from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
 
@@ -131,6 +131,7 @@ class EstimatorBase:
                 noise_grad=None,
                 cost=ctx.meter.freeze(),
                 info={**ctx.info, "nonfinite": str(err)},
+                decisions=ctx.decisions,
             )
         assert isinstance(grads, dict), "estimate() evaluates every VJP"
         # Keys and order exactly as model.named_parameters(), trainable ones only.
@@ -140,6 +141,7 @@ class EstimatorBase:
             noise_grad=state_grad.detach() if (noise_grad and state_grad is not None) else None,
             cost=ctx.meter.freeze(),
             info=ctx.info,
+            decisions=ctx.decisions,
         )
 
     def surrogate(
@@ -213,9 +215,11 @@ class EstimatorBase:
             value=float(ctx.info.get("loss", float("nan"))),
             cost=ctx.meter.freeze(),
             info=ctx.info,
+            decisions=ctx.decisions,
         )
 
     def _run(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
+        self.check_steps(ctx.num_steps)
         if ctx.is_terminal:
             grads, state_grad = self._terminal(ctx)
         else:
@@ -224,20 +228,9 @@ class EstimatorBase:
         return grads, state_grad
 
     def backward(
-        self,
-        model: torch.nn.Module,
-        flow: AffineSampler,
-        objective: Objective,
-        *,
-        noise: Tensor | None = None,
-        trajectory: Trajectory | None = None,
-        cond: Mapping[str, Any] | None = None,
-        generator: torch.Generator | None = None,
-        noise_grad: bool = False,
-        on_nonfinite: str = "raise",
-        engine: str = DEFAULT_ENGINE,
+        self, model: torch.nn.Module, flow: AffineSampler, objective: Objective, **inputs: Any
     ) -> GradientEstimate:
-        """Like :meth:`estimate`, then add the gradients into ``p.grad`` (like ``loss.backward()``).
+        """:meth:`estimate` (same arguments), then add the gradients into ``p.grad``.
 
         A convenience for single-process loops; in training code prefer
         ``est.surrogate(...).loss.backward()``, which DDP/FSDP, GradScaler and accelerate
@@ -247,18 +240,7 @@ class EstimatorBase:
         ``optimizer.step()`` work as with plain autograd. With ``on_nonfinite="skip"`` an
         unusable estimate leaves ``.grad`` untouched (check ``result.usable``).
         """
-        result = self.estimate(
-            model,
-            flow,
-            objective,
-            noise=noise,
-            trajectory=trajectory,
-            cond=cond,
-            generator=generator,
-            noise_grad=noise_grad,
-            on_nonfinite=on_nonfinite,
-            engine=engine,
-        )
+        result = self.estimate(model, flow, objective, **inputs)
         if not result.usable:
             return result
         parameters = dict(model.named_parameters())
@@ -270,6 +252,33 @@ class EstimatorBase:
                 else:
                     param.grad.add_(grad.to(param.grad.dtype))
         return result
+
+    # -- the estimator's contract ----------------------------------------------------------
+
+    #: Every estimate is the exact gradient (``gradest compare`` needs one as reference).
+    always_exact: ClassVar[bool] = False
+
+    def check_steps(self, num_steps: int) -> None:
+        """Raise if the options cannot run on an ``num_steps``-step sampler (default: any).
+
+        ``estimate``/``surrogate`` call it first; callers that know ``N`` early (a training
+        script, ``gradest finetune``) call it before any work.
+        """
+        del num_steps
+
+    def definition(self, chain: Any, objective: Objective, decisions: Any) -> Definition:
+        """This estimator's formula, evaluated densely for the ``decisions`` an estimate made.
+
+        Args:
+            chain: a :class:`gradest.reference.DenseChain` of the recorded trajectory.
+            objective: the objective the estimate was for.
+            decisions: the estimate's :class:`~gradest.protocol.Decisions` record.
+
+        Returns:
+            A :class:`~gradest.protocol.Definition`. ``gradest check`` compares every
+            estimate with it; plugins that define it are checked the same way.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no dense definition")
 
     # -- what a strategy implements --------------------------------------------------------
 

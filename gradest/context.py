@@ -26,6 +26,7 @@ from gradest.flow import (
 )
 from gradest.nonfinite import NonFiniteError, check_finite
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
+from gradest.protocol import Decisions
 from gradest.ranks import RankAgreement
 from gradest.samplers import AffineSampler
 from gradest.vjp import CostMeter, ParamGradient, VelocityField, add_grads
@@ -48,6 +49,15 @@ class AdjointSweep:
     velocities: Tensor
     state_grad: Tensor
     grads: ParamGradient | None
+
+
+def _as_lists(value: Any) -> Any:
+    """Tuples (and tuples in dicts) as lists: ``info`` holds plain JSON-like values."""
+    if isinstance(value, dict):
+        return {key: _as_lists(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [_as_lists(item) for item in value]
+    return value
 
 
 class EstimationContext:
@@ -153,6 +163,7 @@ class EstimationContext:
         # Whether any evaluated step's loss depended on its velocity (stepwise).
         self.stepwise_loss_depends = False
         self.info: dict[str, Any] = {}
+        self.decisions: Decisions | None = None
 
     @property
     def num_steps(self) -> int:
@@ -203,6 +214,11 @@ class EstimationContext:
             step_noise=self.step_noise(),
         )
         self._velocities_are_current = True
+
+    def decide(self, decisions: Decisions) -> None:
+        """Record the estimator's decisions (also copied into ``info`` for logs)."""
+        self.decisions = decisions
+        self.info.update(_as_lists(attrs.asdict(decisions)))
 
     def velocity(self, k: int) -> Tensor:
         """Current-model velocity at recorded state ``k`` (a no-graph forward if needed)."""

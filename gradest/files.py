@@ -180,7 +180,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
 
 def remove_stale_temporaries(folder: str | os.PathLike[str]) -> list[Path]:
     """Delete the ``.<name>.*.tmp`` files a killed writer left in ``folder``."""
-    removed = []
+    removed: list[Path] = []
     directory = Path(folder)
     if not directory.is_dir():
         return removed

@@ -24,8 +24,8 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
-import torch
 from torch import nn
 
 
@@ -95,7 +95,7 @@ def has_shared_submodules(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def tensors_restored(model: nn.Module) -> Iterator[None]:
     """Put back every parameter and buffer slot of ``model``'s modules on exit."""
-    slots: list[tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]] = []
+    slots: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for module in model.modules():
         slots.append((module._parameters, dict(module._parameters)))
         slots.append((module._buffers, dict(module._buffers)))

@@ -49,6 +49,36 @@ class Cost:
         )
 
 
+@attrs.frozen
+class Decisions:
+    """The random and gate decisions of one estimate; each estimator subclasses it.
+
+    A frozen record of what the estimator chose (sdo's sampled steps and scale,
+    truncated's depth, jagg's groups, nodes and fallbacks), so that its dense definition
+    (:meth:`~gradest.base.EstimatorBase.definition`) and ``gradest check`` can re-evaluate
+    exactly that estimate. Estimators without choices (``exact``) report the empty record.
+    """
+
+
+@attrs.frozen(eq=False)
+class Definition:
+    """An estimator's defining formula evaluated densely (``gradest.reference``).
+
+    Attributes:
+        grad: the flat ``[P]`` parameter gradient the formula prescribes (float64).
+        noise_grad: the initial-noise gradient it prescribes (terminal objectives), or
+            None where the estimator defines none.
+    """
+
+    grad: Tensor
+    noise_grad: Tensor | None = None
+
+
+def is_estimator(candidate: Any) -> bool:
+    """Whether ``candidate`` can estimate (has a callable ``estimate``): the one duck check."""
+    return callable(getattr(candidate, "estimate", None))
+
+
 @attrs.frozen(eq=False)
 class GradientEstimate:
     """The result of one estimate.
@@ -58,14 +88,18 @@ class GradientEstimate:
             ``model.named_parameters()``.
         noise_grad: gradient with respect to the initial noise, or None when not requested.
         cost: the :class:`Cost` counts of this call.
-        info: estimator diagnostics (loss, gate cosines, sampled steps, ...);
-            ``info["nonfinite"]`` describes a dropped estimate (see ``usable``).
+        info: estimator diagnostics (loss, gate cosines, fallback fraction, and the
+            decisions' fields for logs); ``info["nonfinite"]`` describes a dropped estimate
+            (see ``usable``).
+        decisions: the estimator's typed :class:`Decisions` record (None for a plugin
+            that reports none).
     """
 
     grads: dict[str, Tensor]
     noise_grad: Tensor | None
     cost: Cost
     info: dict[str, Any] = attrs.field(factory=dict)
+    decisions: Decisions | None = None
 
     @property
     def usable(self) -> bool:
@@ -93,12 +127,14 @@ class Surrogate:
         value: the objective's value on this batch, as ``info["loss"]`` (for logging).
         cost: the :class:`Cost` counts, including the VJPs the caller's backward will run.
         info: estimator diagnostics, as on :class:`GradientEstimate`.
+        decisions: the estimator's typed :class:`Decisions` record.
     """
 
     loss: Tensor
     value: float
     cost: Cost
     info: dict[str, Any] = attrs.field(factory=dict)
+    decisions: Decisions | None = None
 
     def backward(self, **kwargs: Any) -> None:
         """``self.loss.backward(**kwargs)``."""
@@ -109,7 +145,15 @@ class Surrogate:
 class TrajectoryGradientEstimator(Protocol):
     """One way of evaluating ``grad_theta L = sum_k J_k^T c_k`` for a sampling trajectory.
 
-    Implementations are frozen attrs classes whose fields are their options.
+    Implementations are frozen attrs classes whose fields are their options (a plugin
+    without attrs takes its options as constructor keyword arguments). Beyond the three
+    methods below, an estimator may define (``gradest.base.EstimatorBase`` does):
+
+    * ``check_steps(num_steps)``: raise if its options cannot run on an ``N``-step
+      sampler (callers such as ``gradest finetune`` call it before any work);
+    * ``definition(chain, objective, decisions) -> Definition``: its formula evaluated
+      from dense Jacobians for the decisions an estimate reported (``gradest check``);
+    * ``always_exact`` (class attribute): every estimate is the exact gradient.
     """
 
     name: ClassVar[str]

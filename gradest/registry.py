@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import inspect
 import os
 import threading
 import warnings
@@ -21,7 +22,8 @@ from typing import Any
 
 import attrs
 
-from gradest.options import describe_options, parse_option_text
+from gradest.options import describe_options, parse_bool, parse_option_text
+from gradest.protocol import TrajectoryGradientEstimator, is_estimator
 
 GROUP = "gradest.estimators"
 # gradest's own estimators, as pyproject.toml registers them (the fallback when its entry
@@ -71,7 +73,7 @@ def _load_registry(plugins_enabled: bool) -> dict[str, type]:
             continue
         try:
             cls = entry.load()
-            usable = callable(getattr(cls, "estimate", None))
+            usable = is_estimator(cls)
         except KeyboardInterrupt:
             raise
         except BaseException as err:  # a broken plugin (even sys.exit()) never breaks gradest
@@ -147,7 +149,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), options
 
 
-def estimator(spec: str, **options: Any) -> Any:
+def estimator(spec: str, **options: Any) -> TrajectoryGradientEstimator:
     """Build an estimator by name or spec string.
 
     ``gradest.estimator("jagg", window=4)`` and ``gradest.estimator("jagg:window=4")``
@@ -170,19 +172,56 @@ def estimator(spec: str, **options: Any) -> Any:
             f"(plugins register under the {GROUP!r} entry-point group)"
         )
     cls = registry[name]
-    valid = [field.name for field in attrs.fields(cls)] if attrs.has(cls) else []
+    valid = option_names(cls)
     values: dict[str, Any] = {}
     for key, text in text_options.items():
         _check_option_name(name, key, valid)
-        values[key] = parse_option_text(cls, key, text) if attrs.has(cls) else text
+        values[key] = (
+            parse_option_text(cls, key, text)
+            if attrs.has(cls)
+            else _parse_by_default(cls, key, text)
+        )
     for key in options:
         _check_option_name(name, key, valid)
     values.update(options)
-    return cls(**values)
+    return cls(**values)  # type: ignore[no-any-return]
 
 
-def _check_option_name(name: str, key: str, valid: list[str]) -> None:
-    if key not in valid:
+def option_names(cls: type) -> list[str] | None:
+    """An estimator's option names: its attrs fields, or its constructor's keyword
+    parameters (a plugin without attrs); None when it takes ``**kwargs`` (anything goes)."""
+    if attrs.has(cls):
+        return [field.name for field in attrs.fields(cls)]
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in keyword]
+
+
+def _parse_by_default(cls: type, key: str, text: str) -> Any:
+    """A spec-string value for a non-attrs plugin, read like its constructor default's type."""
+    try:
+        default = inspect.signature(cls).parameters[key].default
+    except (KeyError, TypeError, ValueError):
+        return text
+    for kind in (bool, int, float):  # bool before int: bool is an int
+        if isinstance(default, kind):
+            try:
+                return parse_bool(text) if kind is bool else kind(text)
+            except ValueError as err:
+                raise TypeError(
+                    f"estimator {getattr(cls, 'name', cls.__name__)!r}: cannot read option "
+                    f"{key}={text!r} as {kind.__name__} ({err})"
+                ) from None
+    return text
+
+
+def _check_option_name(name: str, key: str, valid: list[str] | None) -> None:
+    if valid is not None and key not in valid:
         raise TypeError(
             f"estimator {name!r} has no option {key!r}; valid options: "
             f"{', '.join(valid) if valid else 'none'}"
@@ -192,4 +231,10 @@ def _check_option_name(name: str, key: str, valid: list[str]) -> None:
 def describe(name: str) -> list[tuple[str, Any, str]]:
     """``(option, default, doc)`` rows for ``gradest list``."""
     cls = available_estimators()[name]
-    return describe_options(cls) if attrs.has(cls) else []
+    if attrs.has(cls):
+        return describe_options(cls)
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [(p.name, p.default, "") for p in parameters if p.default is not inspect.Parameter.empty]

@@ -228,7 +228,7 @@ class RectifiedFlow(TimeGrid):
 
 
 @attrs.frozen(eq=False, repr=False, init=False)
-class FlowSDE(TimeGrid):
+class FlowSDE(TimeGrid):  # type: ignore[override]  # attrs' generated init gains noise_level
     """Flow-GRPO's SDE sampler for rectified flow: affine steps with Gaussian step noise.
 
     Rectified flow's velocity ``v = E[eps - x | z_t]`` also gives the score,

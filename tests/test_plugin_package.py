@@ -3,7 +3,7 @@
 ``examples/plugin`` (the ``gradest-example-plugin`` distribution, estimator ``sdo_mean``)
 is installed with pip into a temporary folder, without network, and used from fresh
 interpreters that have that folder on ``PYTHONPATH``: through ``gradest.estimator``,
-``gradest check`` (against the dense definition the plugin registers), ``gradest compare``
+``gradest check`` (against the dense definition the plugin's class carries), ``gradest compare``
 and ``python -m gradest.cli list``. A second distribution built in the test registers a
 duplicate name, a name that tries to shadow a built-in and a broken entry point; each
 warns naming the distributions involved and none breaks gradest.
@@ -102,8 +102,8 @@ for kind, objective in objectives.items():
     out[kind] = {
         "vs_definition": relative_error(first.flat(), definition),
         "reproducible": bool(torch.equal(first.flat(), again.flat())),
-        "draws": first.info["draws"],
-        "other_draws": other.info["draws"],
+        "draws": [list(d) for d in first.decisions.draws],
+        "other_draws": [list(d) for d in other.decisions.draws],
         "keys": list(first.grads),
         "norm": float(first.flat().norm()),
     }
@@ -311,7 +311,7 @@ def test_docs_walkthrough_matches_the_example():
     text = (ROOT / "docs" / "extending.md").read_text()
     for needle in (
         'sdo_mean = "gradest_example_plugin.estimator:MeanOfSdoDraws"',
-        "register_definition",
+        "def definition(",
         "_terminal",
         "_stepwise",
         "option(",

@@ -29,6 +29,7 @@ from gradest.harness.cost import (
 from gradest.harness.report import CostRow, EstimatorRow, Report
 from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
+from gradest.protocol import is_estimator
 from gradest.registry import estimator as build_estimator
 from gradest.samplers import AffineSampler
 
@@ -39,7 +40,7 @@ CondFn = Callable[[int], Mapping[str, Any] | None]
 def _resolve(spec: Any, what: str) -> Any:
     if isinstance(spec, str):
         return build_estimator(spec)
-    if callable(getattr(spec, "estimate", None)):
+    if is_estimator(spec):
         return spec
     raise TypeError(f"{what} must be an estimator spec string or an estimator, got {spec!r}")
 
@@ -130,7 +131,7 @@ def compare(
         raise ValueError("estimators is empty; pass e.g. ['exact', 'jagg:window=4', 'sdo']")
     resolved = [_resolve(spec, "each estimator") for spec in estimators]
     reference_est = _resolve(reference, "reference")
-    if getattr(reference_est, "name", None) != "exact":
+    if not getattr(type(reference_est), "always_exact", False):
         raise ValueError(
             f"reference={reference!r} is not exact-capable; the reference gradient must come "
             f"from an exact estimator, e.g. reference='exact' or 'exact:checkpoint=true'"

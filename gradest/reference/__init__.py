@@ -2,16 +2,17 @@
 
 ``dense_chain`` materialises every step's Jacobians; ``exact_gradient`` and each
 estimator's definition (``jagg_definition``, ``sdo_definition``, ``truncated_definition``)
-are evaluated from them by explicit matrix products. ``definition_gradient`` dispatches
-on an estimator's name.
+are evaluated from them by explicit matrix products. ``definition_gradient`` asks an
+estimator for its own definition (``EstimatorBase.definition``).
 """
 
-from gradest.reference.definitions import definition_gradient, register_definition
+from gradest.reference.definitions import definition_gradient, definition_noise_grad
 from gradest.reference.dense import (
     DenseChain,
     dense_chain,
     exact_cotangents,
     exact_gradient,
+    exact_noise_grad,
     relative_error,
     terminal_adjoints,
 )
@@ -31,13 +32,14 @@ from gradest.reference.truncated_definition import (
 __all__ = [
     "DenseChain",
     "definition_gradient",
+    "definition_noise_grad",
     "dense_chain",
     "exact_cotangents",
     "exact_gradient",
+    "exact_noise_grad",
     "jagg_definition",
     "jagg_gate_cosines",
     "one_step_cotangents",
-    "register_definition",
     "relative_error",
     "sdo_definition",
     "sdo_full_sum_definition",

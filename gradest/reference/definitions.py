@@ -1,75 +1,52 @@
-"""Each estimator's *definition*, evaluated densely: dispatch by estimator name.
+"""Each estimator's *definition*, evaluated densely: asked of the estimator itself.
 
-Given the dense chain of a recorded trajectory and an estimate (whose ``info`` says
-which random choices it made: sampled steps, truncation depth, gate decisions), return
-the flat gradient the estimator's formula in DESIGN.md section 2 prescribes, computed
-from dense Jacobians only. Unknown estimators (plugins) return None.
+Given the dense chain of a recorded trajectory and an estimate (whose typed
+``decisions`` say which random and gate choices it made), return the gradient the
+estimator's formula in DESIGN.md section 2 prescribes, computed from dense Jacobians only
+(the functions in this package), not by the estimator's VJP code. Every estimator owns its
+definition (``EstimatorBase.definition``); no table names them here, so a plugin that
+defines one is checked like a built-in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
 from gradest.objectives import Objective
-from gradest.protocol import GradientEstimate
-from gradest.reference.dense import DenseChain, exact_cotangents
-from gradest.reference.jagg_definition import jagg_definition
-from gradest.reference.sdo_definition import sdo_definition
-from gradest.reference.truncated_definition import truncated_definition
-
-Definition = Callable[[Any, DenseChain, Objective, GradientEstimate], Tensor]
-
-
-def _exact(
-    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
-) -> Tensor:
-    del estimator, result
-    return chain.gradient(exact_cotangents(chain, objective))
-
-
-def _jagg(
-    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
-) -> Tensor:
-    # The layout and the gate decisions are read from the result (they are checked
-    # separately against the dense gate cosines); the interpolation is recomputed here.
-    info = result.info
-    failed = set(info["fallback_groups"])
-    passed = [index not in failed for index in range(len(info["groups"]))]
-    return jagg_definition(chain, objective, info["groups"], info["nodes"], passed)
-
-
-def _sdo(
-    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
-) -> Tensor:
-    # The sampled steps and the factor N/m (or 1) are the estimator's random choices.
-    return sdo_definition(chain, objective, result.info["sampled_steps"], result.info["scale"])
-
-
-def _truncated(
-    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
-) -> Tensor:
-    return truncated_definition(chain, objective, result.info["k"])
-
-
-_DEFINITIONS: dict[str, Definition] = {
-    "exact": _exact,
-    "jagg": _jagg,
-    "sdo": _sdo,
-    "truncated": _truncated,
-}
-
-
-def register_definition(name: str, definition: Definition) -> None:
-    """Teach the reference the definition of a plugin estimator, for ``gradest check``."""
-    _DEFINITIONS[name] = definition
+from gradest.protocol import Definition, GradientEstimate
+from gradest.reference.dense import DenseChain
 
 
 def definition_gradient(
     estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
 ) -> Tensor | None:
-    """The estimator's defining formula, densely, for the random choices in ``result``."""
-    definition = _DEFINITIONS.get(getattr(estimator, "name", ""))
-    return None if definition is None else definition(estimator, chain, objective, result)
+    """The estimator's defining formula, densely, for the decisions in ``result`` (flat ``[P]``).
+
+    Asks the estimator itself (``estimator.definition(chain, objective, result.decisions)``);
+    None for an estimator that defines none (a plugin may not), so ``gradest check``
+    reports "n/a" for it.
+    """
+    definition = _definition(estimator, chain, objective, result)
+    return None if definition is None else definition.grad
+
+
+def definition_noise_grad(
+    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
+) -> Tensor | None:
+    """The initial-noise gradient the estimator's definition prescribes (or None)."""
+    definition = _definition(estimator, chain, objective, result)
+    return None if definition is None else definition.noise_grad
+
+
+def _definition(
+    estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
+) -> Definition | None:
+    method = getattr(estimator, "definition", None)
+    if method is None:
+        return None
+    try:
+        return method(chain, objective, result.decisions)
+    except NotImplementedError:
+        return None

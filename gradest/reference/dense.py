@@ -176,10 +176,14 @@ def exact_gradient(
     chain = chain or dense_chain(model, flow, trajectory, cond)
     cotangents = exact_cotangents(chain, objective)
     grads = chain.unflatten(chain.gradient(cotangents))
-    noise_grad = None
-    if isinstance(objective, TerminalObjective):
-        noise_grad = terminal_adjoints(chain, objective)[0].reshape(trajectory.states.shape[1:])
-    return grads, noise_grad
+    return grads, exact_noise_grad(chain, objective)
+
+
+def exact_noise_grad(chain: DenseChain, objective: Objective) -> Tensor | None:
+    """``a_0`` shaped like the noise for a terminal objective; None for a stepwise one."""
+    if not isinstance(objective, TerminalObjective):
+        return None
+    return terminal_adjoints(chain, objective)[0].reshape(chain.trajectory.states.shape[1:])
 
 
 def relative_error(

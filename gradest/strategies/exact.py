@@ -24,7 +24,7 @@ chain is short enough to afford it.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -32,7 +32,10 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
+from gradest.objectives import Objective
 from gradest.options import option
+from gradest.protocol import Decisions, Definition
+from gradest.reference.dense import DenseChain, exact_cotangents, exact_noise_grad
 from gradest.vjp import ParamGradient, add_grads
 
 
@@ -48,6 +51,7 @@ class Exact(EstimatorBase):
     """
 
     name: ClassVar[str] = "exact"
+    always_exact: ClassVar[bool] = True
 
     checkpoint: bool = option(
         False,
@@ -57,10 +61,20 @@ class Exact(EstimatorBase):
         expect="true or false",
     )
 
+    def definition(self, chain: DenseChain, objective: Objective, decisions: Any) -> Definition:
+        """``sum_k J_k^T c_k`` with exact cotangents, and ``a_0`` for a terminal objective."""
+        del decisions
+        return Definition(
+            grad=chain.gradient(exact_cotangents(chain, objective)),
+            noise_grad=exact_noise_grad(chain, objective),
+        )
+
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
+        ctx.decide(Decisions())
         return ctx.backprop_tail(0, low_memory=self.checkpoint)
 
     def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
+        ctx.decide(Decisions())
         trajectory = ctx.trajectory()
         if not self.checkpoint:
             # The states are data, so all N steps' forwards can run as one batched call

@@ -57,7 +57,11 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
+from gradest.objectives import Objective
 from gradest.options import option
+from gradest.protocol import Decisions, Definition
+from gradest.reference.dense import DenseChain, exact_noise_grad
+from gradest.reference.jagg_definition import jagg_definition
 from gradest.strategies.jagg_layout import Group, distinct_nodes, lagrange_weights, layout_groups
 from gradest.vjp import ParamGradient, add_grads
 
@@ -65,6 +69,21 @@ GATES = ("min", "mean", "off")
 # Added to |v| |v^| in the gate's cosine, as in the JAGG proposal: a zero velocity gives
 # cosine 0 (fail) instead of NaN.
 COSINE_EPS = 1e-8
+
+
+@attrs.frozen
+class JaggDecisions(Decisions):
+    """Where ``jagg`` put its groups and nodes, and which groups failed the gate.
+
+    Attributes:
+        groups: the steps of each group.
+        nodes: the interpolation nodes of each group.
+        fallback_groups: indices of the groups that fell back to exact per-step VJPs.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    nodes: tuple[tuple[int, ...], ...]
+    fallback_groups: tuple[int, ...]
 
 
 @attrs.frozen(eq=False)
@@ -283,11 +302,29 @@ class Jagg(EstimatorBase):
         return float(aggregate)
 
     def _report(self, ctx: EstimationContext, groups: Sequence[Group], plan: _Plan) -> None:
+        ctx.decide(
+            JaggDecisions(
+                groups=tuple(tuple(group.steps) for group in groups),
+                nodes=tuple(tuple(group.nodes) for group in groups),
+                fallback_groups=tuple(plan.fallback_groups),
+            )
+        )
         ctx.info.update(
-            groups=[list(group.steps) for group in groups],
-            nodes=[list(group.nodes) for group in groups],
             gate_cosines=plan.cosines,
-            fallback_groups=plan.fallback_groups,
             fallback_fraction=len(plan.fallback_groups) / len(groups),
             node_steps=sorted(plan.cotangents),
+        )
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def definition(
+        self, chain: DenseChain, objective: Objective, decisions: JaggDecisions
+    ) -> Definition:
+        """The interpolated sum for the reported groups, nodes and gate outcomes; the noise
+        gradient is the exact ``a_0`` (the adjoint sweep is exact)."""
+        failed = set(decisions.fallback_groups)
+        passed = [index not in failed for index in range(len(decisions.groups))]
+        return Definition(
+            grad=jagg_definition(chain, objective, decisions.groups, decisions.nodes, passed),
+            noise_grad=exact_noise_grad(chain, objective),
         )

@@ -55,7 +55,11 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
+from gradest.objectives import Objective, TerminalObjective
 from gradest.options import option
+from gradest.protocol import Decisions, Definition
+from gradest.reference.dense import DenseChain
+from gradest.reference.sdo_definition import sdo_definition, sdo_noise_grad_definition
 from gradest.strategies.sampling import draw_steps, stepwise_vjp_over
 from gradest.vjp import ParamGradient, scale_grads
 
@@ -140,20 +144,50 @@ class ShortcutDiffusion(EstimatorBase):
         return scale_grads(stepwise_vjp_over(ctx, steps), factor)
 
     def _draw(self, ctx: EstimationContext) -> tuple[list[int], float]:
-        """The steps to evaluate and the factor on their sum; recorded in ``ctx.info``."""
+        """The steps to evaluate and the factor on their sum; recorded as the decisions."""
         num_steps = ctx.num_steps
         if self.full_sum:
             steps, factor = list(range(num_steps)), 1.0
         else:
-            if self.samples > num_steps:
-                # Clamping would silently change the estimator (and its scale); refuse.
-                raise ValueError(
-                    f"estimator 'sdo': option samples={self.samples} exceeds the flow's "
-                    f"N={num_steps} steps; use samples <= {num_steps}, or full_sum=True "
-                    f"to evaluate every step"
-                )
             steps = ctx.ranks.same_ints(draw_steps(num_steps, self.samples, ctx.generator))
             factor = num_steps / self.samples if self.scale == "unbiased" else 1.0
-        ctx.info["sampled_steps"] = steps
-        ctx.info["scale"] = factor
+        ctx.decide(SdoDecisions(sampled_steps=tuple(steps), scale=factor))
         return steps, factor
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def check_steps(self, num_steps: int) -> None:
+        if not self.full_sum and self.samples > num_steps:
+            # Clamping would silently change the estimator (and its scale); refuse.
+            raise ValueError(
+                f"estimator 'sdo': option samples={self.samples} exceeds the flow's "
+                f"N={num_steps} steps; use samples <= {num_steps}, or full_sum=True "
+                f"to evaluate every step"
+            )
+
+    def definition(
+        self, chain: DenseChain, objective: Objective, decisions: SdoDecisions
+    ) -> Definition:
+        """``scale * sum_{k in S} J_k^T c~_k``; the noise gradient through the first step."""
+        noise_grad = (
+            sdo_noise_grad_definition(chain, objective)
+            if isinstance(objective, TerminalObjective)
+            else None
+        )
+        return Definition(
+            grad=sdo_definition(chain, objective, decisions.sampled_steps, decisions.scale),
+            noise_grad=noise_grad,
+        )
+
+
+@attrs.frozen
+class SdoDecisions(Decisions):
+    """The steps ``sdo`` evaluated and the factor on their sum.
+
+    Attributes:
+        sampled_steps: the sorted step indices (all ``N`` with ``full_sum``).
+        scale: ``N/m`` (``scale="unbiased"``), or 1.
+    """
+
+    sampled_steps: tuple[int, ...]
+    scale: float

@@ -44,7 +44,14 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
+from gradest.objectives import Objective, TerminalObjective
 from gradest.options import option, parse_float_tuple, parse_optional_int
+from gradest.protocol import Decisions, Definition
+from gradest.reference.dense import DenseChain
+from gradest.reference.truncated_definition import (
+    truncated_definition,
+    truncated_noise_grad_definition,
+)
 from gradest.strategies.sampling import (
     draw_from_probabilities,
     draw_uniform_int,
@@ -177,24 +184,19 @@ class Truncated(EstimatorBase):
 
     # -- the truncation depth -------------------------------------------------------------
 
-    def _draw_k(self, ctx: EstimationContext) -> int:
-        """The ``k`` of this call (drawn once if random); checked against ``N``, in info."""
-        num_steps = ctx.num_steps
-        # Checks depend on the options and N only, never on the draw, so a bad setting
-        # fails on the first call rather than on an unlucky one.
+    def _largest(self, num_steps: int) -> tuple[int, str]:
+        """The largest ``k`` the options can keep on ``N`` steps, and how to name it."""
         if isinstance(self.random, tuple):
-            largest, what = len(self.random), f"random has {len(self.random)} probabilities"
-        elif self.random == "uniform":
+            return len(self.random), f"random has {len(self.random)} probabilities"
+        if self.random == "uniform":
             largest = num_steps if self.k is None else self.k
-            what = f"k={largest} (the largest k drawn by random='uniform')"
-        else:
-            largest = 1 if self.k is None else self.k
-            what = f"k={largest}"
-        if largest > num_steps:
-            raise ValueError(
-                f"estimator 'truncated': option {what}, more than the flow's N={num_steps} "
-                f"steps; keep at most {num_steps} steps (k={num_steps} is exact)"
-            )
+            return largest, f"k={largest} (the largest k drawn by random='uniform')"
+        largest = 1 if self.k is None else self.k
+        return largest, f"k={largest}"
+
+    def _draw_k(self, ctx: EstimationContext) -> int:
+        """The ``k`` of this call (drawn once if random); recorded as the decisions."""
+        largest, _ = self._largest(ctx.num_steps)
         if isinstance(self.random, tuple):
             kept = draw_from_probabilities(self.random, ctx.generator)
         elif self.random == "uniform":
@@ -202,5 +204,41 @@ class Truncated(EstimatorBase):
         else:
             kept = largest
         (kept,) = ctx.ranks.same_ints([kept])  # data-parallel ranks keep rank 0's depth
-        ctx.info["k"] = kept
+        ctx.decide(TruncatedDecisions(k=kept))
         return kept
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def check_steps(self, num_steps: int) -> None:
+        # Depends on the options and N only, never on a draw, so a bad setting fails on
+        # the first call rather than on an unlucky one.
+        largest, what = self._largest(num_steps)
+        if largest > num_steps:
+            raise ValueError(
+                f"estimator 'truncated': option {what}, more than the flow's N={num_steps} "
+                f"steps; keep at most {num_steps} steps (k={num_steps} is exact)"
+            )
+
+    def definition(
+        self, chain: DenseChain, objective: Objective, decisions: TruncatedDecisions
+    ) -> Definition:
+        """The last ``k`` exact terms; the noise gradient ``a_0`` at ``k = N``, else zero."""
+        noise_grad = (
+            truncated_noise_grad_definition(chain, objective, decisions.k)
+            if isinstance(objective, TerminalObjective)
+            else None
+        )
+        return Definition(
+            grad=truncated_definition(chain, objective, decisions.k), noise_grad=noise_grad
+        )
+
+
+@attrs.frozen
+class TruncatedDecisions(Decisions):
+    """How many steps ``truncated`` kept.
+
+    Attributes:
+        k: the truncation depth of this call.
+    """
+
+    k: int

@@ -77,7 +77,7 @@ from gradest.integrations.distributed import (
     replicas_in_sync,
 )
 from gradest.objectives import Objective, TerminalObjective
-from gradest.protocol import Cost, Surrogate
+from gradest.protocol import Cost, Surrogate, is_estimator
 from gradest.samplers import LOG_PROB_REDUCTIONS, FlowSDE, RectifiedFlow
 from gradest.workloads.grpo import group_advantages, grpo_objective
 from gradest.workloads.run_state import (
@@ -136,7 +136,7 @@ def resolve_estimator(estimator: Any) -> Any:
     """
     if isinstance(estimator, str):
         return gradest.estimator(estimator)
-    if callable(getattr(estimator, "estimate", None)):
+    if is_estimator(estimator):
         return estimator
     raise TypeError(
         f"estimator must be a spec string such as 'exact' or 'jagg:window=4', or an "
@@ -156,28 +156,6 @@ def surrogate_loss(est: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) 
         cost=result.cost,
         info=result.info,
     )
-
-
-def _check_estimator_fits(est: Any, sampler_steps: int) -> None:
-    """Options of the built-ins that can only be checked against ``N``, checked up front."""
-    name = getattr(est, "name", "")
-    samples = getattr(est, "samples", None)
-    if (
-        name == "sdo"
-        and isinstance(samples, int)
-        and not getattr(est, "full_sum", False)
-        and samples > sampler_steps
-    ):
-        raise ValueError(
-            f"estimator 'sdo': option samples={samples} exceeds sampler_steps={sampler_steps}; "
-            f"use samples <= {sampler_steps} or more sampler steps"
-        )
-    kept = getattr(est, "k", None)
-    if name == "truncated" and isinstance(kept, int) and kept > sampler_steps:
-        raise ValueError(
-            f"estimator 'truncated': option k={kept} exceeds sampler_steps={sampler_steps}; "
-            f"use k <= {sampler_steps}"
-        )
 
 
 def _sample_shape(model: torch.nn.Module, sample_shape: Any) -> tuple[int, ...]:
@@ -505,7 +483,9 @@ def finetune(
                 f"with resume=<its folder>, or pass new paths"
             )
     est = resolve_estimator(estimator)
-    _check_estimator_fits(est, sampler_steps)
+    check_steps = getattr(est, "check_steps", None)
+    if callable(check_steps):
+        check_steps(sampler_steps)  # options that need more steps than N, before any work
     # Under torchrun the world size is known from the environment before any group
     # exists, so a batch that does not split evenly fails here, on every rank alike.
     _, world = launched_world()

@@ -16,8 +16,10 @@ subsets is evaluated once with the summed weight, so the cost is one forward wit
 and one parameter VJP per *distinct* step (at most ``min(N, K m)``), in one batched VJP.
 
 The estimator uses only gradest's public strategy interface: ``EstimatorBase``,
-``option`` fields and the ``EstimationContext`` building blocks (trajectory, terminal
-adjoint, step cotangents, the VJP engine ``ctx.field``).
+``option`` fields, the ``EstimationContext`` building blocks (trajectory, terminal
+adjoint, step cotangents, the VJP engine ``ctx.field``, ``ctx.ranks``), and the contract
+methods ``check_steps`` and ``definition``, so ``estimate()``, ``surrogate()``,
+``gradest check`` and early option checks all work for it as for a built-in.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
+from gradest.objectives import Objective
 from gradest.options import option
-from gradest.vjp import Grads
+from gradest.protocol import Decisions, Definition
+from gradest.reference import DenseChain, sdo_definition
+from gradest.vjp import ParamGradient
 
 
 @attrs.frozen
@@ -43,8 +48,8 @@ class MeanOfSdoDraws(EstimatorBase):
         draws: ``K``, independent step subsets averaged (variance / K).
         samples: ``m``, steps per subset (at most the flow's ``N``).
 
-    ``result.info`` holds ``draws`` (each subset's sorted steps, in draw order),
-    ``step_weights`` (``{step: w_k}``) and ``scale`` (``N/m``).
+    ``result.decisions`` holds the subsets (``draws``, each sorted, in draw order) and the
+    ``scale`` ``N/m``; ``result.info`` also ``step_weights`` (``{step: w_k}``).
     """
 
     name: ClassVar[str] = "sdo_mean"
@@ -64,7 +69,7 @@ class MeanOfSdoDraws(EstimatorBase):
         expect="an int >= 1 (and at most the number of sampler steps N)",
     )
 
-    def _terminal(self, ctx: EstimationContext) -> tuple[Grads, Tensor | None]:
+    def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         steps, weights = self._draw(ctx)
         trajectory = ctx.trajectory()
         terminal_adjoint = ctx.terminal_adjoint()
@@ -80,7 +85,7 @@ class MeanOfSdoDraws(EstimatorBase):
         )
         return grads, None  # no noise gradient: this estimator does not define one
 
-    def _stepwise(self, ctx: EstimationContext) -> Grads:
+    def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
         trajectory = ctx.trajectory()
         steps, weights = self._draw(ctx)
         velocities, pull = ctx.field.param_pullback(trajectory.states[steps], ctx.times[steps])
@@ -93,13 +98,9 @@ class MeanOfSdoDraws(EstimatorBase):
         return pull(cotangents)
 
     def _draw(self, ctx: EstimationContext) -> tuple[list[int], list[float]]:
-        """Distinct steps drawn by any subset and their weights ``w_k``; recorded in info."""
+        """Distinct steps drawn by any subset and their weights ``w_k``; recorded as the
+        decisions (the subsets) and in info (the weights)."""
         num_steps = ctx.num_steps
-        if self.samples > num_steps:
-            raise ValueError(
-                f"estimator 'sdo_mean': option samples={self.samples} exceeds the flow's "
-                f"N={num_steps} steps; use samples <= {num_steps}"
-            )
         device = ctx.generator.device if ctx.generator is not None else torch.device("cpu")
         drawn: list[int] = []
         for _ in range(self.draws):
@@ -112,7 +113,37 @@ class MeanOfSdoDraws(EstimatorBase):
         scale = num_steps / self.samples
         steps = sorted(counts)
         weights = [scale * counts[step] / self.draws for step in steps]
-        ctx.info["draws"] = subsets
+        ctx.decide(SdoMeanDecisions(draws=tuple(tuple(s) for s in subsets), scale=scale))
         ctx.info["step_weights"] = dict(zip(steps, weights, strict=True))
-        ctx.info["scale"] = scale
         return steps, weights
+
+    # -- the estimator's contract -----------------------------------------------------------
+
+    def check_steps(self, num_steps: int) -> None:
+        if self.samples > num_steps:
+            raise ValueError(
+                f"estimator 'sdo_mean': option samples={self.samples} exceeds the flow's "
+                f"N={num_steps} steps; use samples <= {num_steps}"
+            )
+
+    def definition(
+        self, chain: DenseChain, objective: Objective, decisions: SdoMeanDecisions
+    ) -> Definition:
+        """``(1/K) sum_i sdo(S_i, N/m)`` from dense Jacobians, for the reported subsets.
+
+        Each ``sdo(S, s) = s sum_{k in S} J_k^T c~_k`` is gradest's own dense SDO definition,
+        so ``gradest check`` compares this plugin's VJP code with its formula. It defines
+        no noise gradient.
+        """
+        total = sum(
+            sdo_definition(chain, objective, subset, decisions.scale) for subset in decisions.draws
+        )
+        return Definition(grad=total / len(decisions.draws))
+
+
+@attrs.frozen
+class SdoMeanDecisions(Decisions):
+    """The subsets ``sdo_mean`` drew, in draw order, and their scale ``N/m``."""
+
+    draws: tuple[tuple[int, ...], ...]
+    scale: float

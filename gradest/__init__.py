@@ -8,6 +8,7 @@ Swap estimators by name; train with the surrogate loss::
 """
 
 from gradest.conditioning import Shared
+from gradest.errors import GradestError
 from gradest.flow import Trajectory, rollout
 from gradest.harness.compare import compare
 from gradest.harness.report import Report
@@ -28,6 +29,7 @@ __all__ = [
     "AffineSampler",
     "Cost",
     "FlowSDE",
+    "GradestError",
     "GradientEstimate",
     "NonFiniteError",
     "RectifiedFlow",

@@ -12,15 +12,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradest.errors import InvalidType, InvalidValue
 
-def require(condition: bool, message: str, error: type[Exception] = ValueError) -> None:
+
+def require(condition: bool, message: str, error: type[Exception] = InvalidValue) -> None:
     if not condition:
         raise error(message)
 
 
 def check_model(model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(
+        raise InvalidType(
             f"model must be a torch.nn.Module called as model(z, t, **cond), "
             f"got {type(model).__name__}; wrap plain functions in an nn.Module"
         )
@@ -30,7 +32,7 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
     check_model(model)
     params: dict[str, Tensor] = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
-        raise ValueError(
+        raise InvalidValue(
             f"model {type(model).__name__} has no parameters with requires_grad=True; "
             f"unfreeze the ones to fine-tune (p.requires_grad_(True)) or add an adapter"
         )
@@ -40,13 +42,13 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
 def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None:
     check_model(model)
     if not isinstance(noise, Tensor):
-        raise TypeError(
+        raise InvalidType(
             f"{name} must be a torch.Tensor of shape [B, ...], got {type(noise).__name__}"
         )
     require(
         noise.is_floating_point(),
         f"{name} must be a floating-point tensor, got dtype {noise.dtype}",
-        TypeError,
+        InvalidType,
     )
     require(
         noise.ndim >= 2,
@@ -68,7 +70,7 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
             any(noise.dtype == p.dtype for p in floating),
             f"{name} has dtype {noise.dtype} but the model's parameters are "
             f"{' / '.join(dtypes)}; pass {name}.to({first.dtype}) or convert the model",
-            TypeError,
+            InvalidType,
         )
         require(
             noise.device == first.device,
@@ -77,7 +79,7 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
         )
     if not bool(torch.isfinite(noise).all()):
         bad = sorted({int(i) for i in torch.nonzero(~torch.isfinite(noise))[:, 0].tolist()})
-        raise ValueError(
+        raise InvalidValue(
             f"{name} contains NaN or Inf values (samples {bad[:8]}"
             f"{' ...' if len(bad) > 8 else ''}); draw it with torch.randn and check what made it"
         )
@@ -87,7 +89,7 @@ def check_cond(cond: Any) -> dict[str, Any]:
     if cond is None:
         return {}
     if not isinstance(cond, Mapping):
-        raise TypeError(
+        raise InvalidType(
             f"cond must be a dict of keyword arguments for model(z, t, **cond), "
             f"got {type(cond).__name__}; e.g. cond={{'y': labels}}"
         )
@@ -96,7 +98,7 @@ def check_cond(cond: Any) -> dict[str, Any]:
 
 def check_model_output(v: Any, z: Tensor) -> None:
     if not isinstance(v, Tensor):
-        raise TypeError(
+        raise InvalidType(
             f"model(z, t) must return a velocity tensor, got {type(v).__name__}; "
             f"wrap models that return tuples or dataclasses so they return the velocity"
         )
@@ -104,7 +106,7 @@ def check_model_output(v: Any, z: Tensor) -> None:
         v.is_floating_point(),
         f"model(z, t) returned a tensor of dtype {v.dtype}; a velocity must be floating point "
         f"(no .long()/.round() at the output): integers have no gradient",
-        TypeError,
+        InvalidType,
     )
     require(
         v.shape == z.shape,
@@ -122,7 +124,7 @@ def first_model_call(
     except (RuntimeError, IndexError, TypeError) as err:
         if "saved tensor hooks" in str(err).lower():
             raise  # not a shape problem: the engine explains it (gradest.vjp)
-        raise ValueError(
+        raise InvalidValue(
             f"model(z, t, **cond) failed on a state of shape {tuple(z.shape)} "
             f"(dtype {z.dtype}) with cond keys {sorted(cond)}: {err}. "
             f"Check that the noise has the shape the model expects ([B, ...]) "
@@ -134,7 +136,9 @@ def first_model_call(
 
 def check_scalar_loss(loss: Any, where: str) -> Tensor:
     if not isinstance(loss, Tensor):
-        raise TypeError(f"the loss {where} must return a scalar tensor, got {type(loss).__name__}")
+        raise InvalidType(
+            f"the loss {where} must return a scalar tensor, got {type(loss).__name__}"
+        )
     require(
         loss.numel() == 1,
         f"the loss {where} must be a scalar, got shape {tuple(loss.shape)}; "
@@ -149,7 +153,7 @@ def check_scalar_loss(loss: Any, where: str) -> Tensor:
 
 def check_generator(generator: Any, like: Tensor | None = None) -> torch.Generator | None:
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
+        raise InvalidType(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}; "
             f"e.g. generator=torch.Generator().manual_seed(0)"
         )

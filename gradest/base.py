@@ -11,16 +11,22 @@ records and gradient accumulation live here once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import torch
 from torch import Tensor
 
 from gradest.context import EstimationContext
-from gradest.flow import Trajectory
+from gradest.errors import InvalidType, InvalidValue
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError
 from gradest.objectives import Objective
-from gradest.protocol import Definition, GradientEstimate, Surrogate
+from gradest.protocol import (
+    Definition,
+    EstimateOptions,
+    GradientEstimate,
+    SamplingInputs,
+    Surrogate,
+)
 from gradest.samplers import AffineSampler
 from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
 
@@ -32,9 +38,20 @@ from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
 DEFAULT_ENGINE = "autograd"
 
 
+def _check_inputs(method: str, inputs: Mapping[str, Any], *, more: tuple[str, ...] = ()) -> None:
+    """Unknown keyword arguments name the method and what it takes (not a bare TypeError)."""
+    known = tuple(SamplingInputs.__annotations__)
+    unknown = sorted(set(inputs) - set(known) - set(more))
+    if unknown:
+        raise InvalidType(
+            f"{method}() got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
+            f"{', '.join(known + more)}"
+        )
+
+
 def _refuse_unrelated_stepwise_loss(ctx: EstimationContext) -> None:
     if not ctx.is_terminal and not ctx.stepwise_loss_depends:
-        raise ValueError(
+        raise InvalidValue(
             "the stepwise loss does not depend on the velocities at any evaluated step "
             "(loss_fn returned tensors detached from v_k, integer/bool results, or values "
             "computed from something else), so the gradient would be zero; return a "
@@ -66,13 +83,8 @@ class EstimatorBase:
         flow: AffineSampler,
         objective: Objective,
         *,
-        noise: Tensor | None = None,
-        trajectory: Trajectory | None = None,
-        cond: Mapping[str, Any] | None = None,
-        generator: torch.Generator | None = None,
-        noise_grad: bool = False,
-        on_nonfinite: str = "raise",
         engine: str = DEFAULT_ENGINE,
+        **options: Unpack[EstimateOptions],
     ) -> GradientEstimate:
         """Estimate ``grad_theta L`` for ``model`` sampled along ``flow``.
 
@@ -81,11 +93,12 @@ class EstimatorBase:
                 ``requires_grad=True`` are differentiated.
             flow: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)``.
             objective: ``TerminalObjective`` or ``StepwiseObjective``.
-            noise: initial noise ``[B, ...]``; the estimator samples itself, the cheapest
-                way for its strategy. Exclusive with ``trajectory``.
-            trajectory: a path recorded with ``gradest.rollout`` on the same flow.
-            cond: keyword arguments for the model (class labels, text embeddings).
-            generator: the only source of randomness (sampled steps, truncation, SDE noise).
+            noise, trajectory, cond, generator: where the path comes from
+                (:class:`~gradest.protocol.SamplingInputs`): ``noise=`` initial noise
+                ``[B, ...]`` (the estimator samples itself, the cheapest way for its
+                strategy) or ``trajectory=`` a path recorded with ``gradest.rollout``;
+                ``cond=`` the model's keyword arguments; ``generator=`` the only source
+                of randomness.
             noise_grad: also return the gradient w.r.t. the initial noise (terminal only).
             on_nonfinite: ``"raise"`` (default) raises :class:`~gradest.NonFiniteError`
                 naming the tensor, the step and the estimator at the first NaN/Inf;
@@ -103,22 +116,18 @@ class EstimatorBase:
         Returns:
             A :class:`~gradest.protocol.GradientEstimate`.
         """
+        _check_inputs("estimate", options, more=("noise_grad", "on_nonfinite", "engine"))
+        inputs: dict[str, Any] = dict(options)
+        noise_grad = inputs.pop("noise_grad", False)  # validated by the context
+        on_nonfinite = inputs.pop("on_nonfinite", "raise")
         if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+            raise InvalidValue(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         if engine not in ENGINES:
-            raise ValueError(
+            raise InvalidValue(
                 f"engine must be one of {ENGINES} ('autograd' is the default), got {engine!r}"
             )
         ctx = EstimationContext(
-            model,
-            flow,
-            objective,
-            noise=noise,
-            trajectory=trajectory,
-            cond=cond,
-            generator=generator,
-            noise_grad=noise_grad,
-            engine=engine,
+            model, flow, objective, noise_grad=noise_grad, engine=engine, **inputs
         )
         try:
             grads, state_grad = self._run(ctx)
@@ -149,11 +158,7 @@ class EstimatorBase:
         model: torch.nn.Module,
         flow: AffineSampler,
         objective: Objective,
-        *,
-        noise: Tensor | None = None,
-        trajectory: Trajectory | None = None,
-        cond: Mapping[str, Any] | None = None,
-        generator: torch.Generator | None = None,
+        **inputs: Unpack[SamplingInputs],
     ) -> Surrogate:
         """A loss whose autograd gradient is this estimator's estimate, for training loops.
 
@@ -177,7 +182,9 @@ class EstimatorBase:
         backward (as for a hand-written loss); ``exact:checkpoint=true`` recomputes them in
         the backward instead.
 
-        Args: as for :meth:`estimate` (no ``noise_grad``: the loss is for the parameters).
+        Args: ``model``, ``flow``, ``objective`` and ``noise`` / ``trajectory`` / ``cond`` /
+            ``generator`` as for :meth:`estimate` (no ``noise_grad``: the loss is for the
+            parameters).
 
         Returns:
             A :class:`~gradest.protocol.Surrogate` (``loss``, ``value``, ``cost``, ``info``).
@@ -185,17 +192,8 @@ class EstimatorBase:
         Raises:
             NonFiniteError: a NaN/Inf in a velocity, cotangent or the loss's gradient.
         """
-        ctx = EstimationContext(
-            model,
-            flow,
-            objective,
-            noise=noise,
-            trajectory=trajectory,
-            cond=cond,
-            generator=generator,
-            noise_grad=False,
-            surrogate=True,
-        )
+        _check_inputs("surrogate", inputs)
+        ctx = EstimationContext(model, flow, objective, noise_grad=False, surrogate=True, **inputs)
         try:
             # The loss is for a backward: build its graph even when called under no_grad.
             with torch.enable_grad():
@@ -205,7 +203,7 @@ class EstimatorBase:
             err.locate(flow.times, repr(self))
             raise
         if loss is None:
-            raise TypeError(
+            raise InvalidType(
                 f"estimator {self!r} combined its gradients outside the engine, so it has no "
                 f"surrogate loss; combine them with gradest.vjp.add_grads/scale_grads, or use "
                 f"gradest.base.surrogate_from_estimate(model, est.estimate(...))"

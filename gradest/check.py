@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
+from gradest.errors import InvalidValue
 from gradest.flow import rollout
 from gradest.objectives import Objective
 from gradest.reference.definitions import definition_gradient
@@ -57,7 +58,7 @@ def run_check(
 ) -> bool:
     """Print the check table; True when every estimator matches its definition."""
     if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
+        raise InvalidValue(f"--steps must be >= 1, got {steps}")
     estimators = [estimator(spec) for spec in (specs or default_specs(steps))]
     dim, batch, classes = 4, 4, 3
     model = tiny_mlp(dim, hidden=12, num_classes=classes, seed=seed)

@@ -4,8 +4,9 @@
 checks every estimator against its dense definition on the embedded toy model;
 ``gradest compare`` (the main job) measures bias, variance and cost of estimators on an
 embedded model and writes a report with plots; ``gradest pretrain`` / ``gradest finetune``
-run the digits workload. User errors exit with status 2 and one
-line, no traceback.
+run the digits workload. gradest's own errors (:class:`gradest.errors.GradestError`: bad
+input, an output that cannot be written, a missing optional dependency) exit with status
+2 and one line; any other exception is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import warnings
 from collections.abc import Sequence
 
 from gradest import registry
+from gradest.errors import GradestError, InvalidValue
 from gradest.files import check_output_dir
 
 
@@ -63,7 +65,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     specs = split_specs(args.estimators)
     if not specs:
-        raise ValueError("--estimators is empty; e.g. --estimators exact,jagg:window=4,sdo")
+        raise InvalidValue("--estimators is empty; e.g. --estimators exact,jagg:window=4,sdo")
     for spec in specs:  # fail on a bad spec before any work starts
         registry.estimator(spec)
     for flag, value in (
@@ -74,22 +76,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         ("--batch", args.batch),
     ):
         if value <= 0:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+            raise InvalidValue(f"{flag} must be >= 1, got {value}")
     # Before the work, not after it (created only when the report is written).
     out = check_output_dir(args.out, what="--out", create=False)
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
     if dtype is None:
-        raise ValueError(f"--dtype must be float64 or float32, got {args.dtype!r}")
+        raise InvalidValue(f"--dtype must be float64 or float32, got {args.dtype!r}")
     try:
         device = torch.device(args.device)
     except RuntimeError as err:
-        raise ValueError(
+        raise InvalidValue(
             f"--device {args.device!r} is not a torch device; use cpu or cuda"
         ) from err
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {args.device!r} is not supported; use cpu or cuda")
+        raise InvalidValue(f"--device {args.device!r} is not supported; use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise InvalidValue(
             f"--device {args.device} requested but CUDA is not available; use --device cpu"
         )
     problem = embedded_problem(
@@ -143,7 +145,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
-    from gradest.workloads.finetune import run_finetune_from_args
+    from gradest.workloads.finetune_cli import run_finetune_from_args
 
     result = run_finetune_from_args(args)
     if result.get("rank", 0) != 0:  # under torchrun, rank 0 reports for everyone
@@ -207,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--quiet", action="store_true", help="no progress bar")
     cmp.set_defaults(run=_cmd_compare)
 
-    from gradest.workloads.finetune import add_finetune_arguments
+    from gradest.workloads.finetune_cli import add_finetune_arguments
     from gradest.workloads.pretrain import add_arguments as add_pretrain_arguments
 
     pre = sub.add_parser(
@@ -231,7 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.run(args))
-    except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
+    except GradestError as err:
+        # gradest's own documented errors (bad input, unwritable output, missing extra):
+        # one line. Anything else is a bug and keeps its traceback.
         print(f"gradest {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
+from gradest.errors import InvalidType, InvalidValue
 from gradest.flow import (
     Trajectory,
     check_sampler,
@@ -80,36 +81,36 @@ class EstimationContext:
         flow: AffineSampler,
         objective: Objective,
         *,
-        noise: Tensor | None,
-        trajectory: Trajectory | None,
-        cond: Mapping[str, Any] | None,
-        generator: torch.Generator | None,
-        noise_grad: bool,
+        noise: Tensor | None = None,
+        trajectory: Trajectory | None = None,
+        cond: Mapping[str, Any] | None = None,
+        generator: torch.Generator | None = None,
+        noise_grad: bool = False,
         engine: str = "autograd",
         surrogate: bool = False,
     ):
         if torch.is_inference_mode_enabled():
-            raise ValueError(
+            raise InvalidValue(
                 "gradest cannot differentiate inside torch.inference_mode(): tensors made "
                 "there never record a graph; call the estimator outside it (torch.no_grad() "
                 "around the call is fine)"
             )
         check_sampler(flow)
         if not isinstance(objective, TerminalObjective | StepwiseObjective):
-            raise TypeError(
+            raise InvalidType(
                 "objective must be gradest.TerminalObjective(loss_fn) or "
                 f"gradest.StepwiseObjective(loss_fn), got {type(objective).__name__}"
             )
         if (noise is None) == (trajectory is None):
-            raise ValueError(
+            raise InvalidValue(
                 "pass exactly one of noise= (the estimator samples itself) or trajectory= "
                 "(a path recorded with gradest.rollout); got "
                 + ("both" if noise is not None else "neither")
             )
         if not isinstance(noise_grad, bool):
-            raise TypeError(f"noise_grad must be True or False, got {noise_grad!r}")
+            raise InvalidType(f"noise_grad must be True or False, got {noise_grad!r}")
         if noise_grad and isinstance(objective, StepwiseObjective):
-            raise ValueError(
+            raise InvalidValue(
                 "noise_grad=True needs a TerminalObjective: a StepwiseObjective treats the "
                 "recorded states as data, so the loss does not depend on the initial noise"
             )

@@ -32,10 +32,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from gradest.errors import GradestError
+
 _TMP_SUFFIX = ".tmp"
 
 
-class OutputError(ValueError):
+class OutputError(GradestError, ValueError):
     """A file or folder gradest must write cannot be written (the message names it)."""
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from gradest._checks import first_model_call, require
 from gradest.conditioning import model_kwargs
+from gradest.errors import InvalidType, InvalidValue
 from gradest.samplers import AffineSampler, same_grid
 
 
@@ -48,7 +49,7 @@ class Trajectory:
 
 def check_sampler(flow: Any) -> None:
     if not isinstance(flow, AffineSampler):
-        raise TypeError(
+        raise InvalidType(
             f"flow must be a sampler such as gradest.RectifiedFlow(steps=50), "
             f"got {type(flow).__name__} {flow!r}"
         )
@@ -62,7 +63,7 @@ def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> Non
     shape, floating point of one dtype, and that every state is finite.
     """
     if not isinstance(trajectory, Trajectory):
-        raise TypeError(
+        raise InvalidType(
             f"trajectory must be a gradest.Trajectory (from gradest.rollout), "
             f"got {type(trajectory).__name__}"
         )
@@ -72,14 +73,14 @@ def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> Non
     for name, value in fields.items():
         if not isinstance(value, Tensor) or not value.is_floating_point():
             what = f"dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
-            raise TypeError(
+            raise InvalidType(
                 f"trajectory.{name} must be a floating-point tensor, got {what}; record "
                 f"trajectories with gradest.rollout(model, flow, noise)"
             )
     times = trajectory.times
     if not same_grid(times, flow.times):
         recorded = f"{times.numel() - 1} steps" if isinstance(times, Tensor) else "no grid"
-        raise ValueError(
+        raise InvalidValue(
             f"trajectory was recorded on a different time grid ({recorded}) "
             f"than flow={flow!r} ({flow.num_steps} steps); record it with "
             f"gradest.rollout(model, flow, noise) using the same flow"
@@ -102,11 +103,11 @@ def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> Non
         require(
             value.dtype == states.dtype,
             f"trajectory.{name} has dtype {value.dtype} but trajectory.states {states.dtype}",
-            TypeError,
+            InvalidType,
         )
     if not bool(torch.isfinite(states).all()):
         bad = sorted({int(k) for k in torch.nonzero(~torch.isfinite(states))[:, 0].tolist()})
-        raise ValueError(
+        raise InvalidValue(
             f"trajectory.states contains NaN or Inf at steps {bad[:8]}; the rollout that "
             f"recorded it diverged"
         )

@@ -15,11 +15,13 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from gradest.errors import GradestError
+
 ON_NONFINITE = ("raise", "skip")
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(GradestError, ValueError):
     """A NaN or Inf appeared in an estimate.
 
     Attributes:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_scalar_loss
+from gradest.errors import InvalidType, InvalidValue
 from gradest.flow import Trajectory
 from gradest.nonfinite import NonFiniteError
 from gradest.samplers import AffineSampler
@@ -41,6 +42,13 @@ def _loss_and_grad(
     return loss.detach(), grad, True
 
 
+def _check_callable(value: object, usage: str) -> None:
+    if not callable(value):
+        raise InvalidType(
+            f"loss_fn must be a function called as {usage}, got {type(value).__name__} {value!r}"
+        )
+
+
 @attrs.frozen
 class TerminalObjective:
     """``L = loss_fn(z_N)``: a loss on the final sample (use ``-reward`` to maximise a reward).
@@ -49,7 +57,9 @@ class TerminalObjective:
         loss_fn: ``loss_fn(z_final) -> scalar tensor``; must be differentiable in ``z_final``.
     """
 
-    loss_fn: Callable[[Tensor], Tensor] = attrs.field(validator=attrs.validators.is_callable())
+    loss_fn: Callable[[Tensor], Tensor] = attrs.field(
+        validator=lambda _, __, value: _check_callable(value, "loss_fn(z_final) -> scalar loss")
+    )
 
     def loss(self, final_state: Tensor) -> Tensor:
         """The loss inside a differentiable computation (checked to be a finite scalar)."""
@@ -65,7 +75,7 @@ class TerminalObjective:
         """
         loss, adjoint, depends = _loss_and_grad(self.loss_fn, final_state, "on the final sample")
         if not depends:
-            raise ValueError(
+            raise InvalidValue(
                 "the loss on the final sample does not depend on it (loss_fn returned a "
                 "tensor detached from z_final, an integer/bool result, or one computed from "
                 "something else), so every estimator's gradient would be zero; return a "
@@ -86,7 +96,9 @@ class StepwiseObjective:
     """
 
     loss_fn: Callable[[int, Tensor, Trajectory], Tensor] = attrs.field(
-        validator=attrs.validators.is_callable()
+        validator=lambda _, __, value: _check_callable(
+            value, "loss_fn(k, v_k, trajectory) -> scalar loss"
+        )
     )
 
     def step_cotangent(
@@ -113,11 +125,11 @@ Objective = TerminalObjective | StepwiseObjective
 def _check_pair(data: Tensor, noise: Tensor) -> None:
     for name, value in (("data", data), ("noise", noise)):
         if not isinstance(value, Tensor) or not value.is_floating_point():
-            raise TypeError(
+            raise InvalidType(
                 f"{name} must be a floating-point tensor [B, ...], got {type(value).__name__}"
             )
     if data.shape != noise.shape:
-        raise ValueError(
+        raise InvalidValue(
             f"data and noise must have the same shape (one noise per data point), got "
             f"data {tuple(data.shape)} and noise {tuple(noise.shape)}"
         )

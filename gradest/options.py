@@ -14,6 +14,8 @@ from typing import Any
 
 import attrs
 
+from gradest.errors import InvalidType, InvalidValue
+
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -24,7 +26,7 @@ def parse_bool(text: str) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(f"expected true or false, got {text!r}")
+    raise InvalidValue(f"expected true or false, got {text!r}")
 
 
 def parse_optional_int(text: str) -> int | None:
@@ -92,13 +94,13 @@ def option(
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         owner = getattr(type(instance), "name", type(instance).__name__)
         if not _accepts(kind, value):
-            raise TypeError(
+            raise InvalidType(
                 f"estimator {owner!r}: option {attribute.name}={value!r} has type "
                 f"{type(value).__name__}; expected {_kind_name(kind)}"
                 + (f" ({expect})" if expect else "")
             )
         if valid is not None and not valid(value):
-            raise ValueError(
+            raise InvalidValue(
                 f"estimator {owner!r}: option {attribute.name}={value!r} is out of range; "
                 f"expected {expect}"
             )
@@ -124,6 +126,39 @@ def option(
     )
 
 
+def too_many_steps(estimator: str, what: str, num_steps: int, fix: str) -> InvalidValue:
+    """The error for options that need more sampler steps than the flow has (check_steps)."""
+    return InvalidValue(
+        f"estimator {estimator!r}: option {what} exceeds the flow's N={num_steps} steps; {fix}"
+    )
+
+
+def int_option(default: int, *, minimum: int, doc: str, expect: str = "") -> Any:
+    """An int option ``>= minimum`` (``expect`` overrides the range's description)."""
+    return option(
+        default,
+        kind=int,
+        doc=doc,
+        valid=lambda value: value >= minimum,
+        expect=expect or f"an int >= {minimum}",
+    )
+
+
+def choice_option(default: str, choices: tuple[str, ...], *, doc: str, expect: str = "") -> Any:
+    """A string option that is one of ``choices``."""
+    return option(
+        default,
+        kind=str,
+        doc=doc,
+        valid=lambda value: value in choices,
+        expect=expect or "one of " + ", ".join(repr(choice) for choice in choices),
+    )
+
+
+def bool_option(default: bool, *, doc: str) -> Any:
+    return option(default, kind=bool, doc=doc, expect="true or false")
+
+
 def parse_option_text(cls: type, name: str, text: str) -> Any:
     """Parse the text of ``name=text`` in a spec string for estimator class ``cls``."""
     field = attrs.fields_dict(cls)[name]
@@ -132,7 +167,7 @@ def parse_option_text(cls: type, name: str, text: str) -> Any:
         return parser(text)
     except (TypeError, ValueError) as err:
         expect = field.metadata.get("expect") or "see `gradest list`"
-        raise TypeError(
+        raise InvalidType(
             f"estimator {getattr(cls, 'name', cls.__name__)!r}: cannot read option "
             f"{name}={text!r} ({err}); expected {expect}"
         ) from err

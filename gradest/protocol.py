@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypedDict, Unpack, runtime_checkable
 
 import attrs
 import torch
@@ -141,6 +141,36 @@ class Surrogate:
         self.loss.backward(**kwargs)
 
 
+class SamplingInputs(TypedDict, total=False):
+    """The keyword arguments every estimator method takes: where the path comes from.
+
+    Attributes:
+        noise: initial noise ``[B, ...]``; the estimator samples itself, the cheapest way
+            for its strategy. Exclusive with ``trajectory``.
+        trajectory: a path recorded with ``gradest.rollout`` on the same flow.
+        cond: keyword arguments for the model (class labels, text embeddings;
+            :mod:`gradest.conditioning`).
+        generator: the only source of randomness (sampled steps, truncation, SDE noise).
+    """
+
+    noise: Tensor | None
+    trajectory: Trajectory | None
+    cond: Mapping[str, Any] | None
+    generator: torch.Generator | None
+
+
+class EstimateOptions(SamplingInputs, total=False):
+    """:meth:`~TrajectoryGradientEstimator.estimate`'s keyword arguments beyond the inputs.
+
+    Attributes:
+        noise_grad: also return the gradient w.r.t. the initial noise (terminal only).
+        on_nonfinite: ``"raise"`` (default) or ``"skip"`` a NaN/Inf estimate.
+    """
+
+    noise_grad: bool
+    on_nonfinite: str
+
+
 @runtime_checkable
 class TrajectoryGradientEstimator(Protocol):
     """One way of evaluating ``grad_theta L = sum_k J_k^T c_k`` for a sampling trajectory.
@@ -163,13 +193,7 @@ class TrajectoryGradientEstimator(Protocol):
         model: torch.nn.Module,
         flow: AffineSampler,
         objective: Objective,
-        *,
-        noise: Tensor | None = None,
-        trajectory: Trajectory | None = None,
-        cond: Mapping[str, Any] | None = None,
-        generator: torch.Generator | None = None,
-        noise_grad: bool = False,
-        on_nonfinite: str = "raise",
+        **options: Unpack[EstimateOptions],
     ) -> GradientEstimate: ...
 
     def surrogate(
@@ -177,23 +201,9 @@ class TrajectoryGradientEstimator(Protocol):
         model: torch.nn.Module,
         flow: AffineSampler,
         objective: Objective,
-        *,
-        noise: Tensor | None = None,
-        trajectory: Trajectory | None = None,
-        cond: Mapping[str, Any] | None = None,
-        generator: torch.Generator | None = None,
+        **inputs: Unpack[SamplingInputs],
     ) -> Surrogate: ...
 
     def backward(
-        self,
-        model: torch.nn.Module,
-        flow: AffineSampler,
-        objective: Objective,
-        *,
-        noise: Tensor | None = None,
-        trajectory: Trajectory | None = None,
-        cond: Mapping[str, Any] | None = None,
-        generator: torch.Generator | None = None,
-        noise_grad: bool = False,
-        on_nonfinite: str = "raise",
+        self, model: torch.nn.Module, flow: AffineSampler, objective: Objective, **options: Any
     ) -> GradientEstimate: ...

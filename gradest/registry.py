@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from gradest.errors import GradestError, InvalidType, InvalidValue
 from gradest.options import describe_options, parse_bool, parse_option_text
 from gradest.protocol import TrajectoryGradientEstimator, is_estimator
 
@@ -39,7 +40,7 @@ _OWN_DISTRIBUTION = "gradest"
 _lock = threading.Lock()
 
 
-class UnknownEstimatorError(ValueError):
+class UnknownEstimatorError(GradestError, ValueError):
     """An estimator name that no installed package registers."""
 
 
@@ -119,17 +120,17 @@ def clear_cache() -> None:
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"jagg:window=4,tau=0.995"`` -> ``("jagg", {"window": "4", "tau": "0.995"})``."""
     if not isinstance(spec, str):
-        raise TypeError(
+        raise InvalidType(
             f"estimator spec must be a string like 'jagg:window=4' (or pass an estimator "
             f"object), got {type(spec).__name__} {spec!r}"
         )
     if not spec.strip():
-        raise ValueError(
+        raise InvalidValue(
             f"estimator spec must be a non-empty string like 'jagg:window=4', got {spec!r}"
         )
     name, _, rest = spec.strip().partition(":")
     if ":" in rest:
-        raise ValueError(
+        raise InvalidValue(
             f"estimator spec {spec!r} has more than one ':'; separate options with commas, "
             f"e.g. '{name.strip()}:window=4,tau=0.9'"
         )
@@ -137,12 +138,12 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(
+            raise InvalidValue(
                 f"estimator spec {spec!r}: option {item!r} is not key=value; "
                 f"write e.g. '{name}:key=value,other=value'"
             )
         if key.strip() in options:
-            raise ValueError(
+            raise InvalidValue(
                 f"estimator spec {spec!r} sets option {key.strip()!r} twice; give each option once"
             )
         options[key.strip()] = value.strip()
@@ -213,7 +214,7 @@ def _parse_by_default(cls: type, key: str, text: str) -> Any:
             try:
                 return parse_bool(text) if kind is bool else kind(text)
             except ValueError as err:
-                raise TypeError(
+                raise InvalidType(
                     f"estimator {getattr(cls, 'name', cls.__name__)!r}: cannot read option "
                     f"{key}={text!r} as {kind.__name__} ({err})"
                 ) from None
@@ -222,7 +223,7 @@ def _parse_by_default(cls: type, key: str, text: str) -> Any:
 
 def _check_option_name(name: str, key: str, valid: list[str] | None) -> None:
     if valid is not None and key not in valid:
-        raise TypeError(
+        raise InvalidType(
             f"estimator {name!r} has no option {key!r}; valid options: "
             f"{', '.join(valid) if valid else 'none'}"
         )

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from gradest._checks import require
+from gradest.errors import InvalidType, InvalidValue
 
 LOG_PROB_REDUCTIONS = ("sum", "mean")
 
@@ -62,7 +63,7 @@ def as_time_grid(times: Any) -> Tensor:
         try:
             grid = torch.as_tensor(times, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(
+            raise InvalidType(
                 f"times must be a 1-D sequence or tensor of floats, got {type(times).__name__}"
             ) from err
     require(
@@ -73,7 +74,7 @@ def as_time_grid(times: Any) -> Tensor:
     diffs = grid[1:] - grid[:-1]
     if not bool((diffs < 0).all()):
         bad = int(torch.nonzero(diffs >= 0)[0])
-        raise ValueError(
+        raise InvalidValue(
             f"times must be strictly decreasing (t=1 is noise, t=0 is data), but "
             f"times[{bad}]={grid[bad].item():g} <= times[{bad + 1}]={grid[bad + 1].item():g}; "
             f"pass e.g. torch.linspace(1, 0, steps + 1)"
@@ -88,7 +89,7 @@ def as_time_grid(times: Any) -> Tensor:
 def uniform_grid(steps: Any) -> Tensor:
     """``N + 1`` equally spaced times from 1 to 0."""
     if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"steps must be an int >= 1, got {steps!r}")
+        raise InvalidType(f"steps must be an int >= 1, got {steps!r}")
     require(steps >= 1, f"steps must be >= 1, got {steps}; use steps=50 for example")
     return torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
 
@@ -116,7 +117,7 @@ class TimeGrid:
     def make_grid(owner: str, steps: int | None, times: Sequence[float] | Tensor | None) -> Tensor:
         """The grid from exactly one of ``steps`` (uniform 1 -> 0) or ``times``."""
         if (steps is None) == (times is None):
-            raise ValueError(
+            raise InvalidValue(
                 f"{owner} needs exactly one of steps=N (uniform grid 1 -> 0) or times=..."
                 f" (got steps={steps!r}, times={'given' if times is not None else None})"
             )
@@ -169,7 +170,7 @@ class TimeGrid:
             ``[B]`` log-probabilities in ``velocity``'s dtype.
         """
         if reduction not in LOG_PROB_REDUCTIONS:
-            raise ValueError(
+            raise InvalidValue(
                 f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
             )
         require(
@@ -178,15 +179,15 @@ class TimeGrid:
             f"with gradest.rollout(model, sampler, noise) using this sampler",
         )
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self.num_steps:
-            raise ValueError(f"k must be a step index in 0..{self.num_steps - 1}, got {k!r}")
+            raise InvalidValue(f"k must be a step index in 0..{self.num_steps - 1}, got {k!r}")
         if velocity.shape != trajectory.states.shape[1:]:
-            raise ValueError(
+            raise InvalidValue(
                 f"velocity has shape {tuple(velocity.shape)} but the trajectory's states are "
                 f"{tuple(trajectory.states.shape[1:])}; pass the model's velocity at step {k}"
             )
         alpha, beta, scale = (float(c[k]) for c in self.coefficients())
         if scale == 0.0:
-            raise ValueError(
+            raise InvalidValue(
                 f"step {k} of {self!r} is deterministic (noise scale 0), so it has no "
                 f"log-density; use noise_level > 0 (a stochastic sampler) for "
                 f"likelihood-ratio objectives"
@@ -263,11 +264,11 @@ class FlowSDE(TimeGrid):  # type: ignore[override]  # attrs' generated init gain
     ):
         grid = self.make_grid("FlowSDE", steps, times)
         if isinstance(noise_level, bool) or not isinstance(noise_level, int | float):
-            raise TypeError(
+            raise InvalidType(
                 f"noise_level must be a float >= 0, got {noise_level!r}; Flow-GRPO uses 0.7"
             )
         if not (math.isfinite(noise_level) and noise_level >= 0):
-            raise ValueError(
+            raise InvalidValue(
                 f"noise_level must be a finite float >= 0, got {noise_level!r}; Flow-GRPO "
                 f"uses 0.7 (0 gives the deterministic ODE sampler)"
             )

@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from gradest._checks import check_model_output, first_model_call, trainable_parameters
 from gradest.conditioning import model_kwargs
+from gradest.errors import InvalidType, InvalidValue
 from gradest.flow import integrate
 from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
 from gradest.nonfinite import check_finite
@@ -106,7 +107,7 @@ class SurrogateTerms:
         return SurrogateTerms([term * factor for term in self.terms])
 
     def _not_a_dict(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
+        raise InvalidType(
             "in surrogate() the engine defers parameter VJPs, so a pullback returns "
             "SurrogateTerms, not a gradient dict; combine gradients with "
             "gradest.vjp.add_grads / scale_grads so the strategy serves both estimate() and "
@@ -204,7 +205,7 @@ class VelocityField:
         surrogate: bool = False,
     ):
         if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+            raise InvalidValue(f"engine must be one of {ENGINES}, got {engine!r}")
         self.model = model
         # DDP's reducer must see only the forwards whose parameter gradient autograd will
         # compute (the surrogate's terms); everything else goes to the module inside.
@@ -289,7 +290,7 @@ class VelocityField:
             return self.randomness.evaluate(call, z, t, list(times))
         except RuntimeError as err:
             if params is not None and _saved_tensor_hooks_error(err):
-                raise ValueError(
+                raise InvalidValue(
                     "engine='func' cannot differentiate this model: torch.func refuses the "
                     "saved-tensor hooks of torch.utils.checkpoint / gradient checkpointing "
                     "inside it; use engine='autograd' (the default) or est.surrogate(...)"
@@ -413,7 +414,7 @@ class VelocityField:
 
         def pull(cotangents: Tensor) -> ParamGradient:
             if cotangents.shape != states.shape:
-                raise ValueError(
+                raise InvalidValue(
                     f"cotangents shape {tuple(cotangents.shape)} != states {tuple(states.shape)}"
                 )
             self.meter.param_vjps += count

@@ -963,11 +963,14 @@ def _uncode(cell: str) -> str:
 
 HEADER = """# Errors
 
-gradest checks its input before any work starts. A bad argument raises a `TypeError` or
-`ValueError` (or a subclass: `UnknownEstimatorError`, `NonFiniteError`) whose message
-names the argument, the value and the fix; the command line prints the same message as
-one `gradest <command>: error: ...` line and exits with status 2 (argparse's own errors,
-such as an unknown flag, print the usage first).
+gradest checks its input before any work starts. A bad argument raises one of gradest's
+documented errors (`gradest.errors`: `InvalidValue` and `InvalidType`, which are a
+`ValueError` and a `TypeError`, and `UnknownEstimatorError`, `NonFiniteError`,
+`OutputError`, all subclasses of `gradest.GradestError`) whose message names the argument,
+the value and the fix; the command line prints the same message as one
+`gradest <command>: error: ...` line and exits with status 2 (argparse's own errors, such
+as an unknown flag, print the usage first). Any other exception is a bug and the command
+line shows its traceback.
 
 One row per bad input. The exception column is what the caller gets: an exception class
 (its built-in base in parentheses), `exit 2` for the command line, `traceback` where the
@@ -1093,6 +1096,8 @@ def test_the_error_meets_the_standard(case, capsys):
         assert isinstance(info.value, TypeError | ValueError), traceback.format_exception(
             info.value
         )
+        # gradest's own, documented errors only (the CLI shows anything else as a bug).
+        assert isinstance(info.value, gradest.GradestError), type(info.value)
         message = str(info.value)
     for name in case.names:
         assert name in message, f"{name!r} not in {message!r}"

@@ -76,7 +76,7 @@ def test_the_definition_re_evaluates_the_reported_decisions(problem):
     ("spec", "message"),
     [
         ("sdo:samples=7", r"samples=7 exceeds the flow's N=6 steps"),
-        ("truncated:k=7", r"k=7, more than the flow's N=6 steps"),
+        ("truncated:k=7", r"k=7 exceeds the flow's N=6 steps"),
         ("truncated:random=0.5/0.1/0.1/0.1/0.1/0.05/0.05", r"random has 7 probabilities"),
     ],
 )

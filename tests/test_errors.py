@@ -158,3 +158,73 @@ def test_wrong_argument_kinds(problem):
         )
     with pytest.raises(TypeError, match=r"loss_fn"):
         gradest.TerminalObjective(3)
+
+
+def test_the_cli_prints_gradest_errors_as_one_line_and_lets_bugs_show_their_traceback(
+    monkeypatch, capsys
+):
+    from gradest import cli, errors
+
+    def documented(args):
+        raise errors.InvalidValue("--thing must be positive, got -1")
+
+    def bug(args):
+        raise ValueError("an internal bug, not a user error")
+
+    monkeypatch.setattr(cli, "_cmd_list", documented)
+    assert cli.main(["list"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert message == "gradest list: error: --thing must be positive, got -1"
+    monkeypatch.setattr(cli, "_cmd_list", bug)
+    with pytest.raises(ValueError, match="an internal bug"):
+        cli.main(["list"])
+
+
+CORE = [
+    "gradest/_checks.py",
+    "gradest/base.py",
+    "gradest/conditioning.py",
+    "gradest/context.py",
+    "gradest/errors.py",
+    "gradest/files.py",
+    "gradest/flow.py",
+    "gradest/model_lock.py",
+    "gradest/nonfinite.py",
+    "gradest/objectives.py",
+    "gradest/options.py",
+    "gradest/protocol.py",
+    "gradest/ranks.py",
+    "gradest/registry.py",
+    "gradest/replay.py",
+    "gradest/samplers.py",
+    "gradest/vjp.py",
+    "gradest/strategies",
+    "gradest/reference",
+]
+OUTSIDE = ("gradest.workloads", "gradest.harness", "gradest.integrations", "gradest.cli")
+
+
+def test_the_core_imports_nothing_from_outside_it():
+    """The dependency direction: workloads, harness, integrations and the CLI import the
+    core, never the reverse (read from the source, imports inside functions included)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = []
+    for entry in CORE:
+        path = root / entry
+        files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+    offenders = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            offenders += [
+                f"{path.relative_to(root)}: {name}" for name in names if name.startswith(OUTSIDE)
+            ]
+    assert not offenders
+    assert len(files) > 25

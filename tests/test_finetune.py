@@ -17,13 +17,9 @@ from torch import Tensor, nn
 import gradest
 from gradest.models.dit import DiT
 from gradest.samplers import FlowSDE
-from gradest.workloads.finetune import (
-    LOG_KEYS,
-    add_finetune_arguments,
-    finetune,
-    run_finetune_from_args,
-    summarize_info,
-)
+from gradest.workloads.finetune import LOG_KEYS, finetune
+from gradest.workloads.finetune_cli import add_finetune_arguments, run_finetune_from_args
+from gradest.workloads.finetune_records import summarize_info
 from gradest.workloads.grpo import group_advantages, grpo_objective
 
 TARGET, STEPS, BATCH = 1, 4, 4
@@ -279,7 +275,7 @@ def test_summarize_info():
         ({"estimator": "jagg:windw=4"}, TypeError, "windw"),
         ({"estimator": "jagg:window=1"}, ValueError, "window"),
         ({"estimator": "sdo:samples=9"}, ValueError, "samples=9 exceeds the flow's N=4 steps"),
-        ({"estimator": "truncated:k=5"}, ValueError, r"k=5, more than the flow's N=4 steps"),
+        ({"estimator": "truncated:k=5"}, ValueError, r"k=5 exceeds the flow's N=4 steps"),
         ({"estimator": 3}, TypeError, "spec string"),
         ({"mode": "grpo", "group_size": 3}, ValueError, "multiple of group_size=3"),
         ({"mode": "grpo", "group_size": 1}, ValueError, "group_size must be >= 2"),

@@ -261,7 +261,7 @@ def test_truncated_rejects_bad_options_naming_them(options, name, error):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"k": 7}, "k=7, more than the flow's N=6"),
+        ({"k": 7}, "k=7 exceeds the flow's N=6"),
         ({"random": "uniform", "k": 7}, "k=7 \\(the largest k drawn"),
         ({"random": (0.0,) * 6 + (1.0,)}, "random has 7 probabilities"),
     ],

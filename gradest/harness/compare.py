@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from gradest.errors import InvalidType, InvalidValue
 from gradest.flow import Trajectory, rollout
 from gradest.harness.cost import (
     count_flops,
@@ -42,19 +43,21 @@ def _resolve(spec: Any, what: str) -> Any:
         return build_estimator(spec)
     if is_estimator(spec):
         return spec
-    raise TypeError(f"{what} must be an estimator spec string or an estimator, got {spec!r}")
+    raise InvalidType(f"{what} must be an estimator spec string or an estimator, got {spec!r}")
 
 
 def _resolve_seeds(seeds: int | Sequence[int]) -> list[int]:
     if isinstance(seeds, bool):
-        raise TypeError(f"seeds must be a positive int or a list of ints, got {seeds!r}")
+        raise InvalidType(f"seeds must be a positive int or a list of ints, got {seeds!r}")
     if isinstance(seeds, int):
         if seeds <= 0:
-            raise ValueError(f"seeds must be >= 1 (the number of trajectories), got {seeds}")
+            raise InvalidValue(f"seeds must be >= 1 (the number of trajectories), got {seeds}")
         return list(range(seeds))
     seed_list = list(seeds)
     if not seed_list or not all(isinstance(s, int) and not isinstance(s, bool) for s in seed_list):
-        raise ValueError(f"seeds must be a positive int or a non-empty list of ints, got {seeds!r}")
+        raise InvalidValue(
+            f"seeds must be a positive int or a non-empty list of ints, got {seeds!r}"
+        )
     return seed_list
 
 
@@ -121,28 +124,30 @@ def compare(
     """
     # Everything is validated before any work starts.
     if not isinstance(objective, TerminalObjective | StepwiseObjective):
-        raise TypeError(
+        raise InvalidType(
             "objective must be gradest.TerminalObjective or gradest.StepwiseObjective, "
             f"got {type(objective).__name__}"
         )
     if isinstance(estimators, str) or not isinstance(estimators, Sequence):
-        raise TypeError(f"estimators must be a list of specs or estimators, got {estimators!r}")
+        raise InvalidType(f"estimators must be a list of specs or estimators, got {estimators!r}")
     if not estimators:
-        raise ValueError("estimators is empty; pass e.g. ['exact', 'jagg:window=4', 'sdo']")
+        raise InvalidValue("estimators is empty; pass e.g. ['exact', 'jagg:window=4', 'sdo']")
     resolved = [_resolve(spec, "each estimator") for spec in estimators]
     reference_est = _resolve(reference, "reference")
     if not getattr(type(reference_est), "always_exact", False):
-        raise ValueError(
+        raise InvalidValue(
             f"reference={reference!r} is not exact-capable; the reference gradient must come "
             f"from an exact estimator, e.g. reference='exact' or 'exact:checkpoint=true'"
         )
     seed_list = _resolve_seeds(seeds)
     if not isinstance(draws, int) or isinstance(draws, bool) or draws < 1:
-        raise ValueError(f"draws must be an int >= 1, got {draws!r}")
+        raise InvalidValue(f"draws must be an int >= 1, got {draws!r}")
     if not isinstance(timing_repeats, int) or timing_repeats < 1:
-        raise ValueError(f"timing_repeats must be an int >= 1, got {timing_repeats!r}")
+        raise InvalidValue(f"timing_repeats must be an int >= 1, got {timing_repeats!r}")
     if not callable(noise_fn):
-        raise TypeError(f"noise_fn must be callable as noise_fn(seed) -> Tensor, got {noise_fn!r}")
+        raise InvalidType(
+            f"noise_fn must be callable as noise_fn(seed) -> Tensor, got {noise_fn!r}"
+        )
 
     def cond_of(seed: int) -> Mapping[str, Any] | None:
         return cond_fn(seed) if cond_fn is not None else None

@@ -39,6 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from gradest.errors import InvalidValue
+
 __all__ = [
     "count_flops",
     "interleaved_wall_times",
@@ -243,7 +245,7 @@ def median_wall_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -
     drifts hit all of them alike.
     """
     if repeats < 1 or warmup < 0:
-        raise ValueError(
+        raise InvalidValue(
             f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
         )
     for _ in range(warmup):
@@ -265,7 +267,7 @@ def interleaved_wall_times(
     every function once; the result is each function's median over the rounds.
     """
     if repeats < 1 or warmup < 0:
-        raise ValueError(
+        raise InvalidValue(
             f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
         )
     for fn in fns.values():

@@ -20,6 +20,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.problems import (
     perturbed_dit,
@@ -60,9 +61,9 @@ def embedded_problem(
 ) -> Problem:
     """Build one of :data:`MODELS` with a terminal or stepwise objective."""
     if name not in MODELS:
-        raise ValueError(f"--model {name!r} is not embedded; choose one of {', '.join(MODELS)}")
+        raise InvalidValue(f"--model {name!r} is not embedded; choose one of {', '.join(MODELS)}")
     if objective not in ("terminal", "stepwise"):
-        raise ValueError(f"--objective must be 'terminal' or 'stepwise', got {objective!r}")
+        raise InvalidValue(f"--objective must be 'terminal' or 'stepwise', got {objective!r}")
     if name == "digits":
         return _digits_problem(
             steps=steps, objective=objective, batch=batch, dtype=dtype, device=device

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from gradest.errors import MissingDependency
+
 _REQUIRES = "plots need matplotlib: pip install 'gradest[plot]'"
 
 
@@ -13,7 +15,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(_REQUIRES) from err
+        raise MissingDependency(_REQUIRES) from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

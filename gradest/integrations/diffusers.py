@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradest.errors import InvalidType, InvalidValue, MissingDependency
 from gradest.samplers import RectifiedFlow, StochasticFlowMatchSampler
 
 __all__ = ["DiffusersVelocity", "StochasticFlowMatchSampler", "flow_from_scheduler"]
@@ -63,12 +64,12 @@ def flow_from_scheduler(
     try:
         from diffusers import FlowMatchEulerDiscreteScheduler
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependency(
             "flow_from_scheduler needs diffusers: pip install diffusers "
             "(or gradest's integrations extra)"
         ) from err
     if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        raise TypeError(
+        raise InvalidType(
             f"flow_from_scheduler needs a diffusers FlowMatchEulerDiscreteScheduler (the Euler "
             f"sampler of rectified-flow models such as SD3 and Flux), got "
             f"{type(scheduler).__name__}, which samples a different process. If the model was "
@@ -77,14 +78,14 @@ def flow_from_scheduler(
             f"(docs/integrations.md)"
         )
     if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
-        raise TypeError(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
+        raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
     if num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
     # diffusers' config-registered attributes are invisible to type checkers.
     source: Any = scheduler
     config = source.config
     if getattr(config, "invert_sigmas", False):
-        raise ValueError(
+        raise InvalidValue(
             "scheduler.config.invert_sigmas=True runs sigma from 0 up to 1, the reverse of "
             "gradest's grid (t=1 noise -> t=0 data); build the scheduler with "
             "invert_sigmas=False"
@@ -99,7 +100,7 @@ def flow_from_scheduler(
     if timesteps.shape != expected.shape or not torch.allclose(
         timesteps, expected, rtol=1e-6, atol=1e-3
     ):
-        raise ValueError(
+        raise InvalidValue(
             "scheduler.timesteps are not sigmas * num_train_timesteps (custom timesteps= were "
             "passed to set_timesteps?); DiffusersVelocity calls the model at "
             "timestep = sigma * num_train_timesteps, so pass sigmas= instead"
@@ -107,7 +108,7 @@ def flow_from_scheduler(
     try:
         flow = RectifiedFlow(times=sigmas)
     except ValueError as err:
-        raise ValueError(
+        raise InvalidValue(
             f"the sigmas of {type(scheduler).__name__} with num_inference_steps="
             f"{num_inference_steps} are not a gradest time grid: {err}"
         ) from err
@@ -156,7 +157,7 @@ class DiffusersVelocity(nn.Module):
     ):
         super().__init__()
         if not isinstance(transformer, nn.Module) or not hasattr(transformer, "config"):
-            raise TypeError(
+            raise InvalidType(
                 f"transformer must be a diffusers model (an nn.Module with a .config), got "
                 f"{type(transformer).__name__}"
             )
@@ -165,7 +166,7 @@ class DiffusersVelocity(nn.Module):
         if timestep_scale is None:
             timestep_scale = 1.0 if self.is_flux else float(NUM_TRAIN_TIMESTEPS)
         if not timestep_scale > 0:
-            raise ValueError(f"timestep_scale must be > 0, got {timestep_scale!r}")
+            raise InvalidValue(f"timestep_scale must be > 0, got {timestep_scale!r}")
         self.timestep_scale = float(timestep_scale)
         self.fixed_kwargs = dict(fixed_kwargs or {})
 
@@ -180,46 +181,46 @@ class DiffusersVelocity(nn.Module):
         in_channels = getattr(config, "in_channels", None)
         out_channels = getattr(config, "out_channels", None) or in_channels
         if in_channels is not None and out_channels != in_channels:
-            raise ValueError(
+            raise InvalidValue(
                 f"{name}.config.out_channels={out_channels} differs from in_channels="
                 f"{in_channels}: a velocity has the latents' shape. (A learned-variance DiT "
                 f"with out_channels=2*in_channels predicts noise, not a flow velocity.)"
             )
         if self.is_flux:
             if z.ndim != 3:
-                raise ValueError(
+                raise InvalidValue(
                     f"{name} takes packed latents [B, tokens, in_channels], got shape {shape}; "
                     f"pack [B, C, H, W] latents into 2x2 patches first (as FluxPipeline does)"
                 )
             if in_channels is not None and shape[-1] != in_channels:
-                raise ValueError(
+                raise InvalidValue(
                     f"{name}.config.in_channels={in_channels} but the packed latents of "
                     f"shape {shape} have {shape[-1]} channels per token"
                 )
             img_ids = self.fixed_kwargs.get("img_ids")
             if img_ids is not None and img_ids.shape[-2] != shape[1]:
-                raise ValueError(
+                raise InvalidValue(
                     f"fixed_kwargs['img_ids'] has {img_ids.shape[-2]} rows but the latents "
                     f"of shape {shape} have {shape[1]} tokens"
                 )
             return
         if z.ndim != 4:
-            raise ValueError(f"{name} takes latents [B, C, H, W], got shape {shape}")
+            raise InvalidValue(f"{name} takes latents [B, C, H, W], got shape {shape}")
         if in_channels is not None and shape[1] != in_channels:
-            raise ValueError(
+            raise InvalidValue(
                 f"{name}.config.in_channels={in_channels} but the latents of shape {shape} "
                 f"have {shape[1]} channels; pass latents with {in_channels} channels or a "
                 f"transformer built with in_channels={shape[1]}"
             )
         patch = getattr(config, "patch_size", None) or 1
         if shape[2] % patch or shape[3] % patch:
-            raise ValueError(
+            raise InvalidValue(
                 f"{name}.config.patch_size={patch} does not divide the latents' height and "
                 f"width (shape {shape})"
             )
         max_grid = getattr(config, "pos_embed_max_size", None)
         if max_grid and max(shape[2], shape[3]) > max_grid * patch:
-            raise ValueError(
+            raise InvalidValue(
                 f"latents of shape {shape} are larger than {name} supports: "
                 f"config.pos_embed_max_size={max_grid} x patch_size={patch} = "
                 f"{max_grid * patch} pixels per side (config.sample_size="
@@ -229,7 +230,7 @@ class DiffusersVelocity(nn.Module):
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
         self.check_latents(z)
         if self.is_flux and self.config.guidance_embeds and "guidance" not in cond:
-            raise ValueError(
+            raise InvalidValue(
                 f"{type(self.transformer).__name__} has config.guidance_embeds=True and needs "
                 f"cond['guidance'] (a [B] tensor of guidance scales)"
             )

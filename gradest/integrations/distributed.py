@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradest.errors import InvalidType, InvalidValue
+
 __all__ = [
     "check_same_estimator",
     "launched_world",
@@ -56,7 +58,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.module
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise InvalidType(
             f"model must be a torch.nn.Module or a DistributedDataParallel wrapper, "
             f"got {type(model).__name__}"
         )
@@ -106,7 +108,7 @@ def check_same_estimator(
                 if index == 0
                 else "freeze and unfreeze the same parameters on every rank"
             )
-            raise ValueError(f"{what} differ across ranks ({detail}); {fix}")
+            raise InvalidValue(f"{what} differ across ranks ({detail}); {fix}")
 
 
 def rank_generator(
@@ -133,12 +135,12 @@ def rank_generator(
     import numpy as np
 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        raise InvalidValue(f"seed must be an int >= 0, got {seed!r}")
     if rank is None:
         initialized = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank(group) if initialized else 0
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        raise InvalidValue(f"rank must be an int >= 0, got {rank!r}")
     state = np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator(device=device).manual_seed(int(state))
 
@@ -153,7 +155,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(
+        raise InvalidValue(
             f"environment variable {name}={text!r} must be an int; it is set by the launcher "
             f"(torchrun); unset it to run as a single process"
         ) from None
@@ -171,7 +173,7 @@ def launched_world() -> tuple[int, int]:
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(
+        raise InvalidValue(
             f"environment variables RANK={rank} and WORLD_SIZE={world} are inconsistent "
             f"(need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE); launch with torchrun, or "
             f"unset both to run as a single process"

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradest.errors import InvalidType, InvalidValue, MissingDependency
+
 __all__ = ["DIT_ATTENTION_TARGETS", "add_lora", "lora_parameters", "lora_state_dict"]
 
 #: The attention projections of :class:`gradest.models.dit.DiT` (``blocks.*.attn.qkv`` and
@@ -72,25 +74,25 @@ def add_lora(
         ImportError: peft is not installed.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA rank must be an int >= 1, got rank={rank!r}; e.g. rank=4")
+        raise InvalidValue(f"LoRA rank must be an int >= 1, got rank={rank!r}; e.g. rank=4")
     if isinstance(target_modules, str):
         target_modules = (target_modules,)
     targets = tuple(target_modules)
     if not targets or not all(isinstance(t, str) and t for t in targets):
-        raise ValueError(
+        raise InvalidValue(
             f"target_modules must be a non-empty list of module names, got {target_modules!r}"
         )
     if alpha is not None and not (isinstance(alpha, int | float) and alpha > 0):
-        raise ValueError(f"LoRA alpha must be a number > 0 (or None for rank), got {alpha!r}")
+        raise InvalidValue(f"LoRA alpha must be a number > 0 (or None for rank), got {alpha!r}")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise InvalidType(f"model must be a torch.nn.Module, got {type(model).__name__}")
     matched = [name for name, _ in model.named_modules() if name and _matches(name, targets)]
     if not matched:
         layers = [n for n, m in model.named_modules() if isinstance(m, _ADAPTER_LAYERS)]
         shown = ", ".join(layers[:12])
         if len(layers) > 12:
             shown += f", ... ({len(layers)} in all)"
-        raise ValueError(
+        raise InvalidValue(
             f"no module of {type(model).__name__} matches target_modules={list(targets)}; "
             f"pass names of its layers (a full name or its last dotted parts), e.g. from: "
             f"{shown or 'none (the model has no linear, convolution or embedding layers)'}"
@@ -98,7 +100,7 @@ def add_lora(
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependency(
             "add_lora needs peft: pip install peft (or gradest's integrations extra)"
         ) from err
     scale_numerator: Any = rank if alpha is None else alpha  # peft annotates int, takes float

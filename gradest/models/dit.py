@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradest.errors import InvalidType, InvalidValue
 from gradest.models.embeddings import TimestepEmbedder
 
 ATTENTION_KERNELS = ("sdpa", "math")
@@ -43,7 +44,7 @@ ATTENTION_KERNELS = ("sdpa", "math")
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and value <= 0:
-        raise ValueError(f"DiT option {attribute.name} must be positive, got {value!r}")
+        raise InvalidValue(f"DiT option {attribute.name} must be positive, got {value!r}")
 
 
 @attrs.frozen
@@ -86,24 +87,24 @@ class DiTConfig:
     @attention.validator
     def _check_attention(self, attribute: attrs.Attribute, value: str) -> None:
         if value not in ATTENTION_KERNELS:
-            raise ValueError(
+            raise InvalidValue(
                 f"DiT option attention={value!r} is not one of {', '.join(ATTENTION_KERNELS)}"
             )
 
     def __attrs_post_init__(self) -> None:
         if self.input_size % self.patch_size:
-            raise ValueError(
+            raise InvalidValue(
                 f"DiT patch_size={self.patch_size} must divide input_size={self.input_size}; "
                 f"choose a divisor of {self.input_size} (or pad the input)"
             )
         if self.hidden % self.heads:
-            raise ValueError(
+            raise InvalidValue(
                 f"DiT hidden={self.hidden} must be divisible by heads={self.heads}; "
                 f"e.g. heads={max(d for d in range(1, self.heads) if self.hidden % d == 0)}"
             )
         if self.hidden % 4:
             # Half the channels encode rows, half columns, each as sin and cos pairs.
-            raise ValueError(
+            raise InvalidValue(
                 f"DiT hidden={self.hidden} must be divisible by 4 (2-D sin-cos position "
                 f"embedding); e.g. hidden={4 * math.ceil(self.hidden / 4)}"
             )
@@ -209,7 +210,7 @@ def resolve_config(config: str | DiTConfig | Mapping[str, Any], **overrides: Any
     """
     if isinstance(config, str):
         if config not in DIT_CONFIGS:
-            raise ValueError(
+            raise InvalidValue(
                 f"unknown DiT config {config!r}; valid names: {', '.join(DIT_CONFIGS)}"
             )
         base = DIT_CONFIGS[config]
@@ -219,7 +220,7 @@ def resolve_config(config: str | DiTConfig | Mapping[str, Any], **overrides: Any
         _check_fields(config)
         return DiTConfig(**{**config, **overrides})
     else:
-        raise TypeError(
+        raise InvalidType(
             f"config must be a name ({', '.join(DIT_CONFIGS)}), a DiTConfig or a dict, "
             f"got {type(config).__name__}"
         )
@@ -231,7 +232,7 @@ def _check_fields(values: Mapping[str, Any]) -> None:
     valid = [field.name for field in attrs.fields(DiTConfig)]
     unknown = [key for key in values if key not in valid]
     if unknown:
-        raise TypeError(f"unknown DiT option(s) {unknown}; valid options: {', '.join(valid)}")
+        raise InvalidType(f"unknown DiT option(s) {unknown}; valid options: {', '.join(valid)}")
 
 
 def dit_parameter_count(config: str | DiTConfig | Mapping[str, Any], **overrides: Any) -> int:
@@ -268,7 +269,7 @@ def sincos_position_embedding(hidden: int, grid_size: int) -> Tensor:
     flattening the patch grid.
     """
     if hidden % 4:
-        raise ValueError(
+        raise InvalidValue(
             f"DiT hidden={hidden} must be divisible by 4 for the 2-D sin-cos embedding"
         )
     coords = torch.arange(grid_size, dtype=torch.float64)
@@ -464,7 +465,7 @@ class DiT(nn.Module):
         c = self.t_embedder(t)
         if self.y_embedder is None:
             if y is not None:
-                raise TypeError(
+                raise InvalidType(
                     "this DiT was built without num_classes, so it takes no labels; "
                     "call model(x, t) or build it with num_classes=..."
                 )
@@ -481,7 +482,7 @@ class DiT(nn.Module):
         """
         size, channels = self.config.input_size, self.config.in_channels
         if x.ndim != 4 or tuple(x.shape[1:]) != (channels, size, size):
-            raise ValueError(
+            raise InvalidValue(
                 f"DiT expects x of shape [B, {channels}, {size}, {size}], got "
                 f"{tuple(x.shape)}; build it with input_size/in_channels matching the data"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gradest.errors import InvalidType, InvalidValue
 from gradest.models.embeddings import TimestepEmbedder
 
 
@@ -26,7 +27,7 @@ class MLPVelocity(nn.Module):
     def __init__(self, dim: int, hidden: int = 64, depth: int = 2, num_classes: int | None = None):
         super().__init__()
         if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
+            raise InvalidValue(f"depth must be >= 1, got {depth}")
         self.dim = dim
         self.num_classes = num_classes
         self.time_embed = TimestepEmbedder(hidden, frequency_dim=32)
@@ -45,7 +46,7 @@ class MLPVelocity(nn.Module):
             labels = y if y is not None else torch.full_like(t, null_class, dtype=torch.long)
             h = h + self.class_embed(labels)
         elif y is not None:
-            raise TypeError("this MLPVelocity was built without num_classes; do not pass y")
+            raise InvalidType("this MLPVelocity was built without num_classes; do not pass y")
         h = self.act(h)
         for layer in self.hidden:
             h = self.act(layer(h))

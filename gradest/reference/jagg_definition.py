@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gradest.errors import InvalidValue
 from gradest.objectives import Objective
 from gradest.reference.dense import DenseChain, exact_cotangents
 
@@ -57,13 +58,13 @@ def jagg_definition(
         passed: per group, whether it passed the gate (False: exact per-step Jacobians).
     """
     if not len(groups) == len(nodes) == len(passed):
-        raise ValueError(
+        raise InvalidValue(
             f"groups, nodes and passed need one entry per group, got lengths "
             f"{len(groups)}, {len(nodes)}, {len(passed)}"
         )
     covered = sorted(k for steps in groups for k in steps)
     if covered != list(range(chain.num_steps)):
-        raise ValueError(
+        raise InvalidValue(
             f"groups must cover steps 0..{chain.num_steps - 1} once each, got {covered}"
         )
     cotangents = exact_cotangents(chain, objective)
@@ -96,7 +97,7 @@ def jagg_gate_cosines(
     None for a group whose steps are all nodes (nothing is interpolated).
     """
     if aggregate not in ("min", "mean"):
-        raise ValueError(f"aggregate must be 'min' or 'mean', got {aggregate!r}")
+        raise InvalidValue(f"aggregate must be 'min' or 'mean', got {aggregate!r}")
     batch = chain.trajectory.batch_size
     times = times.to(torch.float64)
     velocities = chain.velocities.to(torch.float64).reshape(chain.num_steps, batch, -1)

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.dense import DenseChain, exact_cotangents, terminal_adjoints
 
@@ -52,7 +53,7 @@ def sdo_definition(
     """``scale_factor * sum_{k in sampled_steps} J_k^T c~_k`` as a flat ``[P]`` vector."""
     steps = list(sampled_steps)
     if len(set(steps)) != len(steps) or not all(0 <= k < chain.num_steps for k in steps):
-        raise ValueError(
+        raise InvalidValue(
             f"sampled_steps must be distinct steps in 0..{chain.num_steps - 1}, got {steps}"
         )
     return scale_factor * chain.gradient(one_step_cotangents(chain, objective), steps=steps)
@@ -63,8 +64,11 @@ def sdo_full_sum_definition(chain: DenseChain, objective: Objective) -> Tensor:
     return sdo_definition(chain, objective, range(chain.num_steps), 1.0)
 
 
-def sdo_noise_grad_definition(chain: DenseChain, objective: TerminalObjective) -> Tensor:
-    """``(prod_{j>0} alpha_j)(alpha_0 a_N + beta_0 A_0^T a_N)``, shaped like the noise."""
+def sdo_noise_grad_definition(chain: DenseChain, objective: Objective) -> Tensor | None:
+    """``(prod_{j>0} alpha_j)(alpha_0 a_N + beta_0 A_0^T a_N)``, shaped like the noise
+    (None for a stepwise objective: its loss does not depend on the noise)."""
+    if not isinstance(objective, TerminalObjective):
+        return None
     a_final = _final_adjoint(chain, objective)
     through_first = chain.alpha[0] * a_final + chain.beta[0] * chain.state_jacobians[0].T @ a_final
     for j in range(1, chain.num_steps):

@@ -15,13 +15,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.dense import DenseChain, exact_cotangents, terminal_adjoints
 
 
 def _check_k(chain: DenseChain, k: int) -> None:
     if not 1 <= k <= chain.num_steps:
-        raise ValueError(f"k must be in 1..{chain.num_steps} (the chain's steps), got {k}")
+        raise InvalidValue(f"k must be in 1..{chain.num_steps} (the chain's steps), got {k}")
 
 
 def truncated_definition(chain: DenseChain, objective: Objective, k: int) -> Tensor:
@@ -32,10 +33,13 @@ def truncated_definition(chain: DenseChain, objective: Objective, k: int) -> Ten
 
 
 def truncated_noise_grad_definition(
-    chain: DenseChain, objective: TerminalObjective, k: int
-) -> Tensor:
-    """The initial-noise gradient of truncation at ``k``: ``a_0`` if ``k = N``, else zero."""
+    chain: DenseChain, objective: Objective, k: int
+) -> Tensor | None:
+    """The initial-noise gradient of truncation at ``k``: ``a_0`` if ``k = N``, else zero
+    (None for a stepwise objective)."""
     _check_k(chain, k)
+    if not isinstance(objective, TerminalObjective):
+        return None
     shape = chain.trajectory.states.shape[1:]
     if k < chain.num_steps:
         return torch.zeros(shape, dtype=torch.float64)
@@ -52,7 +56,7 @@ def truncated_expectation(
 ) -> Tensor:
     """``sum_k p_k truncated_k`` (flat ``[P]``), with ``p_k = probabilities[k-1]``."""
     if len(probabilities) > chain.num_steps:
-        raise ValueError(
+        raise InvalidValue(
             f"{len(probabilities)} probabilities for a chain of {chain.num_steps} steps"
         )
     cotangents = exact_cotangents(chain, objective)

@@ -33,7 +33,7 @@ from torch import Tensor
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective
-from gradest.options import option
+from gradest.options import bool_option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.dense import DenseChain, exact_cotangents, exact_noise_grad
 from gradest.vjp import ParamGradient, add_grads
@@ -53,12 +53,10 @@ class Exact(EstimatorBase):
     name: ClassVar[str] = "exact"
     always_exact: ClassVar[bool] = True
 
-    checkpoint: bool = option(
+    checkpoint: bool = bool_option(
         False,
-        kind=bool,
         doc="recompute steps in reverse instead of keeping the chain's graph "
         "(O(1) memory, +N forwards)",
-        expect="true or false",
     )
 
     def definition(self, chain: DenseChain, objective: Objective, decisions: Any) -> Definition:

@@ -57,8 +57,9 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
+from gradest.errors import InvalidValue
 from gradest.objectives import Objective
-from gradest.options import option
+from gradest.options import bool_option, choice_option, int_option, option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.dense import DenseChain, exact_noise_grad
 from gradest.reference.jagg_definition import jagg_definition
@@ -114,18 +115,15 @@ class Jagg(EstimatorBase):
 
     name: ClassVar[str] = "jagg"
 
-    window: int = option(
+    window: int = int_option(
         4,
-        kind=int,
+        minimum=2,
         doc="steps per group; Jacobians inside a group are interpolated from its nodes",
-        valid=lambda value: value >= 2,
-        expect="an int >= 2",
     )
-    order: int = option(
+    order: int = int_option(
         1,
-        kind=int,
+        minimum=1,
         doc="Lagrange interpolation order in time (1 = the two endpoints); 1 <= order < window",
-        valid=lambda value: value >= 1,
         expect="an int with 1 <= order < window",
     )
     tau: float = option(
@@ -135,23 +133,17 @@ class Jagg(EstimatorBase):
         valid=lambda value: -1.0 <= value <= 1.0,
         expect="a float in [-1, 1]",
     )
-    gate: str = option(
-        "min",
-        kind=str,
-        doc="aggregate the gate cosines with min or mean, or switch the gate off",
-        valid=lambda value: value in GATES,
-        expect="one of 'min', 'mean', 'off'",
+    gate: str = choice_option(
+        "min", GATES, doc="aggregate the gate cosines with min or mean, or switch the gate off"
     )
-    shared_knots: bool = option(
+    shared_knots: bool = bool_option(
         False,
-        kind=bool,
         doc="adjacent groups share boundary nodes (~N/window+1 node VJPs instead of 2N/window)",
-        expect="true or false",
     )
 
     def __attrs_post_init__(self) -> None:
         if self.order >= self.window:
-            raise ValueError(
+            raise InvalidValue(
                 f"estimator 'jagg': option order={self.order} must be < window={self.window} "
                 f"(a group of {self.window} steps has room for at most order {self.window - 1} "
                 f"interpolation); lower order or raise window"

@@ -30,6 +30,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.errors import InvalidValue
+
 
 @attrs.frozen
 class Group:
@@ -62,9 +64,9 @@ def node_positions(first: int, last: int, order: int) -> tuple[int, ...]:
     returned (polynomial interpolation through every step is the identity).
     """
     if last < first:
-        raise ValueError(f"node interval must not be empty, got first={first} > last={last}")
+        raise InvalidValue(f"node interval must not be empty, got first={first} > last={last}")
     if order < 1:
-        raise ValueError(f"order must be >= 1, got {order}")
+        raise InvalidValue(f"order must be >= 1, got {order}")
     span = last - first
     if span + 1 <= order + 1:
         return tuple(range(first, last + 1))
@@ -79,11 +81,11 @@ def layout_groups(num_steps: int, window: int, order: int, shared_knots: bool) -
     A ``window`` longer than the chain gives one group covering every step.
     """
     if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        raise InvalidValue(f"num_steps must be >= 1, got {num_steps}")
     if window < 2:
-        raise ValueError(f"window must be >= 2, got {window}")
+        raise InvalidValue(f"window must be >= 2, got {window}")
     if not 1 <= order < window:
-        raise ValueError(f"order must satisfy 1 <= order < window={window}, got {order}")
+        raise InvalidValue(f"order must satisfy 1 <= order < window={window}, got {order}")
     groups = []
     for first in range(0, num_steps, window):
         last = min(first + window, num_steps) - 1
@@ -116,9 +118,9 @@ def lagrange_weights(
     query = torch.as_tensor(at_times, dtype=torch.float64).reshape(-1)
     count = nodes.numel()
     if count == 0:
-        raise ValueError("lagrange_weights needs at least one node")
+        raise InvalidValue("lagrange_weights needs at least one node")
     if torch.unique(nodes).numel() != count:
-        raise ValueError(f"node times must be distinct, got {nodes.tolist()}")
+        raise InvalidValue(f"node times must be distinct, got {nodes.tolist()}")
     weights = torch.ones(query.numel(), count, dtype=torch.float64)
     for j in range(count):
         for m in range(count):

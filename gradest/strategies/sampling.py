@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from gradest.context import EstimationContext
+from gradest.errors import InvalidValue
 from gradest.vjp import ParamGradient
 
 
@@ -33,7 +34,7 @@ def draw_steps(num_steps: int, samples: int, generator: torch.Generator | None) 
     ``samples / num_steps``, which is what the ``N/m`` scaling of ``sdo`` relies on.
     """
     if not 1 <= samples <= num_steps:
-        raise ValueError(f"cannot draw {samples} distinct steps out of {num_steps}")
+        raise InvalidValue(f"cannot draw {samples} distinct steps out of {num_steps}")
     order = torch.randperm(num_steps, generator=generator, device=_device(generator))
     return sorted(int(step) for step in order[:samples].tolist())
 
@@ -41,7 +42,7 @@ def draw_steps(num_steps: int, samples: int, generator: torch.Generator | None) 
 def draw_uniform_int(low: int, high: int, generator: torch.Generator | None) -> int:
     """An integer uniform on ``{low, ..., high}`` (both ends included)."""
     if low > high:
-        raise ValueError(f"empty range {{{low}, ..., {high}}}")
+        raise InvalidValue(f"empty range {{{low}, ..., {high}}}")
     value = torch.randint(low, high + 1, (), generator=generator, device=_device(generator))
     return int(value)
 

@@ -55,8 +55,8 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
-from gradest.objectives import Objective, TerminalObjective
-from gradest.options import option
+from gradest.objectives import Objective
+from gradest.options import bool_option, choice_option, int_option, too_many_steps
 from gradest.protocol import Decisions, Definition
 from gradest.reference.dense import DenseChain
 from gradest.reference.sdo_definition import sdo_definition, sdo_noise_grad_definition
@@ -98,25 +98,20 @@ class ShortcutDiffusion(EstimatorBase):
 
     name: ClassVar[str] = "sdo"
 
-    samples: int = option(
+    samples: int = int_option(
         1,
-        kind=int,
+        minimum=1,
         doc="steps drawn per call, uniformly without replacement (m <= N)",
-        valid=lambda value: value >= 1,
         expect="an int >= 1 (and at most the number of sampler steps N)",
     )
-    scale: str = option(
+    scale: str = choice_option(
         "unbiased",
-        kind=str,
+        SCALES,
         doc="'unbiased' scales the sampled sum by N/m; 'none' by 1",
-        valid=lambda value: value in SCALES,
         expect="'unbiased' (factor N/samples) or 'none' (factor 1)",
     )
-    full_sum: bool = option(
-        False,
-        kind=bool,
-        doc="evaluate all N one-step terms (deterministic; ignores samples and scale)",
-        expect="true or false",
+    full_sum: bool = bool_option(
+        False, doc="evaluate all N one-step terms (deterministic; ignores samples and scale)"
     )
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
@@ -159,24 +154,16 @@ class ShortcutDiffusion(EstimatorBase):
     def check_steps(self, num_steps: int) -> None:
         if not self.full_sum and self.samples > num_steps:
             # Clamping would silently change the estimator (and its scale); refuse.
-            raise ValueError(
-                f"estimator 'sdo': option samples={self.samples} exceeds the flow's "
-                f"N={num_steps} steps; use samples <= {num_steps}, or full_sum=True "
-                f"to evaluate every step"
-            )
+            fix = f"use samples <= {num_steps}, or full_sum=True to evaluate every step"
+            raise too_many_steps("sdo", f"samples={self.samples}", num_steps, fix)
 
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: SdoDecisions
     ) -> Definition:
         """``scale * sum_{k in S} J_k^T c~_k``; the noise gradient through the first step."""
-        noise_grad = (
-            sdo_noise_grad_definition(chain, objective)
-            if isinstance(objective, TerminalObjective)
-            else None
-        )
         return Definition(
             grad=sdo_definition(chain, objective, decisions.sampled_steps, decisions.scale),
-            noise_grad=noise_grad,
+            noise_grad=sdo_noise_grad_definition(chain, objective),
         )
 
 

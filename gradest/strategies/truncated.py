@@ -44,8 +44,9 @@ from torch import Tensor
 
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
-from gradest.objectives import Objective, TerminalObjective
-from gradest.options import option, parse_float_tuple, parse_optional_int
+from gradest.errors import InvalidType, InvalidValue
+from gradest.objectives import Objective
+from gradest.options import option, parse_float_tuple, parse_optional_int, too_many_steps
 from gradest.protocol import Decisions, Definition
 from gradest.reference.dense import DenseChain
 from gradest.reference.truncated_definition import (
@@ -97,16 +98,16 @@ def _validate_random(instance: Any, attribute: attrs.Attribute, value: Any) -> N
     if value is None or value == "uniform":
         return
     if isinstance(value, str):
-        raise ValueError(f"{where} is not a known distribution; expected {_RANDOM_EXPECT}")
+        raise InvalidValue(f"{where} is not a known distribution; expected {_RANDOM_EXPECT}")
     if not isinstance(value, tuple):
-        raise TypeError(f"{where} has type {type(value).__name__}; expected {_RANDOM_EXPECT}")
+        raise InvalidType(f"{where} has type {type(value).__name__}; expected {_RANDOM_EXPECT}")
     if not value:
-        raise ValueError(f"{where} is empty; expected {_RANDOM_EXPECT}")
+        raise InvalidValue(f"{where} is empty; expected {_RANDOM_EXPECT}")
     if not all(math.isfinite(p) and p >= 0 for p in value):
-        raise ValueError(f"{where} has a negative or non-finite entry; expected {_RANDOM_EXPECT}")
+        raise InvalidValue(f"{where} has a negative or non-finite entry; expected {_RANDOM_EXPECT}")
     total = sum(value)
     if abs(total - 1.0) > _SUM_TOLERANCE:
-        raise ValueError(
+        raise InvalidValue(
             f"{where} sums to {total:g}, not 1; expected {_RANDOM_EXPECT}. "
             f"Normalise it, e.g. tuple(p / sum(p) for p in probabilities)"
         )
@@ -151,7 +152,7 @@ class Truncated(EstimatorBase):
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.random, tuple) and self.k is not None:
-            raise ValueError(
+            raise InvalidValue(
                 f"estimator 'truncated': options k={self.k} and random={self.random!r} "
                 f"conflict; with a probability tuple the largest k is its length "
                 f"({len(self.random)}), so leave k unset"
@@ -214,22 +215,16 @@ class Truncated(EstimatorBase):
         # the first call rather than on an unlucky one.
         largest, what = self._largest(num_steps)
         if largest > num_steps:
-            raise ValueError(
-                f"estimator 'truncated': option {what}, more than the flow's N={num_steps} "
-                f"steps; keep at most {num_steps} steps (k={num_steps} is exact)"
-            )
+            fix = f"keep at most {num_steps} steps (k={num_steps} is exact)"
+            raise too_many_steps("truncated", what, num_steps, fix)
 
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: TruncatedDecisions
     ) -> Definition:
         """The last ``k`` exact terms; the noise gradient ``a_0`` at ``k = N``, else zero."""
-        noise_grad = (
-            truncated_noise_grad_definition(chain, objective, decisions.k)
-            if isinstance(objective, TerminalObjective)
-            else None
-        )
         return Definition(
-            grad=truncated_definition(chain, objective, decisions.k), noise_grad=noise_grad
+            grad=truncated_definition(chain, objective, decisions.k),
+            noise_grad=truncated_noise_grad_definition(chain, objective, decisions.k),
         )
 
 

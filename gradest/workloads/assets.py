@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import torch
 
+from gradest.errors import InvalidValue, MissingFile
 from gradest.models.dit import DiT
 from gradest.workloads.classifier import DigitClassifier
 
@@ -43,7 +44,7 @@ def classifier_checkpoint(model: DigitClassifier, info: Mapping[str, Any]) -> di
 def classifier_from_checkpoint(checkpoint: Mapping[str, Any]) -> DigitClassifier:
     """Rebuild a :class:`DigitClassifier` from :func:`classifier_checkpoint`'s dict."""
     if checkpoint.get("kind") != "digit_classifier":
-        raise ValueError(
+        raise InvalidValue(
             f"not a digit-classifier checkpoint (kind={checkpoint.get('kind')!r}); "
             f"make one with gradest.workloads.assets.classifier_checkpoint"
         )
@@ -72,7 +73,7 @@ def dit_checkpoint(model: DiT, info: Mapping[str, Any]) -> dict[str, Any]:
 def dit_from_checkpoint(checkpoint: Mapping[str, Any]) -> DiT:
     """Rebuild the :class:`DiT` saved by :func:`dit_checkpoint` (eval mode)."""
     if checkpoint.get("kind") != "digits_dit":
-        raise ValueError(
+        raise InvalidValue(
             f"not a digits-DiT checkpoint (kind={checkpoint.get('kind')!r}); "
             f"make one with gradest.workloads.assets.dit_checkpoint"
         )
@@ -96,7 +97,7 @@ def load_checkpoint(name: str) -> dict[str, Any]:
     path = asset_path(name)
     if not path.is_file():
         command = REGENERATE.get(name, "see gradest/assets/README.md")
-        raise FileNotFoundError(
+        raise MissingFile(
             f"checkpoint {path} is missing; regenerate it from the repository root with: {command}"
         )
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gradest.errors import InvalidValue
 from gradest.workloads.digits import IMAGE_SHAPE, NUM_CLASSES, load_digits_dataset
 
 
@@ -47,7 +48,7 @@ class DigitClassifier(nn.Module):
         super().__init__()
         c1, c2 = (int(c) for c in channels)
         if min(c1, c2, feature_dim, num_classes) <= 0:
-            raise ValueError(
+            raise InvalidValue(
                 f"DigitClassifier sizes must be positive, got channels={channels!r}, "
                 f"feature_dim={feature_dim!r}, num_classes={num_classes!r}"
             )
@@ -65,7 +66,7 @@ class DigitClassifier(nn.Module):
     def features(self, x: Tensor) -> Tensor:
         """Penultimate activations ``[B, feature_dim]`` (the FID/KID feature space)."""
         if x.ndim != 4 or tuple(x.shape[1:]) != IMAGE_SHAPE:
-            raise ValueError(
+            raise InvalidValue(
                 f"DigitClassifier expects images of shape [B, 1, 8, 8] in [-1, 1], got "
                 f"{tuple(x.shape)}"
             )
@@ -130,12 +131,12 @@ def train_classifier(
         ``train_accuracy``, ``heldout_accuracy``, ``seconds`` and the settings.
     """
     if epochs < 1 or batch_size < 1:
-        raise ValueError(
+        raise InvalidValue(
             f"train_classifier needs epochs >= 1 and batch_size >= 1, got epochs={epochs}, "
             f"batch_size={batch_size}"
         )
     if max_shift < 0:
-        raise ValueError(f"max_shift must be >= 0 pixels, got {max_shift}")
+        raise InvalidValue(f"max_shift must be >= 0 pixels, got {max_shift}")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradest.errors import InvalidValue
+
 SPLITS = ("train", "heldout")
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)
@@ -60,7 +62,7 @@ def load_digits_dataset(
         ValueError: ``split`` is not one of :data:`SPLITS`.
     """
     if split not in SPLITS:
-        raise ValueError(
+        raise InvalidValue(
             f"split={split!r} is not a digits split; use one of {', '.join(map(repr, SPLITS))}"
         )
     images, labels = _split_arrays()[split]

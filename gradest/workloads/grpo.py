@@ -24,6 +24,7 @@ import math
 import torch
 from torch import Tensor
 
+from gradest.errors import InvalidType, InvalidValue
 from gradest.flow import Trajectory, check_trajectory_matches
 from gradest.objectives import StepwiseObjective
 from gradest.samplers import FlowSDE
@@ -46,20 +47,20 @@ def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
         ``[G * group_size]`` advantages in ``rewards``' dtype.
     """
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(
+        raise InvalidValue(
             f"group_size must be an int >= 2 (advantages compare samples within a group), "
             f"got {group_size!r}"
         )
     if not isinstance(rewards, Tensor) or rewards.ndim != 1:
         shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
-        raise ValueError(f"rewards must be a 1-D tensor [G * group_size], got {shape}")
+        raise InvalidValue(f"rewards must be a 1-D tensor [G * group_size], got {shape}")
     if rewards.numel() % group_size:
-        raise ValueError(
+        raise InvalidValue(
             f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}; "
             f"sample group_size images per group"
         )
     if not bool(torch.isfinite(rewards).all()):
-        raise ValueError("rewards contain NaN or Inf; check the reward function")
+        raise InvalidValue("rewards contain NaN or Inf; check the reward function")
     groups = rewards.reshape(-1, group_size)
     mean = groups.mean(1, keepdim=True)
     std = groups.std(1, unbiased=False, keepdim=True)
@@ -91,7 +92,7 @@ def grpo_objective(
     Use it with ``trajectory=`` (the same one) in ``estimate`` / ``backward``.
     """
     if not isinstance(flow, FlowSDE):
-        raise TypeError(
+        raise InvalidType(
             f"flow must be the gradest.workloads.FlowSDE the trajectory was sampled with, "
             f"got {type(flow).__name__}"
         )
@@ -103,7 +104,7 @@ def grpo_objective(
             if isinstance(old_log_probs, Tensor)
             else type(old_log_probs).__name__
         )
-        raise ValueError(
+        raise InvalidValue(
             f"old_log_probs must be [N, B] = [{steps}, {batch}], got {shape}; use "
             f"flow.trajectory_log_probs(trajectory)"
         )
@@ -111,14 +112,14 @@ def grpo_objective(
         shape = (
             tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__
         )
-        raise ValueError(f"advantages must be [B] = [{batch}], got {shape}")
+        raise InvalidValue(f"advantages must be [B] = [{batch}], got {shape}")
     if isinstance(clip, bool) or not isinstance(clip, int | float):
-        raise TypeError(f"clip must be a float in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
+        raise InvalidType(f"clip must be a float in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
     if not (math.isfinite(clip) and 0 < clip < 1):
-        raise ValueError(f"clip must be in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
+        raise InvalidValue(f"clip must be in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
     for name, tensor in (("old_log_probs", old_log_probs), ("advantages", advantages)):
         if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{name} contain NaN or Inf")
+            raise InvalidValue(f"{name} contain NaN or Inf")
     old_log_probs = old_log_probs.detach()
     advantages = advantages.detach()
     low, high = 1.0 - float(clip), 1.0 + float(clip)
@@ -131,7 +132,7 @@ def grpo_objective(
             given.states.shape == trajectory.states.shape
             and torch.equal(given.states, trajectory.states)
         ):
-            raise ValueError(
+            raise InvalidValue(
                 "this GRPO objective was built for a recorded trajectory; pass that "
                 "trajectory to estimate/backward (trajectory=...), not noise="
             )

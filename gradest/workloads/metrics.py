@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from torch_fidelity.feature_extractor_base import FeatureExtractorBase
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
+from gradest.errors import InvalidType, InvalidValue
 from gradest.workloads.assets import classifier_from_checkpoint, load_digit_classifier
 from gradest.workloads.digits import IMAGE_SHAPE
 
@@ -56,14 +57,14 @@ class DigitImages(Dataset):
 
     def __init__(self, images: Tensor):
         if images.ndim != 4 or tuple(images.shape[1:]) != IMAGE_SHAPE:
-            raise ValueError(
+            raise InvalidValue(
                 f"digit images must have shape [n, 1, 8, 8] (values in [-1, 1]), got "
                 f"{tuple(images.shape)}"
             )
         if not images.is_floating_point():
-            raise TypeError(f"digit images must be floating point in [-1, 1], got {images.dtype}")
+            raise InvalidType(f"digit images must be floating point in [-1, 1], got {images.dtype}")
         if not bool(torch.isfinite(images).all()):
-            raise ValueError("digit images contain NaN or infinite values")
+            raise InvalidValue("digit images contain NaN or infinite values")
         self.images = to_uint8(images)
 
     def __len__(self) -> int:
@@ -104,7 +105,7 @@ class DigitFeatureExtractor(FeatureExtractorBase):
         else:
             classifier = load_digit_classifier()
         if not callable(getattr(classifier, "features", None)):
-            raise TypeError(
+            raise InvalidType(
                 f"digit_classifier must have a features(x) method (a DigitClassifier), got "
                 f"{type(classifier).__name__}"
             )
@@ -129,7 +130,7 @@ class DigitFeatureExtractor(FeatureExtractorBase):
 
     def forward(self, input: Tensor) -> tuple[Tensor]:  # noqa: A002 (torch-fidelity's name)
         if input.dtype != torch.uint8:
-            raise TypeError(
+            raise InvalidType(
                 f"{EXTRACTOR_NAME} expects uint8 images (torch-fidelity's convention), got "
                 f"{input.dtype}; wrap float images in gradest.workloads.metrics.DigitImages"
             )
@@ -185,19 +186,19 @@ def fid_kid(
     """
     smallest = min(generated.shape[0], reference.shape[0])
     if smallest < 2:
-        raise ValueError(
+        raise InvalidValue(
             f"FID/KID need at least 2 images per set, got generated={generated.shape[0]}, "
             f"reference={reference.shape[0]}"
         )
     if kid_subset_size is None:
         kid_subset_size = min(DEFAULT_KID_SUBSET_SIZE, max(2, smallest // 2))
     elif not 2 <= kid_subset_size <= smallest:
-        raise ValueError(
+        raise InvalidValue(
             f"kid_subset_size={kid_subset_size} must be between 2 and the smaller set's size "
             f"({smallest}); pass kid_subset_size=None for the default"
         )
     if kid_subsets < 1:
-        raise ValueError(f"kid_subsets must be >= 1, got {kid_subsets}")
+        raise InvalidValue(f"kid_subsets must be >= 1, got {kid_subsets}")
     with _single_threaded_blas():
         metrics = torch_fidelity.calculate_metrics(
             input1=DigitImages(generated),

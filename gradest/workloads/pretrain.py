@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gradest.errors import GradestError, InvalidValue
 from gradest.files import atomic_save, check_output_file
 from gradest.flow import rollout
 from gradest.models.dit import DiT
@@ -95,18 +96,18 @@ def pretrain_dit(
         the parameter count, the final training loss and the seconds taken.
     """
     if steps < 1 or batch_size < 1:
-        raise ValueError(
+        raise InvalidValue(
             f"pretrain_dit needs steps >= 1 and batch_size >= 1, got steps={steps}, "
             f"batch_size={batch_size}"
         )
     if time_sampling not in TIME_SAMPLINGS:
-        raise ValueError(
+        raise InvalidValue(
             f"time_sampling={time_sampling!r} is not one of {', '.join(TIME_SAMPLINGS)}"
         )
     if not 0.0 <= label_dropout < 1.0:
-        raise ValueError(f"label_dropout must be in [0, 1), got {label_dropout}")
+        raise InvalidValue(f"label_dropout must be in [0, 1), got {label_dropout}")
     if not 0.0 <= ema_decay < 1.0:
-        raise ValueError(f"ema_decay must be in [0, 1) (0: no averaging), got {ema_decay}")
+        raise InvalidValue(f"ema_decay must be in [0, 1) (0: no averaging), got {ema_decay}")
     fixed = {"num_classes": NUM_CLASSES, "input_size": IMAGE_SHAPE[1], "in_channels": 1}
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
@@ -200,7 +201,7 @@ def sample_digits(
     parameter = next(model.parameters())
     if labels is None:
         if num_samples is None or num_samples < 1:
-            raise ValueError("sample_digits needs labels=... or num_samples >= 1")
+            raise InvalidValue("sample_digits needs labels=... or num_samples >= 1")
         batch, cond = num_samples, None
     else:
         batch, cond = labels.shape[0], {"y": labels.to(parameter.device)}
@@ -275,7 +276,7 @@ def pretrain(
         the :func:`evaluate_dit` numbers under ``"evaluation"``) plus ``"out"`` and ``"bytes"``.
     """
     if what not in WHATS:
-        raise ValueError(f"what={what!r} is not one of {', '.join(WHATS)}")
+        raise InvalidValue(f"what={what!r} is not one of {', '.join(WHATS)}")
     # Checked before training, so a bad path costs seconds, not the trained model.
     out = check_output_file(out, what="out")
     # Options left as None keep the training function's own defaults.
@@ -284,14 +285,14 @@ def pretrain(
     }
     if what == "classifier":
         if steps is not None:
-            raise ValueError("the classifier trains for --epochs, not --steps")
+            raise InvalidValue("the classifier trains for --epochs, not --steps")
         if epochs is not None:
             settings["epochs"] = epochs
         classifier, info = train_classifier(seed=seed, progress=progress, **settings)
         checkpoint = classifier_checkpoint(classifier, info)
     else:
         if epochs is not None:
-            raise ValueError("the DiT trains for --steps, not --epochs")
+            raise InvalidValue("the DiT trains for --steps, not --epochs")
         if steps is not None:
             settings["steps"] = steps
         model, info = pretrain_dit(seed=seed, progress=progress, **settings)
@@ -341,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except GradestError as err:
         print(f"pretrain: error: {err}", file=sys.stderr)
         return 2
     for key, value in result.items():

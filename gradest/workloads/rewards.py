@@ -16,11 +16,13 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest.errors import InvalidType, InvalidValue
+
 
 def _check_classifier(instance: object, attribute: attrs.Attribute, value: object) -> None:
     del instance, attribute
     if not isinstance(value, nn.Module):
-        raise TypeError(
+        raise InvalidType(
             f"classifier must be an nn.Module returning logits [B, classes], got "
             f"{type(value).__name__}; e.g. gradest.workloads.assets.load_digit_classifier()"
         )
@@ -30,7 +32,7 @@ def _num_classes(classifier: nn.Module) -> int:
     classes = getattr(classifier, "num_classes", None)
     if isinstance(classes, int):
         return classes
-    raise TypeError(
+    raise InvalidType(
         f"classifier {type(classifier).__name__} has no integer num_classes attribute; "
         f"use a DigitClassifier or give the module a num_classes attribute"
     )
@@ -39,18 +41,18 @@ def _num_classes(classifier: nn.Module) -> int:
 def _as_target(value: int | Tensor) -> int | Tensor:
     if isinstance(value, Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(
+            raise InvalidType(
                 f"target must be an int or an integer tensor of class labels, got dtype "
                 f"{value.dtype}; e.g. torch.tensor([3, 7]) or target=3"
             )
         if value.ndim > 1:
-            raise ValueError(
+            raise InvalidValue(
                 f"target must be a class label or a [B] tensor of labels, got shape "
                 f"{tuple(value.shape)}"
             )
         return value.detach().long()
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"target must be an int or an integer tensor, got {value!r}")
+        raise InvalidType(f"target must be an int or an integer tensor, got {value!r}")
     return value
 
 
@@ -76,10 +78,10 @@ class ClassifierReward:
             self.target.reshape(-1).tolist() if isinstance(self.target, Tensor) else [self.target]
         )
         if not labels:
-            raise ValueError("target is an empty tensor; pass a class label or one per sample")
+            raise InvalidValue("target is an empty tensor; pass a class label or one per sample")
         bad = [label for label in labels if not 0 <= label < classes]
         if bad:
-            raise ValueError(
+            raise InvalidValue(
                 f"target class {bad[0]} is out of range for a classifier with {classes} "
                 f"classes; targets must be in [0, {classes - 1}]"
             )
@@ -96,7 +98,7 @@ class ClassifierReward:
         if isinstance(self.target, Tensor):
             target = self.target.to(log_probs.device)
             if target.ndim == 1 and target.shape[0] != batch:
-                raise ValueError(
+                raise InvalidValue(
                     f"target has {target.shape[0]} labels but x has batch size {batch}; "
                     f"pass one label per sample or a single int"
                 )

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gradest.errors import InvalidValue
 from gradest.files import atomic_save
 
 FORMAT = "gradest.finetune/2"
@@ -59,9 +60,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(Path(path), map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many kinds for a damaged zip or pickle
-        raise ValueError(f"checkpoint {str(path)!r} does not load: {err}") from None
+        raise InvalidValue(f"checkpoint {str(path)!r} does not load: {err}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(
+        raise InvalidValue(
             f"{str(path)!r} is not a resumable gradest fine-tuning checkpoint (format "
             f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}, "
             f"expected {FORMAT!r}); checkpoints of older gradest versions cannot be resumed"
@@ -88,7 +89,7 @@ def newest_checkpoint(location: str | Path) -> dict[str, Any] | None:
     if place.is_file():
         return load_checkpoint(place)
     if not place.is_dir():
-        raise ValueError(
+        raise InvalidValue(
             f"nothing to resume at {str(location)!r}: no such file or folder; pass the folder "
             f"of the run to continue (gradest finetune --out DIR writes DIR/checkpoints)"
         )
@@ -130,7 +131,7 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
         detail = "; ".join(
             f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}" for key in differ
         )
-        raise ValueError(
+        raise InvalidValue(
             f"cannot resume: the run was started with other settings ({detail}); resume with "
             f"the same settings (only the number of steps may change), or start a new run in "
             f"another folder"

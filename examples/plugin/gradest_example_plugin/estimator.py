@@ -34,7 +34,7 @@ from torch import Tensor
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective
-from gradest.options import option
+from gradest.options import option, too_many_steps
 from gradest.protocol import Decisions, Definition
 from gradest.reference import DenseChain, sdo_definition
 from gradest.vjp import ParamGradient
@@ -121,9 +121,8 @@ class MeanOfSdoDraws(EstimatorBase):
 
     def check_steps(self, num_steps: int) -> None:
         if self.samples > num_steps:
-            raise ValueError(
-                f"estimator 'sdo_mean': option samples={self.samples} exceeds the flow's "
-                f"N={num_steps} steps; use samples <= {num_steps}"
+            raise too_many_steps(
+                "sdo_mean", f"samples={self.samples}", num_steps, f"use samples <= {num_steps}"
             )
 
     def definition(

@@ -1,0 +1,34 @@
+"""The errors gradest raises on purpose; anything else is a bug.
+
+Every error gradest raises about its *input* (an argument, an option, a file it must
+write, a non-finite value) derives from :class:`GradestError` and from the built-in type
+a caller would expect (``ValueError``, ``TypeError``, ...), so ``except ValueError`` keeps
+working. The command line prints a :class:`GradestError` as one line and exits 2; any
+other exception is an internal bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class GradestError(Exception):
+    """Base of gradest's documented errors (messages name the argument and the fix)."""
+
+
+class InvalidValue(GradestError, ValueError):
+    """An argument, option or file content has a value gradest cannot use."""
+
+
+class InvalidType(GradestError, TypeError):
+    """An argument or option has the wrong type."""
+
+
+class MissingDependency(GradestError, ImportError):
+    """An optional dependency (an extra of ``pip install gradest[...]``) is not installed."""
+
+
+class MissingFile(GradestError, FileNotFoundError):
+    """A file gradest needs to read (a shipped checkpoint, a dataset) is not there."""
+
+
+class Diverged(GradestError, FloatingPointError):
+    """A training run produced NaN or Inf (rewards, gradient norms)."""

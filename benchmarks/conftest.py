@@ -24,7 +24,13 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.workloads import NUM_THREADS, SPEEDUP_TARGETS, Bench, DiTWorkload  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    NUM_THREADS,
+    SPEEDUP_TARGETS,
+    Bench,
+    DiTWorkload,
+    target_of,
+)
 from gradest.harness.cost import count_flops, ratio, retained_activation_bytes  # noqa: E402
 
 ROUNDS = int(os.environ.get("GRADEST_BENCH_ROUNDS", "5"))
@@ -93,7 +99,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
             baseline = rows.get(row["baseline"])
             if baseline is None:
                 continue
-            target = SPEEDUP_TARGETS.get(method)
+            target = target_of(SPEEDUP_TARGETS, group, method)
             write(
                 f"{group:<36} {method:<42} {row['baseline']:<18} {1e3 * row['median_s']:>8.1f} "
                 f"{ratio(baseline['median_s'], row['median_s']):>7.2f}x "

@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.workloads import (  # noqa: E402
+    FLOPS_TARGETS,
     NUM_THREADS,
     SPEEDUP_TARGETS,
     STEPWISE_ESTIMATORS,
@@ -40,6 +41,7 @@ from benchmarks.workloads import (  # noqa: E402
     TERMINAL_ESTIMATORS,
     TERMINAL_STEPS,
     Bench,
+    target_of,
 )
 from gradest.harness.cost import (  # noqa: E402
     count_flops,
@@ -106,11 +108,16 @@ def settings(bench: Bench) -> dict[str, dict[str, Callable[[], Any]]]:
     }
 
 
-def _notes(row: Row, steps: int, exact: Row) -> str:
+def _notes(row: Row, setting: str, steps: int, exact: Row) -> str:
     notes = []
-    target = SPEEDUP_TARGETS.get(row.method)
+    target = target_of(SPEEDUP_TARGETS, setting, row.method)
     if target is not None:
         notes.append(f"target >= {target:g}x")
+    flops_target = target_of(FLOPS_TARGETS, setting, row.method)
+    if flops_target is not None:
+        share = ratio(row.flops, exact.flops)
+        met = "met" if share <= flops_target else "missed"
+        notes.append(f"FLOPs target <= {flops_target:g} ({met})")
     if row.method == EXACT:
         notes.append("target: <= 3% slower than by hand, same FLOPs")
     if row.method.startswith("sdo"):
@@ -142,7 +149,7 @@ def markdown(results: dict[str, list[Row]], forward_flops: int) -> str:
                 f"| {ratio(row.flops, exact.flops):.3f} "
                 f"| {row.retained_bytes / 2**20:.1f} "
                 f"| {ratio(row.retained_bytes, exact.retained_bytes):.3f} "
-                f"| {_notes(row, steps, exact)} |"
+                f"| {_notes(row, setting, steps, exact)} |"
             )
     return "\n".join(lines)
 

@@ -30,7 +30,7 @@ from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.protocol import Decisions
 from gradest.ranks import RankAgreement
 from gradest.samplers import AffineSampler
-from gradest.vjp import CostMeter, ParamGradient, VelocityField, add_grads
+from gradest.vjp import CostMeter, ParamGradient, RetainedChain, VelocityField, add_grads
 
 
 @attrs.frozen(eq=False)
@@ -247,8 +247,29 @@ class EstimationContext:
 
     # -- the adjoint ----------------------------------------------------------------------
 
+    def retained_chain(self) -> RetainedChain:
+        """Every step's graph kept from its own leaf (:class:`~gradest.vjp.RetainedChain`):
+        sampled from ``noise`` (and recorded), or evaluated at the recorded states."""
+        if self._trajectory is not None:
+            states = self._trajectory.states
+            return self.field.retained_chain(
+                self.coefficients, self.times, 0, states[0], self.step_noise(), recorded=states
+            )
+        assert self.noise is not None
+        chain = self.field.retained_chain(
+            self.coefficients, self.times, 0, self.noise, self.step_noise()
+        )
+        self.record(chain.states, chain.velocities)
+        return chain
+
     def adjoint_sweep(
-        self, terminal_adjoint: Tensor, *, start: int = 0, joint: bool = False
+        self,
+        terminal_adjoint: Tensor,
+        *,
+        start: int = 0,
+        joint: bool = False,
+        chain: RetainedChain | None = None,
+        keep: frozenset[int] = frozenset(),
     ) -> AdjointSweep:
         """Reverse sweep ``a_k = alpha_k a_{k+1} + beta_k (dv_k/dz_k)^T a_{k+1}`` on the path.
 
@@ -256,7 +277,9 @@ class EstimationContext:
         (state and parameters: the exact ``sum_k J_k^T c_k`` of the swept steps, one
         step's graph at a time; ``estimate()`` only); otherwise state-only VJPs, which skip
         the parameter part. Every step costs one forward with graph, except a state-only
-        step 0 when the noise gradient is not wanted (``c_0`` needs only ``a_1``).
+        step 0 when the noise gradient is not wanted (``c_0`` needs only ``a_1``). With a
+        retained ``chain`` the state-only VJPs run through its kept graphs (no forward);
+        the graphs of the steps in ``keep`` stay for a later parameter VJP.
         """
         trajectory = self.trajectory()
         alpha, beta, _ = self.coefficients
@@ -271,6 +294,14 @@ class EstimationContext:
             if joint:
                 v, z_grad, step_grads = self.field.joint_vjp(z, t, cotangent)
                 grads = add_grads(grads, step_grads)
+            elif chain is not None:
+                v = chain.velocities[k - chain.start]
+                if k == 0 and not self.want_noise_grad:
+                    z_grad = None
+                    if k not in keep:
+                        chain.release(k)
+                else:
+                    z_grad = chain.state_vjp(k, cotangent, keep=k in keep)
             elif k == 0 and not self.want_noise_grad:
                 v, z_grad = self.velocity(0), None
             else:

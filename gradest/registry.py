@@ -223,8 +223,10 @@ def _parse_by_default(cls: type, key: str, text: str) -> Any:
 
 def _check_option_name(name: str, key: str, valid: list[str] | None) -> None:
     if valid is not None and key not in valid:
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise InvalidType(
-            f"estimator {name!r} has no option {key!r}; valid options: "
+            f"estimator {name!r} has no option {key!r}; {hint}valid options: "
             f"{', '.join(valid) if valid else 'none'}"
         )
 

@@ -339,13 +339,14 @@ def test_stepwise_fallback_costs():
     assert result.cost.forwards_without_graph == 8
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
 @pytest.mark.parametrize("noise_grad", [False, True])
 @pytest.mark.parametrize("source", ["noise", "trajectory"])
-def test_terminal_costs(noise_grad, source):
+def test_terminal_costs(noise_grad, source, low_memory):
     steps, nodes = 16, 5
     problem = _problem(False, False, steps=steps)
     result = _estimate(
-        Jagg(window=4, gate="off", shared_knots=True),
+        Jagg(window=4, gate="off", shared_knots=True, low_memory=low_memory),
         problem,
         _objective("terminal"),
         source,
@@ -355,6 +356,12 @@ def test_terminal_costs(noise_grad, source):
     swept = steps if noise_grad else steps - 1
     assert result.cost.state_vjps == swept
     assert result.cost.param_vjps == nodes
+    if not low_memory:
+        # Fused: one forward with graph per step (sampling, or at the recorded states),
+        # the sweep and the node VJP run through those graphs: (2N + 2n)F.
+        assert result.cost.forwards_with_graph == steps
+        assert result.cost.forwards_without_graph == 0
+        return
     assert result.cost.forwards_with_graph == swept + nodes
     rollout = steps if source == "noise" else 0
     step_zero = 0 if (noise_grad or source == "noise") else 1  # v_0 for the gate
@@ -508,7 +515,10 @@ def test_same_generator_gives_bitwise_identical_results():
 
 def test_evolve_repr_hash():
     est = Jagg()
-    assert repr(est) == "Jagg(window=4, order=1, tau=0.995, gate='min', shared_knots=False)"
+    assert repr(est) == (
+        "Jagg(window=4, order=1, tau=0.995, gate='min', shared_knots=False, debias=0, "
+        "low_memory=False)"
+    )
     wider = attrs.evolve(est, window=8, order=3)
     assert (wider.window, wider.order, wider.tau) == (8, 3, 0.995)
     assert hash(wider) != hash(est) and wider != est

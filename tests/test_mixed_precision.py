@@ -47,7 +47,7 @@ from torch import Tensor
 import gradest
 from gradest.models.dit import DiT
 from gradest.reference.problems import tiny_mlp
-from gradest.strategies.jagg import Jagg
+from gradest.strategies.jagg_gate import group_cosine
 from gradest.strategies.jagg_layout import lagrange_weights, layout_groups
 
 AUTOCAST_MIN_COSINE = 1 - 1e-4
@@ -201,7 +201,7 @@ def _cosine_float64(group, weights, velocities) -> float:
 
 def test_jagg_gate_upcasts_bf16_velocities_to_float32():
     group, weights, velocities = _gate_case(torch.bfloat16)
-    cosine = Jagg(window=4)._gate_cosine(group, weights, velocities)
+    cosine = group_cosine(group, weights, velocities, "min")
     # float32 arithmetic on bf16 inputs: agrees with float64 to ~1e-7, where bf16
     # arithmetic would be off by ~1e-3.
     assert cosine == pytest.approx(_cosine_float64(group, weights, velocities), abs=1e-6)
@@ -209,7 +209,7 @@ def test_jagg_gate_upcasts_bf16_velocities_to_float32():
 
 def test_jagg_gate_ignores_autocast():
     group, weights, velocities = _gate_case(torch.float32)
-    plain = Jagg(window=4)._gate_cosine(group, weights, velocities)
+    plain = group_cosine(group, weights, velocities, "min")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = Jagg(window=4)._gate_cosine(group, weights, velocities)
+        autocast = group_cosine(group, weights, velocities, "min")
     assert autocast == pytest.approx(plain, abs=1e-6)

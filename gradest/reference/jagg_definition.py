@@ -47,8 +47,14 @@ def jagg_definition(
     groups: Sequence[Sequence[int]],
     nodes: Sequence[Sequence[int]],
     passed: Sequence[bool],
+    *,
+    debias_steps: Sequence[int] = (),
+    debias_scale: float = 0.0,
 ) -> Tensor:
     """The ``jagg`` gradient as a flat ``[P]`` vector (``chain.unflatten`` keys it by name).
+
+    ``sum_k J^_k^T c_k`` with ``J^_k`` the group's interpolation (``J_k`` itself in a group
+    that failed the gate), plus ``debias_scale * sum_{k in debias_steps} (J_k - J^_k)^T c_k``.
 
     Args:
         chain: dense Jacobians of the recorded trajectory.
@@ -56,6 +62,7 @@ def jagg_definition(
         groups: the steps of each group (every step in exactly one group).
         nodes: the interpolation nodes of each group.
         passed: per group, whether it passed the gate (False: exact per-step Jacobians).
+        debias_steps: the steps drawn for the correction; ``debias_scale`` its factor.
     """
     if not len(groups) == len(nodes) == len(passed):
         raise InvalidValue(
@@ -71,6 +78,7 @@ def jagg_definition(
     times = chain.trajectory.times.to(torch.float64)
     jacobians = chain.param_jacobians
     total = torch.zeros(jacobians.shape[-1], dtype=torch.float64)
+    interpolated: dict[int, Tensor] = {}
     for steps, group_nodes, ok in zip(groups, nodes, passed, strict=True):
         node_times = times[list(group_nodes)]
         for k in steps:
@@ -79,7 +87,10 @@ def jagg_definition(
                 jacobian = torch.einsum("j,jdp->dp", basis, jacobians[list(group_nodes)])
             else:
                 jacobian = jacobians[k]
+            interpolated[k] = jacobian
             total = total + jacobian.T @ cotangents[k]
+    for k in debias_steps:
+        total = total + debias_scale * (jacobians[k] - interpolated[k]).T @ cotangents[k]
     return total
 
 

@@ -10,16 +10,19 @@ steps; inside a group the parameter Jacobian is interpolated in time from a few 
 and only the nodes need a parameter VJP, all of them in one batched call. The layout of
 groups and nodes is in :mod:`gradest.strategies.jagg_layout`.
 
-Gate: for each group, the same interpolation predicts the velocities,
-``v^_k = sum_j L_j(t_k) v_{t_j}``, and the per-sample cosine
-``<v_k, v^_k> / (|v_k| |v^_k| + 1e-8)`` (flattened non-batch dimensions, at least float32)
-is aggregated with ``min`` or ``mean`` over the group's interpolated steps (its steps that
-are not nodes: at a node the prediction is ``v_k`` itself, and counting it would only pull a
-mean towards 1) and its samples. A group passes iff the aggregate is ``>= tau``; a failing
-group falls back to exact per-step VJPs for all its steps. The gate reads only detached
-velocities, so it never changes the gradient of a passing group. Groups in which every
-step is a node are exact, never gated, and report ``None`` as their cosine; ``gate="off"``
-reports ``None`` everywhere.
+Gate (:mod:`gradest.strategies.jagg_gate`): the same interpolation predicts each group's
+velocities; the cosine between actual and predicted velocities, aggregated with ``min``
+or ``mean``, must be ``>= tau``, else the group falls back to exact per-step VJPs for all
+its steps. The gate reads only detached velocities, so it never changes the gradient of a
+passing group; ``gate="off"`` never falls back.
+
+Debiasing (``debias=m``): ``m`` steps ``S`` are drawn uniformly without replacement (from
+the generator) and ``(N/m) sum_{k in S} (J_k - J^_k)^T c_k`` is added, ``J^_k`` the
+group's interpolation (zero at nodes and in groups that fell back, where ``J^_k = J_k``).
+Every step is in ``S`` with probability ``m/N``, so the expectation is the **exact**
+gradient: the interpolation's bias is traded for variance, and the gate becomes optional.
+The ``-J^_k^T c_k`` part is folded into the node cotangents (``G_j -= (N/m) L_j(t_k) c_k``),
+so the cost is the nodes plus at most ``m`` parameter VJPs.
 
 Cost (DESIGN.md section 4, ``F`` = one forward, a parameter VJP ``~2F``, a state-only VJP
 ``~F``; ``n`` = distinct node steps, ``f`` = steps of failing groups that are not nodes):
@@ -32,13 +35,18 @@ Cost (DESIGN.md section 4, ``F`` = one forward, a parameter VJP ``~2F``, a state
   together until the batched VJP: activations of ``n`` steps. Exact costs ``N(F + 2F)``;
   at order 1, ``n = 2N/W`` (or ``N/W + 1`` with shared knots): 1.5x fewer model units at
   ``W=4``, 2x with shared knots. This is where ``jagg`` pays.
-* terminal: the adjoint ``a_k`` is still exact, so every step needs a state VJP:
-  (rollout ``NF`` from ``noise``) + sweep ``N(F + F)`` + nodes ``n(F + 2F)``. That is **not**
-  cheaper than ``exact`` from noise (``3NF``, fused chain); on a recorded trajectory, or
-  against checkpointed exact (``4NF`` from noise), it saves only when ``n < N/3``. The
-  batched node VJP holds the graphs of ``n`` steps at once. Prefer ``exact`` (or ``sdo`` /
-  ``truncated`` when biased cotangents are acceptable) for terminal rewards; the noise
-  gradient is the sweep's exact ``a_0``.
+* terminal (fused, the default with the autograd engine): the chain is sampled with each
+  step's graph kept (``NF``), the exact adjoint is swept with state-only backward passes
+  through those graphs (``NF``, no forward), and one backward over the kept node graphs
+  gives the parameter part (``2nF``): ``(2N + 2n)F`` against exact's ``3NF`` (0.83x at
+  ``W=4``, 0.67x at ``W=8``, 0.71x with shared knots at ``W=4``, for large ``N``). It holds
+  every step's activations after sampling, as ``exact`` does. The noise gradient is the
+  sweep's exact ``a_0``. On a recorded trajectory the graphs are those of one forward per
+  recorded state.
+* terminal with ``low_memory=True`` (or ``engine="func"``): a no-graph rollout (``NF``
+  from ``noise``), a sweep recomputing each step (``N(F + F)``) and a batched node VJP
+  (``n(F + 2F)``): ``(3N + 3n)F``, holding one step's graph during the sweep and the
+  ``n`` node graphs at the end.
 
 Error: order ``p`` interpolation of a smooth ``J_t`` errs by ``O(span^(p+1))`` over a
 group spanning ``span`` in time; it is exact when ``J_t`` is a polynomial of degree ``<= p``
@@ -59,41 +67,86 @@ from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective
-from gradest.options import bool_option, choice_option, int_option, option
+from gradest.options import bool_option, choice_option, int_option, option, too_many_steps
 from gradest.protocol import Decisions, Definition
 from gradest.reference.dense import DenseChain, exact_noise_grad
 from gradest.reference.jagg_definition import jagg_definition
+from gradest.strategies.jagg_gate import group_cosine, interpolated_count
 from gradest.strategies.jagg_layout import Group, distinct_nodes, lagrange_weights, layout_groups
+from gradest.strategies.sampling import draw_steps
 from gradest.vjp import ParamGradient, add_grads
 
 GATES = ("min", "mean", "off")
-# Added to |v| |v^| in the gate's cosine, as in the JAGG proposal: a zero velocity gives
-# cosine 0 (fail) instead of NaN.
-COSINE_EPS = 1e-8
 
 
 @attrs.frozen
 class JaggDecisions(Decisions):
-    """Where ``jagg`` put its groups and nodes, and which groups failed the gate.
+    """Where ``jagg`` put its groups and nodes, which groups failed the gate, and which
+    steps it drew to debias.
 
     Attributes:
         groups: the steps of each group.
         nodes: the interpolation nodes of each group.
         fallback_groups: indices of the groups that fell back to exact per-step VJPs.
+        debias_steps: the steps ``S`` drawn for the correction (empty without ``debias``).
+        debias_scale: ``N/m`` (0 without ``debias``).
     """
 
     groups: tuple[tuple[int, ...], ...]
     nodes: tuple[tuple[int, ...], ...]
     fallback_groups: tuple[int, ...]
+    debias_steps: tuple[int, ...] = ()
+    debias_scale: float = 0.0
 
 
 @attrs.frozen(eq=False)
 class _Plan:
-    """What the gate decided and which cotangent each evaluated step receives."""
+    """The layout, the gate's outcome, the debiasing draw, and where each cotangent goes."""
 
-    cotangents: dict[int, Tensor]
+    groups: tuple[Group, ...]
+    weights: list[Tensor]  # per group: [len(steps), len(nodes)] Lagrange weights
     cosines: list[float | None]
     fallback_groups: list[int]
+    debias_steps: list[int]
+    debias_scale: float
+
+    def corrected(self) -> list[int]:
+        """Drawn steps whose Jacobian is interpolated (the others' correction is zero)."""
+        failed = {k for g in self.fallback_groups for k in self.groups[g].steps}
+        nodes = set(distinct_nodes(self.groups))
+        return [k for k in self.debias_steps if k not in failed and k not in nodes]
+
+    def evaluated(self) -> list[int]:
+        """Steps that take a parameter VJP: nodes, fallback steps, corrected steps."""
+        steps = set(distinct_nodes(self.groups))
+        for index in self.fallback_groups:
+            steps.update(self.groups[index].steps)
+        steps.update(self.corrected())
+        return sorted(steps)
+
+    def route(self, cotangents: Sequence[Tensor]) -> dict[int, Tensor]:
+        """Each evaluated step's cotangent: ``G_j`` at nodes of passing groups, ``c_k`` at
+        the steps of failing groups, and the debiasing terms (``+s c_k`` at the drawn step,
+        ``-s L_j(t_k) c_k`` at its group's nodes)."""
+        totals = {k: torch.zeros_like(cotangents[k]) for k in self.evaluated()}
+        failed = set(self.fallback_groups)
+        group_of = {k: index for index, group in enumerate(self.groups) for k in group.steps}
+        for index, (group, weights) in enumerate(zip(self.groups, self.weights, strict=True)):
+            if index in failed:
+                for k in group.steps:
+                    totals[k] = totals[k] + cotangents[k]
+                continue
+            for column, node in enumerate(group.nodes):
+                for row, k in enumerate(group.steps):
+                    totals[node] = totals[node] + float(weights[row, column]) * cotangents[k]
+        for k in self.corrected():
+            group = self.groups[group_of[k]]
+            row = group.steps.index(k)
+            scaled = self.debias_scale * cotangents[k]
+            totals[k] = totals[k] + scaled
+            for column, node in enumerate(group.nodes):
+                totals[node] = totals[node] - float(self.weights[group_of[k]][row, column]) * scaled
+        return totals
 
 
 @attrs.frozen
@@ -111,14 +164,16 @@ class Jagg(EstimatorBase):
             ``"off"`` (never fall back).
         shared_knots: adjacent groups share their boundary node (about ``N/window + 1``
             node VJPs at order 1 instead of ``2N/window``).
+        debias: ``m >= 1`` draws ``m`` steps per call and adds their interpolation error,
+            scaled by ``N/m``: unbiased for the exact gradient (0: off).
+        low_memory: terminal objectives recompute each step in the adjoint sweep instead
+            of keeping every step's graph from sampling (more forwards, one step's graph).
     """
 
     name: ClassVar[str] = "jagg"
 
     window: int = int_option(
-        4,
-        minimum=2,
-        doc="steps per group; Jacobians inside a group are interpolated from its nodes",
+        4, minimum=2, doc="steps per group; Jacobians in a group are interpolated from its nodes"
     )
     order: int = int_option(
         1,
@@ -140,6 +195,15 @@ class Jagg(EstimatorBase):
         False,
         doc="adjacent groups share boundary nodes (~N/window+1 node VJPs instead of 2N/window)",
     )
+    debias: int = int_option(
+        0,
+        minimum=0,
+        doc="steps drawn per call to correct the interpolation (unbiased; 0: off)",
+        expect="an int >= 0 (and at most the number of sampler steps N)",
+    )
+    low_memory: bool = bool_option(
+        False, doc="terminal: recompute steps in the sweep instead of keeping their graphs"
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.order >= self.window:
@@ -152,24 +216,40 @@ class Jagg(EstimatorBase):
     # -- the two objectives ---------------------------------------------------------------
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
-        # The adjoint stays exact, so every step takes a state-only VJP; skipping the
-        # parameter part of those VJPs is the whole saving.
+        debias_steps = self._draw_debias(ctx)
+        if self.low_memory or ctx.field.engine == "func":
+            return self._terminal_recomputing(ctx, debias_steps)
+        chain = ctx.retained_chain()
+        plan = self._plan(ctx, list(chain.velocities), debias_steps)
+        # The adjoint stays exact: a state-only backward through every step's kept graph;
+        # the graphs of the steps that take a parameter VJP stay for the one backward.
+        evaluated = plan.evaluated()
+        sweep = ctx.adjoint_sweep(ctx.terminal_adjoint(), chain=chain, keep=frozenset(evaluated))
+        totals = plan.route(list(sweep.cotangents))
+        grads = chain.param_vjp(evaluated, torch.stack([totals[k] for k in evaluated]))
+        self._report(ctx, plan)
+        return grads, sweep.state_grad
+
+    def _terminal_recomputing(
+        self, ctx: EstimationContext, debias_steps: list[int]
+    ) -> tuple[ParamGradient, Tensor | None]:
+        """Sample without a graph, recompute each step in the sweep, then the node VJPs."""
         sweep = ctx.adjoint_sweep(ctx.terminal_adjoint())
-        groups = layout_groups(ctx.num_steps, self.window, self.order, self.shared_knots)
-        plan = self._plan(ctx, groups, list(sweep.velocities), list(sweep.cotangents))
-        steps = sorted(plan.cotangents)
-        trajectory = ctx.trajectory()
+        plan = self._plan(ctx, list(sweep.velocities), debias_steps)
+        totals = plan.route(list(sweep.cotangents))
+        evaluated = plan.evaluated()
         grads = ctx.field.param_vjp(
-            trajectory.states[steps],
-            ctx.times[steps],
-            torch.stack([plan.cotangents[k] for k in steps]),
+            ctx.trajectory().states[evaluated],
+            ctx.times[evaluated],
+            torch.stack([totals[k] for k in evaluated]),
         )
-        self._report(ctx, groups, plan)
+        self._report(ctx, plan)
         return grads, sweep.state_grad
 
     def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
+        debias_steps = self._draw_debias(ctx)
         trajectory = ctx.trajectory()
-        groups = layout_groups(ctx.num_steps, self.window, self.order, self.shared_knots)
+        groups = self._layout(ctx)
         nodes = list(distinct_nodes(groups))
         # Node forwards keep their graph: they give the node velocities (cotangents, gate)
         # now and take the aggregated cotangents G_j later, in one batched VJP.
@@ -182,141 +262,94 @@ class Jagg(EstimatorBase):
             for k in range(ctx.num_steps)
         ]
         cotangents = [ctx.step_cotangent(k, velocities[k]) for k in range(ctx.num_steps)]
-        plan = self._plan(ctx, groups, velocities, cotangents)
-        grads = pull_nodes(torch.stack([plan.cotangents[k] for k in nodes]))
-        # Steps of failing groups that are not nodes have no graph yet: one more batched
-        # forward with graph and VJP over all of them.
-        extra = [k for k in sorted(plan.cotangents) if k not in row_of]
+        plan = self._plan(ctx, velocities, debias_steps)
+        totals = plan.route(cotangents)
+        grads = pull_nodes(torch.stack([totals[k] for k in nodes]))
+        # Steps of failing groups and corrected steps that are not nodes have no graph
+        # yet: one more batched forward with graph and VJP over all of them.
+        extra = [k for k in plan.evaluated() if k not in row_of]
         if extra:
             grads = add_grads(
                 grads,
                 ctx.field.param_vjp(
                     trajectory.states[extra],
                     ctx.times[extra],
-                    torch.stack([plan.cotangents[k] for k in extra]),
+                    torch.stack([totals[k] for k in extra]),
                 ),
             )
-        self._report(ctx, groups, plan)
+        self._report(ctx, plan)
         return grads
 
-    # -- gate and node cotangents ---------------------------------------------------------
+    # -- layout, gate, debiasing ----------------------------------------------------------
+
+    def _layout(self, ctx: EstimationContext) -> tuple[Group, ...]:
+        return layout_groups(ctx.num_steps, self.window, self.order, self.shared_knots)
+
+    def _draw_debias(self, ctx: EstimationContext) -> list[int]:
+        if not self.debias:
+            return []
+        # Data-parallel ranks correct the same steps, so they make the same model calls.
+        return ctx.ranks.same_ints(draw_steps(ctx.num_steps, self.debias, ctx.generator))
 
     def _plan(
-        self,
-        ctx: EstimationContext,
-        groups: Sequence[Group],
-        velocities: Sequence[Tensor],
-        cotangents: Sequence[Tensor],
+        self, ctx: EstimationContext, velocities: Sequence[Tensor], debias_steps: list[int]
     ) -> _Plan:
-        """Gate each group, then route its cotangents: ``G_j`` to the nodes if it passes,
-        each ``c_k`` to its own step if it falls back."""
-        times = ctx.times
-        # Every node is evaluated (the stepwise graph exists before the gate decides).
-        totals: dict[int, Tensor] = {
-            k: torch.zeros_like(cotangents[k]) for k in distinct_nodes(groups)
-        }
-        weights_of = [
-            lagrange_weights(times[list(group.nodes)], times[list(group.steps)]) for group in groups
+        """Gate every group on the velocities; the routing of cotangents follows."""
+        groups = self._layout(ctx)
+        weights = [
+            lagrange_weights(ctx.times[list(g.nodes)], ctx.times[list(g.steps)]) for g in groups
         ]
         cosines = [
-            self._gate_cosine(group, weights, velocities)
-            for group, weights in zip(groups, weights_of, strict=True)
+            group_cosine(group, w, velocities, self.gate)
+            for group, w in zip(groups, weights, strict=True)
         ]
         # Data-parallel ranks gate on the union of their samples (gradest.ranks), so every
         # rank falls back in the same groups and makes the same model calls.
         batch = velocities[0].shape[0]
-        cosines = ctx.ranks.gate(
-            cosines,
-            [batch * sum(k not in g.nodes for k in g.steps) for g in groups],
-            self.gate,
-        )
-        fallback_groups: list[int] = []
-        for index, (group, weights, cosine) in enumerate(
-            zip(groups, weights_of, cosines, strict=True)
-        ):
-            # ``not >=`` so that a NaN cosine (non-finite velocities) falls back too.
-            if cosine is not None and not cosine >= self.tau:
-                fallback_groups.append(index)
-                for k in group.steps:
-                    totals[k] = totals[k] + cotangents[k] if k in totals else cotangents[k]
-                continue
-            for column, node in enumerate(group.nodes):
-                node_cotangent = sum(
-                    (
-                        float(weights[row, column]) * cotangents[k]
-                        for row, k in enumerate(group.steps)
-                    ),
-                    start=torch.zeros_like(cotangents[node]),
-                )
-                totals[node] = totals[node] + node_cotangent
-        return _Plan(cotangents=totals, cosines=cosines, fallback_groups=fallback_groups)
+        cosines = ctx.ranks.gate(cosines, [interpolated_count(g, batch) for g in groups], self.gate)
+        # ``not >=`` so that a NaN cosine (non-finite velocities) falls back too.
+        failed = [i for i, c in enumerate(cosines) if c is not None and not c >= self.tau]
+        scale = ctx.num_steps / self.debias if self.debias else 0.0
+        return _Plan(groups, weights, cosines, failed, debias_steps, scale)
 
-    def _gate_cosine(
-        self, group: Group, weights: Tensor, velocities: Sequence[Tensor]
-    ) -> float | None:
-        """Aggregated cosine between ``v_k`` and ``v^_k`` over interpolated steps and samples."""
-        if self.gate == "off" or group.is_exact:
-            return None
-        rows = [row for row, k in enumerate(group.steps) if k not in group.nodes]
-        reference = velocities[group.steps[0]]
-        # The gate decides exact vs approximate: compute it in float32 or better even under
-        # autocast, which would otherwise run the interpolation einsum in bfloat16.
-        with torch.autocast(device_type=reference.device.type, enabled=False):
-            return self._aggregate_cosine(group, weights, velocities, rows, reference)
-
-    def _aggregate_cosine(
-        self,
-        group: Group,
-        weights: Tensor,
-        velocities: Sequence[Tensor],
-        rows: list[int],
-        reference: Tensor,
-    ) -> float:
-        dtype = torch.promote_types(reference.dtype, torch.float32)
-        batch = reference.shape[0]
-        node_v = (
-            torch.stack([velocities[j] for j in group.nodes])
-            .to(dtype)
-            .reshape(len(group.nodes), batch, -1)
-        )
-        actual = (
-            torch.stack([velocities[group.steps[row]] for row in rows])
-            .to(dtype)
-            .reshape(len(rows), batch, -1)
-        )
-        predicted = torch.einsum(
-            "qm,mbd->qbd", weights[rows].to(dtype=dtype, device=node_v.device), node_v
-        )
-        cosine = (actual * predicted).sum(-1) / (
-            actual.norm(dim=-1) * predicted.norm(dim=-1) + COSINE_EPS
-        )
-        aggregate = cosine.min() if self.gate == "min" else cosine.mean()
-        return float(aggregate)
-
-    def _report(self, ctx: EstimationContext, groups: Sequence[Group], plan: _Plan) -> None:
+    def _report(self, ctx: EstimationContext, plan: _Plan) -> None:
         ctx.decide(
             JaggDecisions(
-                groups=tuple(tuple(group.steps) for group in groups),
-                nodes=tuple(tuple(group.nodes) for group in groups),
+                groups=tuple(tuple(group.steps) for group in plan.groups),
+                nodes=tuple(tuple(group.nodes) for group in plan.groups),
                 fallback_groups=tuple(plan.fallback_groups),
+                debias_steps=tuple(plan.debias_steps),
+                debias_scale=plan.debias_scale,
             )
         )
         ctx.info.update(
             gate_cosines=plan.cosines,
-            fallback_fraction=len(plan.fallback_groups) / len(groups),
-            node_steps=sorted(plan.cotangents),
+            fallback_fraction=len(plan.fallback_groups) / len(plan.groups),
+            node_steps=plan.evaluated(),
         )
 
     # -- the contract -----------------------------------------------------------------------
 
+    def check_steps(self, num_steps: int) -> None:
+        if self.debias > num_steps:
+            fix = f"use debias <= {num_steps}"
+            raise too_many_steps("jagg", f"debias={self.debias}", num_steps, fix)
+
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: JaggDecisions
     ) -> Definition:
-        """The interpolated sum for the reported groups, nodes and gate outcomes; the noise
-        gradient is the exact ``a_0`` (the adjoint sweep is exact)."""
+        """The interpolated sum for the reported groups, nodes and gate outcomes, plus the
+        debiasing correction of the drawn steps; the noise gradient is the exact ``a_0``
+        (the adjoint sweep is exact)."""
         failed = set(decisions.fallback_groups)
         passed = [index not in failed for index in range(len(decisions.groups))]
-        return Definition(
-            grad=jagg_definition(chain, objective, decisions.groups, decisions.nodes, passed),
-            noise_grad=exact_noise_grad(chain, objective),
+        grad = jagg_definition(
+            chain,
+            objective,
+            decisions.groups,
+            decisions.nodes,
+            passed,
+            debias_steps=decisions.debias_steps,
+            debias_scale=decisions.debias_scale,
         )
+        return Definition(grad=grad, noise_grad=exact_noise_grad(chain, objective))

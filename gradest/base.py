@@ -21,11 +21,13 @@ from gradest.errors import InvalidType, InvalidValue
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError
 from gradest.objectives import Objective
 from gradest.protocol import (
+    Decisions,
     Definition,
     EstimateOptions,
     GradientEstimate,
     SamplingInputs,
     Surrogate,
+    supports,
 )
 from gradest.samplers import AffineSampler
 from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
@@ -217,6 +219,9 @@ class EstimatorBase:
         )
 
     def _run(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
+        kind = "terminal" if ctx.is_terminal else "stepwise"
+        if kind not in self.objectives:
+            raise self.unsupported_objective(kind)
         self.check_steps(ctx.num_steps)
         if ctx.is_terminal:
             grads, state_grad = self._terminal(ctx)
@@ -256,6 +261,21 @@ class EstimatorBase:
     #: Every estimate is the exact gradient (``gradest compare`` needs one as reference).
     always_exact: ClassVar[bool] = False
 
+    #: The objective kinds the estimator defines (``gradest check``/``compare`` skip others).
+    objectives: ClassVar[tuple[str, ...]] = ("terminal", "stepwise")
+
+    def unsupported_objective(self, kind: str) -> InvalidValue:
+        """The error for an objective kind this estimator does not define."""
+        from gradest.registry import available_estimators  # the registry imports strategies
+
+        other = "StepwiseObjective" if kind == "terminal" else "TerminalObjective"
+        able = sorted(n for n, c in available_estimators().items() if supports(c, kind))
+        return InvalidValue(
+            f"estimator {self.name!r} ({self!r}) is defined for {' and '.join(self.objectives)} "
+            f"objectives only, got a {kind} objective; use it with a {other}, or pick an "
+            f"estimator for {kind} objectives: {', '.join(able)}"
+        )
+
     def check_steps(self, num_steps: int) -> None:
         """Raise if the options cannot run on an ``num_steps``-step sampler (default: any).
 
@@ -277,6 +297,18 @@ class EstimatorBase:
             estimate with it; plugins that define it are checked the same way.
         """
         raise NotImplementedError(f"{type(self).__name__} has no dense definition")
+
+    def expected_decisions(
+        self, chain: Any, objective: Objective, generator: torch.Generator
+    ) -> Decisions:
+        """The decisions an estimate on ``chain``'s trajectory must make, re-derived
+        independently (:mod:`gradest.reference.decisions`) from the options, the dense
+        chain and ``generator`` in the state the estimate started from.
+
+        ``gradest check`` compares them with the estimate's and evaluates the
+        :meth:`definition` at these, so wrong decisions fail even with right arithmetic.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not re-derive its decisions")
 
     # -- what a strategy implements --------------------------------------------------------
 

@@ -2,24 +2,37 @@
 
 The toy problem is a class-conditional MLP velocity model in float64 with a smooth
 terminal loss and a stepwise loss on one recorded trajectory (common random numbers).
-For each estimator it reports the relative error to the estimator's own dense
-definition (must be at float64 precision), the relative error of its surrogate loss's
-autograd gradient to its estimate (must be at float64 precision too; "n/a" for an
-estimator without ``surrogate()``), and its relative error and cosine to the exact
-gradient (how good an approximation it is on this problem).
+For each estimator and objective kind it defines, the check
+
+* re-derives the **decisions** the estimate must make (groups, nodes, gate outcomes from
+  the reference's own velocities, scale factors, replayed random draws:
+  ``expected_decisions``, :mod:`gradest.reference.decisions`) and compares them with the
+  estimate's;
+* evaluates the estimator's **definition** at those re-derived decisions and compares the
+  estimate on the recorded trajectory with it, and again the estimate that samples
+  from the noise itself, with its noise gradient for terminal objectives (all at float64
+  precision);
+* compares its surrogate loss's autograd gradient with its estimate;
+* reports its relative error and cosine to the exact gradient (how good an
+  approximation it is on this problem) and its cost.
+
+"n/a" marks what an estimator (a plugin) does not define.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from gradest.errors import InvalidValue
 from gradest.flow import rollout
-from gradest.objectives import Objective
-from gradest.reference.definitions import definition_gradient
+from gradest.objectives import Objective, TerminalObjective
+from gradest.protocol import Definition, supports
+from gradest.reference.decisions import decisions_mismatch
+from gradest.reference.definitions import definition_at, expected_decisions
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
 from gradest.reference.problems import (
     random_stepwise_objective,
@@ -31,15 +44,24 @@ from gradest.registry import available_estimators, estimator
 from gradest.samplers import RectifiedFlow
 
 DEFINITION_TOLERANCE = 1e-8
+# Generator seeds per estimator whose decisions and definition are checked.
+DRAW_SEEDS = 4
 
-# Configurations DESIGN.md pins as known truths, checked in addition to the defaults.
+# Configurations DESIGN.md pins as known truths, checked in addition to the defaults, and
+# the non-default options of the newer estimators.
 PINNED = (
     "exact:checkpoint=true",
     "jagg:window=2,order=1",
     "jagg:window=4,shared_knots=true",
     "jagg:window=4,order=2,gate=off",
+    "jagg:debias=2,tau=0.5",
     "sdo:full_sum=true",
+    "sdo:samples=3",
     "truncated:k={N}",
+    "truncated:random=uniform,k_min=2",
+    "telescope:mean_depth=3,min_depth=2",
+    "draft_lv:copies=3",
+    "refl:last_steps=3",
 )
 
 
@@ -47,6 +69,28 @@ def default_specs(steps: int) -> list[str]:
     names = sorted(available_estimators())
     pinned = [s.format(N=steps) for s in PINNED if s.split(":")[0] in names]
     return names + pinned
+
+
+class _Verdict:
+    """Collects the cells of one row and whether every checked number passed."""
+
+    def __init__(self) -> None:
+        self.ok = True
+
+    def error_cell(self, *errors: float | None) -> str:
+        present = [e for e in errors if e is not None]
+        if not present:
+            return "n/a"
+        worst = max(present)
+        passed = worst <= DEFINITION_TOLERANCE
+        self.ok &= passed
+        return f"{worst:.1e}" + ("" if passed else " FAIL")
+
+    def decisions_cell(self, problems: list[str] | None) -> str:
+        if problems is None:
+            return "n/a"
+        self.ok &= not problems
+        return "ok" if not problems else "FAIL: " + "; ".join(dict.fromkeys(problems))
 
 
 def run_check(
@@ -73,34 +117,55 @@ def run_check(
     }
     truth = {kind: chain.gradient(exact_cotangents(chain, obj)) for kind, obj in objectives.items()}
 
+    def generator() -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
     rows, ok = [], True
-    pairs = [(est, kind) for est in estimators for kind in objectives]
+    pairs = [(est, kind) for est in estimators for kind in objectives if supports(est, kind)]
     for est, kind in tqdm(pairs, desc="gradest check", disable=not show_progress, leave=False):
         objective = objectives[kind]
-        result = est.estimate(
+        verdict = _Verdict()
+        inputs = {"cond": cond, "generator": generator()}
+        # Decisions and definition over a few draws: one draw shows only the outcomes it
+        # happened to make (a depth of 1 hides every weight of a telescope).
+        problems, later_errors = None, []
+        for offset in range(1, DRAW_SEEDS):
+            again = est.estimate(
+                model,
+                flow,
+                objective,
+                trajectory=trajectory,
+                cond=cond,
+                generator=torch.Generator().manual_seed(seed + offset),
+            )
+            seen, definition = _verified(est, chain, objective, again, seed + offset)
+            if seen is not None:
+                problems = (problems or []) + seen
+            if definition is not None:
+                later_errors.append(relative_error(again.flat(), definition.grad))
+        result = est.estimate(model, flow, objective, trajectory=trajectory, **inputs)
+        flat = result.flat()
+        seen, definition = _verified(est, chain, objective, result, seed)
+        if seen is not None:
+            problems = (problems or []) + seen
+        # The same estimate sampling from the noise itself (the path is the recorded one:
+        # the sampler is deterministic), with the noise gradient where there is one.
+        terminal = isinstance(objective, TerminalObjective)
+        sampled = est.estimate(
             model,
             flow,
             objective,
-            trajectory=trajectory,
-            cond=cond,
-            generator=torch.Generator().manual_seed(seed),
+            noise=noise,
+            noise_grad=terminal,
+            **{**inputs, "generator": generator()},
         )
-        flat = result.flat()
-        definition = definition_gradient(est, chain, objective, result)
-        if definition is None:
-            vs_definition = "n/a"
-        else:
-            error = relative_error(flat, definition)
-            ok &= error <= DEFINITION_TOLERANCE
-            vs_definition = f"{error:.1e}" + ("" if error <= DEFINITION_TOLERANCE else " FAIL")
-        vs_surrogate = _surrogate_error(est, model, flow, objective, trajectory, cond, seed, flat)
-        if vs_surrogate is None:
-            surrogate_cell = "n/a"
-        else:
-            ok &= vs_surrogate <= DEFINITION_TOLERANCE
-            surrogate_cell = f"{vs_surrogate:.1e}" + (
-                "" if vs_surrogate <= DEFINITION_TOLERANCE else " FAIL"
-            )
+        vs_definition, from_noise, noise_grad = None, None, None
+        if definition is not None:
+            vs_definition = max([relative_error(flat, definition.grad), *later_errors])
+            from_noise = relative_error(sampled.flat(), definition.grad)
+            if terminal and definition.noise_grad is not None and sampled.noise_grad is not None:
+                noise_grad = _noise_grad_error(sampled.noise_grad, definition.noise_grad)
+        surrogate = _surrogate_error(est, model, flow, objective, trajectory, cond, seed, flat)
         exact = truth[kind]
         cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
         cost = result.cost
@@ -108,8 +173,10 @@ def run_check(
             (
                 repr(est),
                 kind,
-                vs_definition,
-                surrogate_cell,
+                verdict.decisions_cell(problems),
+                verdict.error_cell(vs_definition),
+                verdict.error_cell(from_noise, noise_grad),
+                verdict.error_cell(surrogate),
                 f"{relative_error(flat, exact):.2e}",
                 f"{cosine:.4f}",
                 str(cost.param_vjps),
@@ -117,10 +184,13 @@ def run_check(
                 f"{cost.model_units():g}",
             )
         )
+        ok &= verdict.ok
     header = (
         "estimator",
         "objective",
+        "decisions",
         "vs definition",
+        "from noise (+ noise grad)",
         "surrogate vs estimate",
         "rel.err vs exact",
         "cos vs exact",
@@ -134,11 +204,31 @@ def run_check(
     )
     print(_markdown_table(header, rows))
     print(
-        "all estimators match their definitions"
+        "all estimators make the decisions and match the definitions they define"
         if ok
-        else "SOME ESTIMATORS DO NOT MATCH THEIR DEFINITIONS"
+        else "SOME ESTIMATORS DO NOT MATCH THEIR DECISIONS OR DEFINITIONS"
     )
     return ok
+
+
+def _verified(
+    est: Any, chain: Any, objective: Objective, result: Any, seed: int
+) -> tuple[list[str] | None, Definition | None]:
+    """The decision mismatches of ``result`` (None if the estimator does not re-derive
+    them) and the definition at the re-derived decisions (at its own without them)."""
+    expected = expected_decisions(est, chain, objective, torch.Generator().manual_seed(seed))
+    if expected is None:
+        return None, definition_at(est, chain, objective, result.decisions)
+    return decisions_mismatch(result.decisions, expected), definition_at(
+        est, chain, objective, expected
+    )
+
+
+def _noise_grad_error(estimate: torch.Tensor, truth: torch.Tensor) -> float:
+    """Relative error, or the absolute one where the truth is zero (a cut chain)."""
+    if float(truth.norm()) == 0.0:
+        return float(estimate.to(torch.float64).norm())
+    return relative_error(estimate, truth)
 
 
 def _surrogate_error(

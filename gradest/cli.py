@@ -19,6 +19,14 @@ from collections.abc import Sequence
 from gradest import registry
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import check_output_dir
+from gradest.protocol import supports
+
+# The main job's line-up: every built-in estimator in its recommended form, the new
+# unbiased ones beside the biased ones they correct.
+COMPARE_DEFAULT = (
+    "exact,jagg:window=4,jagg:window=4,debias=2,jagg:window=4,shared_knots=true,sdo,"
+    "truncated:k=1,truncated:random=uniform,k_min=2,telescope,draft_lv,refl"
+)
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -61,13 +69,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from gradest.harness.compare import compare
     from gradest.harness.embedded import embedded_problem
-    from gradest.harness.sweeps import jagg_span_sweep, jagg_tau_sweep
+    from gradest.harness.sweeps import jagg_debias_sweep, jagg_span_sweep, jagg_tau_sweep
 
     specs = split_specs(args.estimators)
     if not specs:
         raise InvalidValue("--estimators is empty; e.g. --estimators exact,jagg:window=4,sdo")
     for spec in specs:  # fail on a bad spec before any work starts
         registry.estimator(spec)
+    if args.estimators == COMPARE_DEFAULT:
+        # The default line-up holds terminal-only estimators; a stepwise run leaves them
+        # out and says so (an explicit --estimators list is checked by compare itself).
+        kept = [s for s in specs if supports(registry.estimator(s), args.objective)]
+        if len(kept) < len(specs) and not args.quiet:
+            left = ", ".join(s for s in specs if s not in kept)
+            print(f"gradest compare: {left} left out (no {args.objective} objectives)")
+        specs = kept
     for flag, value in (
         ("--seeds", args.seeds),
         ("--draws", args.draws),
@@ -129,6 +145,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 steps=min(8, args.steps),
             ),
             "tau": jagg_tau_sweep(problem.model, problem.flow, problem.objective, trajectory, cond),
+            "debias": jagg_debias_sweep(
+                problem.model, problem.flow, problem.objective, trajectory, cond
+            ),
         }
     report.write(out, plots=not args.no_plots)
     print(report.to_markdown())
@@ -189,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--steps", type=int, default=50, help="sampling steps N (default 50)")
     cmp.add_argument(
         "--estimators",
-        default="exact,jagg:window=4,jagg:window=4,shared_knots=true,sdo,truncated:k=1",
+        default=COMPARE_DEFAULT,
         help="comma-separated estimator specs (options continue a spec: jagg:window=4,tau=0.9)",
     )
     cmp.add_argument("--seeds", type=int, default=16, help="trajectories (default 16)")

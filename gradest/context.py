@@ -42,7 +42,7 @@ class AdjointSweep:
             (``[N - start, B, ...]``).
         velocities: the model's velocity at each swept state (from the sweep's forwards).
         state_grad: ``a_start``, the gradient w.r.t. the first swept state (only
-            meaningful when the noise gradient was requested or the sweep was joint).
+            meaningful for a joint sweep, or from step 0 with the noise gradient wanted).
         grads: the parameter gradient of a joint sweep (None for a state-only sweep).
     """
 
@@ -217,9 +217,16 @@ class EstimationContext:
         self._velocities_are_current = True
 
     def decide(self, decisions: Decisions) -> None:
-        """Record the estimator's decisions (also copied into ``info`` for logs)."""
+        """Record the estimator's decisions (also copied into ``info`` for logs; tensors,
+        such as drawn noise, only by their shape)."""
         self.decisions = decisions
-        self.info.update(_as_lists(attrs.asdict(decisions)))
+        fields = attrs.asdict(decisions, recurse=False)
+        self.info.update(
+            {
+                name: f"tensor{list(value.shape)}" if isinstance(value, Tensor) else value
+                for name, value in _as_lists(fields).items()
+            }
+        )
 
     def velocity(self, k: int) -> Tensor:
         """Current-model velocity at recorded state ``k`` (a no-graph forward if needed)."""
@@ -247,20 +254,42 @@ class EstimationContext:
 
     # -- the adjoint ----------------------------------------------------------------------
 
-    def retained_chain(self) -> RetainedChain:
-        """Every step's graph kept from its own leaf (:class:`~gradest.vjp.RetainedChain`):
-        sampled from ``noise`` (and recorded), or evaluated at the recorded states."""
+    def retained_chain(self, start: int = 0) -> RetainedChain:
+        """Steps ``start..N-1`` with each step's graph kept from its own leaf
+        (:class:`~gradest.vjp.RetainedChain`): sampled from ``noise`` (the first ``start``
+        steps without a graph; the whole path recorded), or evaluated at the recorded states."""
         if self._trajectory is not None:
             states = self._trajectory.states
             return self.field.retained_chain(
-                self.coefficients, self.times, 0, states[0], self.step_noise(), recorded=states
+                self.coefficients,
+                self.times,
+                start,
+                states[start],
+                self.step_noise(),
+                recorded=states[start:],
             )
         assert self.noise is not None
+        head_states, head_velocities = self._sample_without_graph(self.noise.detach(), range(start))
         chain = self.field.retained_chain(
-            self.coefficients, self.times, 0, self.noise, self.step_noise()
+            self.coefficients, self.times, start, head_states[-1], self.step_noise()
         )
-        self.record(chain.states, chain.velocities)
+        if start:
+            self.record(
+                torch.cat([torch.stack(head_states[:-1]), chain.states]),
+                torch.cat([torch.stack(head_velocities), chain.velocities]),
+            )
+        else:
+            self.record(chain.states, chain.velocities)
         return chain
+
+    def state_at(self, k: int) -> Tensor:
+        """``z_k``: recorded, or sampled from ``noise`` without a graph through steps
+        ``0..k-1`` (``k`` forwards; the path is not recorded, for estimators that stop there)."""
+        if self._trajectory is not None:
+            return self._trajectory.states[k]
+        assert self.noise is not None
+        states, _ = self._sample_without_graph(self.noise.detach(), range(k))
+        return states[-1]
 
     def adjoint_sweep(
         self,
@@ -277,7 +306,8 @@ class EstimationContext:
         (state and parameters: the exact ``sum_k J_k^T c_k`` of the swept steps, one
         step's graph at a time; ``estimate()`` only); otherwise state-only VJPs, which skip
         the parameter part. Every step costs one forward with graph, except a state-only
-        step 0 when the noise gradient is not wanted (``c_0`` needs only ``a_1``). With a
+        first swept step whose ``a_start`` nobody needs (``c_start`` needs only
+        ``a_{start+1}``; ``a_0`` is the noise gradient, needed when it is wanted). With a
         retained ``chain`` the state-only VJPs run through its kept graphs (no forward);
         the graphs of the steps in ``keep`` stay for a later parameter VJP.
         """
@@ -288,6 +318,8 @@ class EstimationContext:
         cotangents: list[Tensor] = [terminal_adjoint] * len(swept)
         velocities: list[Tensor] = [terminal_adjoint] * len(swept)
         grads: ParamGradient | None = None
+        # a_start is needed only as the noise gradient (start 0, when it is wanted).
+        need_first = start == 0 and self.want_noise_grad
         for k in reversed(swept):
             cotangent = float(beta[k]) * adjoint
             z, t = trajectory.states[k], self.times[k]
@@ -296,14 +328,14 @@ class EstimationContext:
                 grads = add_grads(grads, step_grads)
             elif chain is not None:
                 v = chain.velocities[k - chain.start]
-                if k == 0 and not self.want_noise_grad:
+                if k == start and not need_first:
                     z_grad = None
                     if k not in keep:
                         chain.release(k)
                 else:
                     z_grad = chain.state_vjp(k, cotangent, keep=k in keep)
-            elif k == 0 and not self.want_noise_grad:
-                v, z_grad = self.velocity(0), None
+            elif k == start and not need_first:
+                v, z_grad = self.velocity(k), None
             else:
                 v, z_grad = self.field.state_vjp(z, t, cotangent)
             cotangents[k - start], velocities[k - start] = cotangent, v

@@ -74,6 +74,12 @@ class Definition:
     noise_grad: Tensor | None = None
 
 
+def supports(estimator: Any, kind: str) -> bool:
+    """Whether ``estimator`` defines ``kind`` (``"terminal"``/``"stepwise"``) objectives:
+    its ``objectives`` class attribute, both kinds when it has none (plugins)."""
+    return kind in getattr(estimator, "objectives", ("terminal", "stepwise"))
+
+
 def is_estimator(candidate: Any) -> bool:
     """Whether ``candidate`` can estimate (has a callable ``estimate``): the one duck check."""
     return callable(getattr(candidate, "estimate", None))

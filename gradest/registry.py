@@ -34,6 +34,9 @@ BUILTINS = {
     "jagg": "gradest.strategies.jagg:Jagg",
     "sdo": "gradest.strategies.sdo:ShortcutDiffusion",
     "truncated": "gradest.strategies.truncated:Truncated",
+    "telescope": "gradest.strategies.telescope:Telescope",
+    "draft_lv": "gradest.strategies.draft_lv:DraftLV",
+    "refl": "gradest.strategies.refl:Refl",
 }
 DISABLE_ENV = "GRADEST_DISABLE_PLUGINS"
 _OWN_DISTRIBUTION = "gradest"

@@ -17,6 +17,10 @@ the ``repr`` and, for stochastic samplers, the Gaussian log-density of a recorde
 * :class:`StochasticFlowMatchSampler`: diffusers' ``FlowMatchEulerDiscreteScheduler`` with
   ``stochastic_sampling=True``.
 
+All three share the rectified-flow interpolant ``z_t = t eps + (1 - t) x`` (``t = 1``
+noise, ``t = 0`` data), which :meth:`TimeGrid.noised` and :meth:`TimeGrid.jump_to_end`
+expose for the estimators that leave the recorded chain (``draft_lv``, ``refl``).
+
 The one sampling loop that runs any of them is :func:`gradest.flow.integrate`.
 """
 
@@ -135,6 +139,21 @@ class TimeGrid:
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(alpha, beta, sigma)`` of ``z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k``."""
         raise NotImplementedError
+
+    # -- the rectified-flow interpolant ``z_t = t eps + (1 - t) x`` (every sampler here) ---
+    # Estimators that leave the recorded chain (DRaFT-LV re-noises the final sample, ReFL
+    # jumps to the end in one step) need the interpolant, which the affine step form does
+    # not carry; a sampler with another interpolant overrides both.
+
+    def noised(self, data: Tensor, k: int, noise: Tensor) -> Tensor:
+        """``t_k noise + (1 - t_k) data``: ``data`` noised to the grid time ``t_k``."""
+        t = float(self.times[k])
+        return t * noise + (1.0 - t) * data
+
+    def jump_to_end(self, k: int) -> float:
+        """``b`` in ``z^_N = z_k + b v_k``, the one-step prediction of the state at ``t_N``
+        from step ``k`` (``b = t_N - t_k``; the data prediction ``z - t v`` when ``t_N = 0``)."""
+        return float(self.times[-1] - self.times[k])
 
     def _options(self) -> str:
         """Further ``repr`` arguments after the grid (``", noise_level=0.7"``)."""
@@ -308,3 +327,15 @@ class StochasticFlowMatchSampler(TimeGrid):
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         sigma, sigma_next = self.times[:-1], self.times[1:]
         return 1.0 - sigma_next, -(1.0 - sigma_next) * sigma, sigma_next.clone()
+
+
+def require_interpolant(flow: Any, estimator: str) -> TimeGrid:
+    """``flow`` if it knows its interpolant (``noised``/``jump_to_end``), else a clear error."""
+    if callable(getattr(flow, "noised", None)) and callable(getattr(flow, "jump_to_end", None)):
+        return flow
+    raise InvalidType(
+        f"estimator {estimator!r} needs the sampler's interpolant (methods noised(data, k, "
+        f"noise) and jump_to_end(k)), which {type(flow).__name__} does not define; use "
+        f"gradest.RectifiedFlow / FlowSDE / StochasticFlowMatchSampler (rectified-flow "
+        f"interpolant z_t = t eps + (1 - t) x), or add the two methods to your sampler"
+    )

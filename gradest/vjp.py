@@ -322,7 +322,8 @@ class VelocityField:
 
     @staticmethod
     def _floats(times: Sequence[float] | Tensor | float) -> list[float]:
-        return [float(t) for t in torch.as_tensor(times).reshape(-1)]
+        # float64: a list of Python floats would otherwise become float32 and round t.
+        return [float(t) for t in torch.as_tensor(times, dtype=torch.float64).reshape(-1)]
 
     def _module_call(
         self, module: torch.nn.Module, params: Grads | None

@@ -48,7 +48,13 @@ def problem(
     if frozen:
         model.input.weight.requires_grad_(False)
         model.time_embed.mlp[0].requires_grad_(False)
-    flow = gradest.RectifiedFlow(steps=STEPS) if flow_kind == "rectified" else NoisyAffineSampler()
+    flows = {
+        "rectified": lambda: gradest.RectifiedFlow(steps=STEPS),
+        "noisy": NoisyAffineSampler,
+        # Stochastic steps and the rectified-flow interpolant (draft_lv, refl need it).
+        "sde": lambda: gradest.FlowSDE(steps=STEPS, noise_level=0.5),
+    }
+    flow = flows[flow_kind]()
     noise = seeded_normal((BATCH, DIM), seed=11)
     cond = {"y": torch.tensor([0, 2, 1, 3])} if conditioned else None  # 3 is the null class
     seed = 3
@@ -71,3 +77,19 @@ def run(est, p: Problem, objective, source: str, seed: int | None = None, **kwar
     return est.estimate(
         p.model, p.flow, objective, cond=p.cond, generator=generator, **inputs, **kwargs
     )
+
+
+def surrogate_flat(est, p: Problem, objective, source: str = "noise", seed: int | None = None):
+    """``(autograd gradient of est.surrogate(...).loss, flat; the Surrogate)`` on ``p``."""
+    inputs = {"noise": p.noise} if source == "noise" else {"trajectory": p.trajectory}
+    generator = torch.Generator().manual_seed(p.seed if seed is None else seed)
+    sur = est.surrogate(p.model, p.flow, objective, cond=p.cond, generator=generator, **inputs)
+    params = [q for q in p.model.parameters() if q.requires_grad]
+    grads = torch.autograd.grad(sur.loss, params, allow_unused=True)
+    flat = torch.cat(
+        [
+            (torch.zeros_like(q) if g is None else g).reshape(-1)
+            for q, g in zip(params, grads, strict=True)
+        ]
+    )
+    return flat, sur

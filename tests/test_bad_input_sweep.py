@@ -39,6 +39,7 @@ from torch import nn
 import gradest
 from gradest import cli
 from gradest.reference.problems import (
+    NoisyAffineSampler,
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,
@@ -730,6 +731,60 @@ CASES: list[Case] = [
         "random='0.5/x'",
     ),
     api('estimator("truncated:k=two")', lambda: gradest.estimator("truncated:k=two"), "k='two'"),
+    api(
+        'estimator("truncated", k=3, k_min=2)',
+        lambda: gradest.estimator("truncated", k=3, k_min=2),
+        "k_min=2",
+        "random='uniform'",
+    ),
+    api(
+        'estimator("truncated", random="uniform", k=2, k_min=3)',
+        lambda: gradest.estimator("truncated", random="uniform", k=2, k_min=3),
+        "k_min=3",
+        "k=2",
+    ),
+    # telescope
+    api(
+        'estimator("telescope", mean_depth=0.5)',
+        lambda: gradest.estimator("telescope", mean_depth=0.5),
+        "mean_depth=0.5",
+    ),
+    api(
+        'estimator("telescope", mean_depth=2, min_depth=3)',
+        lambda: gradest.estimator("telescope", mean_depth=2.0, min_depth=3),
+        "min_depth=3",
+        "mean_depth=2",
+    ),
+    api(
+        'estimator("telescope", mean_depth=5).estimate(<4-step flow>)',
+        lambda: estimate(estimator="telescope:mean_depth=5"),
+        "mean_depth=5",
+        "N=4",
+    ),
+    # draft_lv and refl: terminal objectives, samplers with an interpolant
+    api(
+        'estimator("draft_lv").estimate(<stepwise objective>)',
+        lambda: estimate(model, flow, stepwise, estimator="draft_lv"),
+        "draft_lv",
+        "stepwise",
+    ),
+    api(
+        'estimator("refl").estimate(<sampler without an interpolant>)',
+        lambda: estimate(model, NoisyAffineSampler(STEPS), estimator="refl"),
+        "refl",
+        "noised",
+    ),
+    api(
+        'estimator("refl", last_steps=5).estimate(<4-step flow>)',
+        lambda: estimate(estimator="refl:last_steps=5"),
+        "last_steps=5",
+        "N=4",
+    ),
+    api(
+        'estimator("draft_lv", copies=0)',
+        lambda: gradest.estimator("draft_lv", copies=0),
+        "copies=0",
+    ),
     # registry spec strings
     api('estimator("")', lambda: gradest.estimator(""), "spec", "''"),
     api(

@@ -22,7 +22,9 @@ from gradest.protocol import Decisions
 from gradest.reference import definition_gradient, dense_chain, relative_error
 from gradest.reference.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 from gradest.strategies.jagg import JaggDecisions
+from gradest.strategies.refl import ReflDecisions
 from gradest.strategies.sdo import SdoDecisions
+from gradest.strategies.telescope import TelescopeDecisions
 from gradest.strategies.truncated import TruncatedDecisions
 
 DIM, BATCH, STEPS = 3, 2, 6
@@ -43,6 +45,8 @@ def problem():
         ("jagg:window=3,tau=1.0", JaggDecisions, {"fallback_groups": (0, 1)}),
         ("sdo:samples=2", SdoDecisions, {"scale": 3.0}),
         ("truncated:k=4", TruncatedDecisions, {"k": 4}),
+        ("telescope:mean_depth=6", TelescopeDecisions, {"depth": 6, "noise_weight": 1.0}),
+        ("refl:last_steps=1", ReflDecisions, {"step": 5, "window": 1}),
     ],
 )
 def test_decisions_are_typed_frozen_records(problem, spec, record, fields):

@@ -338,9 +338,7 @@ def test_fused_terminal_jagg_costs_fewer_flops_than_exact(
     recomputing = flops_of(gradest.estimator(spec + ",low_memory=true"))
     assert fused / exact <= FUSED_JAGG_FLOPS_OVER_EXACT[spec]
     # The low-memory form pays a forward per step in the sweep and one per node more.
-    assert recomputing - fused == pytest.approx(
-        (N + len(_nodes(spec))) * forward_flops, rel=0.05
-    )
+    assert recomputing - fused == pytest.approx((N + len(_nodes(spec))) * forward_flops, rel=0.05)
 
 
 def _nodes(spec: str) -> list[int]:

@@ -271,7 +271,7 @@ def test_summarize_info():
         ({"lr": math.inf}, ValueError, "lr must be a finite float > 0"),
         ({"optimizer": "adam"}, ValueError, "optimizer must be one of adamw, sgd"),
         ({"sampler_steps": 0}, ValueError, "sampler_steps must be >= 1"),
-        ({"estimator": "nope"}, gradest.UnknownEstimatorError, "available: exact"),
+        ({"estimator": "nope"}, gradest.UnknownEstimatorError, "available: draft_lv, exact"),
         ({"estimator": "jagg:windw=4"}, TypeError, "windw"),
         ({"estimator": "jagg:window=1"}, ValueError, "window"),
         ({"estimator": "sdo:samples=9"}, ValueError, "samples=9 exceeds the flow's N=4 steps"),

@@ -12,7 +12,9 @@ import torch
 import gradest
 from gradest.base import EstimatorBase
 from gradest.cli import main, split_specs
-from gradest.harness.compare import compare
+from gradest.errors import InvalidValue
+from gradest.harness.compare import compare, draw_generator
+from gradest.harness.cost import COST_DRAWS, count_flops
 from gradest.harness.report import SCHEMA, Report
 from gradest.harness.statistics import trajectory_stats
 from gradest.options import option
@@ -291,9 +293,78 @@ def test_cli_compare_end_to_end(tmp_path, capsys):
         "mse_vs_cost.png",
         "jagg_span.png",
         "tau_sweep.png",
+        "jagg_debias.png",
     } <= names
     sweeps = json.loads((out / "report.json").read_text())["config"]["sweeps"]
     assert abs(sweeps["span"]["orders"]["1"]["slope"] - 2) <= 0.3
+    assert [row["debias"] for row in sweeps["debias"]] == [0, 1, 2, 4, 8]
+    assert "jagg debias sweep" in printed
+
+
+def test_default_compare_leaves_terminal_only_estimators_out_of_a_stepwise_run(tmp_path, capsys):
+    code = main(
+        [
+            "compare",
+            "--steps",
+            "8",
+            "--seeds",
+            "1",
+            "--draws",
+            "2",
+            "--repeats",
+            "1",
+            "--objective",
+            "stepwise",
+            "--no-sweeps",
+            "--no-plots",
+            "--out",
+            str(tmp_path / "c"),
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "draft_lv, refl left out (no stepwise objectives)" in printed
+    assert "| `telescope` |" in printed and "| `refl` |" not in printed
+
+
+def test_compare_refuses_an_estimator_without_the_objective_kind():
+    model, flow, objective, noise_fn = _problem("stepwise")
+    with pytest.raises(InvalidValue, match="does not define stepwise objectives"):
+        compare(model, flow, objective, ["exact", "refl"], noise_fn=noise_fn, seeds=1)
+
+
+def test_debias_sweep_trades_the_interpolation_bias_for_variance():
+    from gradest.harness.sweeps import jagg_debias_sweep
+
+    model, flow, objective, noise_fn = _problem("terminal")
+    trajectory = gradest.rollout(model, flow, noise_fn(0))
+    rows = jagg_debias_sweep(model, flow, objective, trajectory, window=3, debias=(0, 1, 2, 9))
+    assert [r["debias"] for r in rows] == [0, 1, 2]  # 9 > N is skipped
+    plain, one, two = rows
+    assert plain["variance"] == 0 and plain["bias_squared"] > 0 and plain["draws"] == 1
+    # Unbiased draws: the squared bias left after removing the mean's noise is far below
+    # plain jagg's; the variance falls with m (the correction's scale N/m).
+    assert one["bias_squared"] < 0.2 * plain["bias_squared"]
+    assert one["variance"] > two["variance"] > 0
+
+
+def test_stochastic_costs_are_averaged_over_draws():
+    model, flow, objective, noise_fn = _problem("terminal")
+    report = compare(
+        model, flow, objective, ["truncated:random=uniform"], noise_fn=noise_fn, seeds=1, draws=4
+    )
+    row = next(r for r in report.rows if r.label.startswith("truncated"))
+    noise = noise_fn(0)
+    flops = [
+        count_flops(
+            lambda d=d: gradest.estimator("truncated:random=uniform").estimate(
+                model, flow, objective, noise=noise, generator=draw_generator(0, d)
+            )
+        )
+        for d in range(COST_DRAWS)
+    ]
+    assert row.cost.flops == round(sum(flops) / COST_DRAWS)
+    assert len(set(flops)) > 1  # the draws differ in depth, so the mean is not one draw
 
 
 @pytest.mark.parametrize(

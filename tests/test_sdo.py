@@ -17,6 +17,7 @@ import attrs
 import pytest
 import scipy.stats
 import torch
+from mean_checks import standard_error
 from recorded_problem import (
     BATCH,
     DIM,
@@ -153,19 +154,13 @@ def sdo_draws(samples: int) -> tuple[Tensor, tuple[tuple[int, ...], ...]]:
     )
 
 
-def _standard_error(draws: Tensor) -> float:
-    """``sqrt(tr(Cov) / n)`` with the unbiased sample covariance."""
-    centred = draws - draws.mean(0)
-    return math.sqrt(float(centred.pow(2).sum()) / (draws.shape[0] - 1) / draws.shape[0])
-
-
 @pytest.mark.slow  # DRAWS estimates, computed once and shared by these tests
 @pytest.mark.parametrize("samples", [1, 3])
 def test_sdo_mean_of_draws_converges_to_the_full_sum_not_to_exact(samples):
     p = problem()
     objective = objective_of("terminal")
     draws, _ = sdo_draws(samples)
-    mean, se = draws.mean(0), _standard_error(draws)
+    mean, se = draws.mean(0), standard_error(draws)
     full_sum = sdo_full_sum_definition(p.chain, objective)
     exact, _ = exact_gradient(p.model, p.flow, objective, p.trajectory, chain=p.chain)
     exact_flat = torch.cat([g.reshape(-1) for g in exact.values()])

@@ -8,12 +8,12 @@ that the bound also rejects a wrong target.
 from __future__ import annotations
 
 import functools
-import math
 
 import attrs
 import pytest
 import scipy.stats
 import torch
+from mean_checks import standard_error
 from recorded_problem import (
     BATCH,
     DIM,
@@ -25,6 +25,7 @@ from recorded_problem import (
 from torch import Tensor
 
 import gradest
+from gradest.errors import InvalidValue
 from gradest.reference import exact_gradient, relative_error
 from gradest.reference.problems import (
     random_stepwise_objective,
@@ -54,6 +55,7 @@ OPTIONS = [
     {"k": STEPS},
     {"random": "uniform"},
     {"random": "uniform", "k": 2},
+    {"random": "uniform", "k_min": 3, "k": 5},
     {"random": (0.5, 0.3, 0.2)},
 ]
 
@@ -77,7 +79,7 @@ def test_truncated_matches_its_dense_definition(setup, source, objective_kind, o
     if random is None:
         assert kept == options.get("k", 1)
     elif random == "uniform":
-        assert 1 <= kept <= options.get("k", STEPS)
+        assert options.get("k_min", 1) <= kept <= options.get("k", STEPS)
     else:
         assert 1 <= kept <= len(random) and random[kept - 1] > 0
     assert list(result.grads) == [n for n, q in p.model.named_parameters() if q.requires_grad]
@@ -146,12 +148,6 @@ def truncated_draws(random: str | tuple[float, ...]) -> tuple[Tensor, tuple[int,
     return torch.stack([r.flat() for r in results]), tuple(r.info["k"] for r in results)
 
 
-def _standard_error(draws: Tensor) -> float:
-    """``sqrt(tr(Cov) / n)`` with the unbiased sample covariance."""
-    centred = draws - draws.mean(0)
-    return math.sqrt(float(centred.pow(2).sum()) / (draws.shape[0] - 1) / draws.shape[0])
-
-
 @pytest.mark.slow  # DRAWS estimates, computed once and shared by these tests
 @pytest.mark.parametrize("random", ["uniform", (0.5, 0.3, 0.2)], ids=["uniform", "tuple"])
 def test_randomized_truncation_is_unbiased_for_its_expectation(random):
@@ -160,7 +156,7 @@ def test_randomized_truncation_is_unbiased_for_its_expectation(random):
     draws, _ = truncated_draws(random)
     probabilities = uniform_probabilities(STEPS) if random == "uniform" else random
     expectation = truncated_expectation(p.chain, objective, probabilities)
-    mean, se = draws.mean(0), _standard_error(draws)
+    mean, se = draws.mean(0), standard_error(draws)
     assert float((mean - expectation).norm()) <= 5 * se
     # Power: the bound rejects exact (the expectation of a truncation is still biased)
     # and a wrong distribution of k (uniform on 1..3 instead of the one asked for).
@@ -284,3 +280,15 @@ def test_truncated_spec_strings_and_attrs():
     est = Truncated(random=[0.25, 0.75])
     assert est.random == (0.25, 0.75) and hash(est) == hash(Truncated(random=(0.25, 0.75)))
     assert attrs.evolve(Truncated(k=2), k=3).k == 3
+
+
+def test_k_min_is_checked_against_the_other_options():
+    with pytest.raises(InvalidValue, match="k_min=2 applies to random='uniform' only"):
+        Truncated(k=3, k_min=2)
+    with pytest.raises(InvalidValue, match="k_min=4 exceeds k=3"):
+        Truncated(random="uniform", k=3, k_min=4)
+    with pytest.raises(InvalidValue, match=r"k_min=7 exceeds the flow's N=6"):
+        run(Truncated(random="uniform", k_min=7), problem(), objective_of("terminal"), "noise")
+    assert gradest.estimator("truncated:random=uniform,k_min=2,k=4") == Truncated(
+        random="uniform", k_min=2, k=4
+    )

@@ -9,6 +9,7 @@ Stochastic estimators are drawn ``draws`` times per trajectory; deterministic on
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 import platform
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from gradest.errors import InvalidType, InvalidValue
 from gradest.flow import Trajectory, rollout
 from gradest.harness.cost import (
+    COST_DRAWS,
     count_flops,
     interleaved_wall_times,
     ratio,
@@ -30,7 +32,7 @@ from gradest.harness.cost import (
 from gradest.harness.report import CostRow, EstimatorRow, Report
 from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
-from gradest.protocol import is_estimator
+from gradest.protocol import is_estimator, supports
 from gradest.registry import estimator as build_estimator
 from gradest.samplers import AffineSampler
 
@@ -133,6 +135,13 @@ def compare(
     if not estimators:
         raise InvalidValue("estimators is empty; pass e.g. ['exact', 'jagg:window=4', 'sdo']")
     resolved = [_resolve(spec, "each estimator") for spec in estimators]
+    kind = "terminal" if isinstance(objective, TerminalObjective) else "stepwise"
+    for est in resolved:
+        if not supports(est, kind):
+            raise InvalidValue(
+                f"estimator {est!r} does not define {kind} objectives (it is for "
+                f"{' and '.join(est.objectives)} only); leave it out of estimators"
+            )
     reference_est = _resolve(reference, "reference")
     if not getattr(type(reference_est), "always_exact", False):
         raise InvalidValue(
@@ -182,11 +191,13 @@ def compare(
         stochastic = is_stochastic(est, lambda e, g: run(e, seed_list[0], g).flat())
         per_seed: list[TrajectoryStats] = []
         fallback: list[float] = []
+        param_vjps: list[int] = []
         for seed in seed_list:
             results = [
                 run(est, seed, draw_generator(seed, d)) for d in range(draws if stochastic else 1)
             ]
             per_seed.append(trajectory_stats([r.flat() for r in results], references[seed]))
+            param_vjps += [r.cost.param_vjps for r in results]
             fallback += [
                 r.info["fallback_fraction"] for r in results if "fallback_fraction" in r.info
             ]
@@ -206,6 +217,7 @@ def compare(
                 variance=Estimate.of([s.variance for s in per_seed]),
                 mse=Estimate.of([s.mse for s in per_seed]),
                 counts=first.cost,
+                mean_param_vjps=sum(param_vjps) / len(param_vjps),
                 fallback_fraction=sum(fallback) / len(fallback) if fallback else None,
                 gate_cosines=list(first.info.get("gate_cosines", []) or []),
                 groups=[list(g) for g in first.info.get("groups", [])],
@@ -219,6 +231,7 @@ def compare(
             flow,
             objective,
             [reference_est, *resolved],
+            {row.spec for row in rows if row.stochastic},
             noise_fn(seed_list[0]),
             cond_of(seed_list[0]),
             trajectory_of(seed_list[0]),
@@ -252,6 +265,7 @@ def _measure_costs(
     flow: AffineSampler,
     objective: Objective,
     estimators: Sequence[Any],
+    stochastic: set[str],
     noise: Tensor,
     cond: Mapping[str, Any] | None,
     trajectory: Trajectory,
@@ -262,35 +276,52 @@ def _measure_costs(
 
     Terminal objectives are measured from noise, so each estimator samples the cheapest
     way for its strategy (sampling is part of its cost); stepwise objectives on the
-    recorded trajectory, which is what the DESIGN.md cost model prices.
+    recorded trajectory, which is what the DESIGN.md cost model prices. The work of a
+    stochastic estimator (``stochastic``: their reprs) changes with its draw (a random
+    depth, a random subset), so its FLOPs and bytes are the mean over ``COST_DRAWS`` draws
+    and its timed calls cycle through them.
     """
     terminal = isinstance(objective, TerminalObjective)
     calls = {}
+    draw_counts: dict[str, int] = {}
     for est in estimators:
         inputs = {"noise": noise} if terminal else {"trajectory": trajectory}
+        spec = repr(est)
+        draw_counts[spec] = COST_DRAWS if spec in stochastic else 1
+        cycle = itertools.cycle(range(draw_counts[spec]))
 
-        def call(est: Any = est, inputs: dict = inputs) -> Any:
+        def call(est: Any = est, inputs: dict = inputs, cycle: Any = cycle) -> Any:
             result = est.estimate(
-                model, flow, objective, cond=cond, generator=draw_generator(0, 0), **inputs
+                model,
+                flow,
+                objective,
+                cond=cond,
+                generator=draw_generator(0, next(cycle)),
+                **inputs,
             )
             if noise.is_cuda:  # time the work, not the kernel launches
                 torch.cuda.synchronize()
             return result
 
-        calls[repr(est)] = call
+        calls[spec] = call
     rows: dict[str, CostRow] = {}
     for spec, call in calls.items():
         cuda_peak = None
+        draws = draw_counts[spec]
         if noise.is_cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            call()
+            for _ in range(draws):
+                call()
             torch.cuda.synchronize()
             cuda_peak = torch.cuda.max_memory_allocated() - before
+        # Each measurement runs the draws 0..draws-1 in turn (the cycle restarts in step).
         rows[spec] = CostRow(
-            flops=count_flops(call),
-            retained_bytes=retained_activation_bytes(call),
+            flops=round(sum(count_flops(call) for _ in range(draws)) / draws),
+            retained_bytes=round(
+                sum(retained_activation_bytes(call) for _ in range(draws)) / draws
+            ),
             wall_time_s=math.nan,
             cuda_peak_bytes=cuda_peak,
         )

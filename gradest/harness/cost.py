@@ -41,6 +41,10 @@ from torch.utils.flop_counter import flop_registry
 
 from gradest.errors import InvalidValue
 
+# Draws a stochastic estimator's FLOPs and retained bytes are averaged over (a random depth
+# or subset changes the work of each call).
+COST_DRAWS = 8
+
 __all__ = [
     "count_flops",
     "interleaved_wall_times",

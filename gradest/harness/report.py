@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 
 from gradest.files import OutputError, atomic_write_text, check_output_dir
-from gradest.harness.cost import ratio
+from gradest.harness.cost import COST_DRAWS, ratio
 from gradest.harness.statistics import Estimate
 from gradest.protocol import Cost
 
@@ -68,6 +68,7 @@ class EstimatorRow:
     variance: Estimate
     mse: Estimate
     counts: Cost
+    mean_param_vjps: float | None = None  # over every draw (random depths vary per call)
     fallback_fraction: float | None = None
     gate_cosines: list[Any] = attrs.field(factory=list)
     groups: list[list[int]] = attrs.field(factory=list)
@@ -105,6 +106,7 @@ class EstimatorRow:
             "draws": self.draws,
             **stats,
             "counts": {**attrs.asdict(self.counts), "model_units": self.counts.model_units()},
+            "mean_param_vjps": self.mean_param_vjps,
             "cost": None
             if self.cost is None
             else {
@@ -170,7 +172,9 @@ class Report:
             f"{len(c['seeds'])} trajectories, {c['draws']} draws per trajectory for stochastic "
             f"estimators, reference {c['reference']}, {c['dtype']} on {c['device']}, "
             f"torch {c['torch']}, {c['date']}. Mean ± standard error over trajectories; "
-            f"cost ratios are to the reference in the same process.",
+            f"cost ratios are to the reference in the same process (stochastic estimators: "
+            f"FLOPs and bytes averaged over {COST_DRAWS} draws, wall time over calls cycling "
+            f"through them; param VJPs averaged over every draw).",
             "",
             "| estimator | cosine | rel. error | bias | variance | MSE | FLOPs × | retained × "
             "| wall × | param VJPs | fallback | MSE × FLOPs× |",
@@ -180,9 +184,24 @@ class Report:
             lines.append(
                 f"| `{r.label}` | {_pm(r.cosine, '.4f')} | {_pm(r.relative_error)} | {_pm(r.bias)} "
                 f"| {_pm(r.variance)} | {_pm(r.mse)} | {_fmt(r.flops_ratio)} | "
-                f"{_fmt(r.retained_ratio)} | {_fmt(r.wall_ratio)} | {r.counts.param_vjps} | "
+                f"{_fmt(r.retained_ratio)} | {_fmt(r.wall_ratio)} | {_param_vjps(r)} | "
                 f"{_fmt(r.fallback_fraction, '.2f')} | {_fmt(r.efficiency)} |"
             )
+        debias = (c.get("sweeps") or {}).get("debias")
+        if debias:
+            lines += [
+                "",
+                "jagg debias sweep (window 4, gate off, first trajectory; relative to "
+                "||exact||²): the interpolation bias traded for variance",
+                "",
+                "| debias m | bias² | variance | MSE | param VJPs | draws |",
+                "|---|---|---|---|---|---|",
+                *(
+                    f"| {r['debias']} | {r['bias_squared']:.3g} | {r['variance']:.3g} "
+                    f"| {r['mse']:.3g} | {r['param_vjps']:.3g} | {r['draws']} |"
+                    for r in debias
+                ),
+            ]
         return "\n".join(lines) + "\n"
 
     def write(self, out: str | os.PathLike[str], *, plots: bool = True) -> Path:
@@ -217,3 +236,9 @@ class Report:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return target
+
+
+def _param_vjps(row: EstimatorRow) -> str:
+    if row.mean_param_vjps is None:
+        return str(row.counts.param_vjps)
+    return f"{row.mean_param_vjps:.3g}"

@@ -3,10 +3,25 @@
 ``dense_chain`` materialises every step's Jacobians; ``exact_gradient`` and each
 estimator's definition (``jagg_definition``, ``sdo_definition``, ``truncated_definition``)
 are evaluated from them by explicit matrix products. ``definition_gradient`` asks an
-estimator for its own definition (``EstimatorBase.definition``).
+estimator for its own definition (``EstimatorBase.definition``); ``expected_decisions`` for
+the decisions it must make, re-derived with the replays of
+:mod:`gradest.reference.decisions` (``replay_subset``, ``replay_uniform_int``, ...).
 """
 
-from gradest.reference.definitions import definition_gradient, definition_noise_grad
+from gradest.reference.decisions import (
+    decisions_mismatch,
+    replay_normal,
+    replay_probability_draw,
+    replay_subset,
+    replay_survival_depth,
+    replay_uniform_int,
+)
+from gradest.reference.definitions import (
+    definition_at,
+    definition_gradient,
+    definition_noise_grad,
+    expected_decisions,
+)
 from gradest.reference.dense import (
     DenseChain,
     dense_chain,
@@ -31,16 +46,24 @@ from gradest.reference.truncated_definition import (
 
 __all__ = [
     "DenseChain",
+    "decisions_mismatch",
+    "definition_at",
     "definition_gradient",
     "definition_noise_grad",
     "dense_chain",
     "exact_cotangents",
     "exact_gradient",
     "exact_noise_grad",
+    "expected_decisions",
     "jagg_definition",
     "jagg_gate_cosines",
     "one_step_cotangents",
     "relative_error",
+    "replay_normal",
+    "replay_probability_draw",
+    "replay_subset",
+    "replay_survival_depth",
+    "replay_uniform_int",
     "sdo_definition",
     "sdo_full_sum_definition",
     "sdo_noise_grad_definition",

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from gradest.objectives import Objective
-from gradest.protocol import Definition, GradientEstimate
+from gradest.protocol import Decisions, Definition, GradientEstimate
 from gradest.reference.dense import DenseChain
 
 
@@ -43,10 +44,31 @@ def definition_noise_grad(
 def _definition(
     estimator: Any, chain: DenseChain, objective: Objective, result: GradientEstimate
 ) -> Definition | None:
+    return definition_at(estimator, chain, objective, result.decisions)
+
+
+def definition_at(
+    estimator: Any, chain: DenseChain, objective: Objective, decisions: Any
+) -> Definition | None:
+    """The estimator's definition at the given ``decisions`` (None where it defines none)."""
     method = getattr(estimator, "definition", None)
     if method is None:
         return None
     try:
-        return method(chain, objective, result.decisions)
+        return method(chain, objective, decisions)
+    except NotImplementedError:
+        return None
+
+
+def expected_decisions(
+    estimator: Any, chain: DenseChain, objective: Objective, generator: torch.Generator
+) -> Decisions | None:
+    """The decisions the estimator must make, re-derived independently
+    (``estimator.expected_decisions``), or None where it does not re-derive them."""
+    method = getattr(estimator, "expected_decisions", None)
+    if method is None:
+        return None
+    try:
+        return method(chain, objective, generator)
     except NotImplementedError:
         return None

@@ -11,7 +11,7 @@ parameter count): meant for models with up to a few thousand parameters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -38,6 +38,9 @@ class DenseChain:
         param_jacobians: ``[N, D, P]``, ``J_k = dv_k / dtheta``.
         state_jacobians: ``[N, D, D]``, ``A_k = dv_k / dz_k``.
         alpha, beta: ``[N]`` step coefficients of the sampler.
+        evaluate: ``evaluate(z, t) -> (v, J, A)`` flattened like the rows above, for any
+            state ``z`` shaped like one recorded state (estimators that leave the recorded
+            chain, ``draft_lv``, are defined at states of their own).
     """
 
     trajectory: Trajectory
@@ -48,6 +51,7 @@ class DenseChain:
     state_jacobians: Tensor
     alpha: Tensor
     beta: Tensor
+    evaluate: Callable[[Tensor, float], tuple[Tensor, Tensor, Tensor]]
 
     @property
     def num_steps(self) -> int:
@@ -107,23 +111,27 @@ def dense_chain(
             v = functional_call(model, (unflatten(flat), others), (z, times), kwargs)
         return v.reshape(-1)
 
-    velocities, param_jacobians, state_jacobians = [], [], []
-    for k in range(flow.num_steps):
-        z_flat = states[k].reshape(-1)
-        t = flow.times[k]
-        velocities.append(velocity(flat_params, z_flat, t).detach())
-        param_jacobians.append(jacrev(velocity, argnums=0)(flat_params, z_flat, t).detach())
-        state_jacobians.append(jacrev(velocity, argnums=1)(flat_params, z_flat, t).detach())
+    def evaluate(z: Tensor, t: float) -> tuple[Tensor, Tensor, Tensor]:
+        z_flat = z.to(torch.float64).reshape(-1)
+        t64 = torch.as_tensor(float(t), dtype=torch.float64)
+        return (
+            velocity(flat_params, z_flat, t64).detach(),
+            jacrev(velocity, argnums=0)(flat_params, z_flat, t64).detach(),
+            jacrev(velocity, argnums=1)(flat_params, z_flat, t64).detach(),
+        )
+
+    rows = [evaluate(states[k], float(flow.times[k])) for k in range(flow.num_steps)]
     alpha, beta, _ = flow.coefficients()
     return DenseChain(
         trajectory=trajectory,
         names=names,
         shapes=shapes,
-        velocities=torch.stack(velocities),
-        param_jacobians=torch.stack(param_jacobians),
-        state_jacobians=torch.stack(state_jacobians),
+        velocities=torch.stack([row[0] for row in rows]),
+        param_jacobians=torch.stack([row[1] for row in rows]),
+        state_jacobians=torch.stack([row[2] for row in rows]),
         alpha=alpha,
         beta=beta,
+        evaluate=evaluate,
     )
 
 

@@ -59,6 +59,12 @@ class Exact(EstimatorBase):
         "(O(1) memory, +N forwards)",
     )
 
+    def expected_decisions(
+        self, chain: DenseChain, objective: Objective, generator: torch.Generator
+    ) -> Decisions:
+        """No choices: the empty record."""
+        return Decisions()
+
     def definition(self, chain: DenseChain, objective: Objective, decisions: Any) -> Definition:
         """``sum_k J_k^T c_k`` with exact cotangents, and ``a_0`` for a terminal objective."""
         del decisions

@@ -69,6 +69,7 @@ from gradest.errors import InvalidValue
 from gradest.objectives import Objective
 from gradest.options import bool_option, choice_option, int_option, option, too_many_steps
 from gradest.protocol import Decisions, Definition
+from gradest.reference.decisions import jagg_fallbacks, jagg_layout, replay_subset
 from gradest.reference.dense import DenseChain, exact_noise_grad
 from gradest.reference.jagg_definition import jagg_definition
 from gradest.strategies.jagg_gate import group_cosine, interpolated_count
@@ -334,6 +335,21 @@ class Jagg(EstimatorBase):
         if self.debias > num_steps:
             fix = f"use debias <= {num_steps}"
             raise too_many_steps("jagg", f"debias={self.debias}", num_steps, fix)
+
+    def expected_decisions(
+        self, chain: DenseChain, objective: Objective, generator: torch.Generator
+    ) -> JaggDecisions:
+        """Layout from the options, debiasing steps replayed, gate on the dense velocities."""
+        num_steps = chain.num_steps
+        debias_steps = replay_subset(num_steps, self.debias, generator) if self.debias else ()
+        groups, nodes = jagg_layout(num_steps, self.window, self.order, self.shared_knots)
+        return JaggDecisions(
+            groups=groups,
+            nodes=nodes,
+            fallback_groups=jagg_fallbacks(chain, groups, nodes, self.tau, self.gate),
+            debias_steps=debias_steps,
+            debias_scale=num_steps / self.debias if self.debias else 0.0,
+        )
 
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: JaggDecisions

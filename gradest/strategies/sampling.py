@@ -1,9 +1,12 @@
-"""Step subsets for ``sdo`` and ``truncated``: drawing them, and the stepwise VJP over them.
+"""Random draws of the estimators (steps, depths, noise), and the stepwise VJP over steps.
 
-``sdo`` draws a subset of timesteps and randomized ``truncated`` draws a truncation
-depth, each **once per call**. Every draw goes through these helpers so that the only
-source of randomness is the ``generator`` passed to ``estimate`` (with ``None``,
-torch's default generator, which is reproducible only through ``torch.manual_seed``).
+``sdo`` and ``jagg:debias`` draw subsets of timesteps, randomized ``truncated``,
+``telescope`` and ``refl`` a depth or a step, ``draft_lv`` re-noising noise, each **once
+per call**. Every draw goes through these helpers so that the only source of randomness
+is the ``generator`` passed to ``estimate`` (with ``None``, torch's default generator,
+which is reproducible only through ``torch.manual_seed``). The schemes (which torch call,
+in which order) are part of the contract: :mod:`gradest.reference.decisions` replays them
+independently, and ``gradest check`` fails an estimator whose decisions differ.
 
 The context draws the sampler's step noise first, when it is built, so an estimator
 given the same generator state as ``gradest.rollout`` samples the same path as it does,
@@ -66,18 +69,40 @@ def draw_from_probabilities(
     return max(k for k, p in enumerate(probabilities, start=1) if p > 0)
 
 
-def stepwise_vjp_over(ctx: EstimationContext, steps: Sequence[int]) -> ParamGradient:
-    """``sum_{k in steps} J_k^T c_k`` for a stepwise objective, in one batched VJP.
+def draw_normal(shape: Sequence[int], like: torch.Tensor, generator: torch.Generator | None):
+    """Standard normal noise of ``shape`` with ``like``'s dtype, on the generator's device
+    (moved to ``like``'s device), so a CPU generator reproduces the same draw anywhere."""
+    noise = torch.randn(
+        tuple(shape), generator=generator, dtype=like.dtype, device=_device(generator)
+    )
+    return noise.to(like.device)
+
+
+def draw_survival_depth(survival: Sequence[float], generator: torch.Generator | None) -> int:
+    """``K`` with ``P(K >= j) = survival[j-1]`` (``survival[0] = 1``, non-increasing): the
+    number of ``j`` with ``survival[j-1] > u`` for one uniform ``u`` in ``[0, 1)``."""
+    u = float(torch.rand((), dtype=torch.float64, generator=generator, device=_device(generator)))
+    return sum(1 for q in survival if q > u)
+
+
+def stepwise_vjp_over(
+    ctx: EstimationContext, steps: Sequence[int], weights: Sequence[float] | None = None
+) -> ParamGradient:
+    """``sum_{k in steps} w_k J_k^T c_k`` for a stepwise objective, in one batched VJP.
 
     The listed recorded states are forwarded together with a graph; each ``c_k =
-    d l_k / d v_k`` is taken at the velocity of that forward (the current model), then
-    pulled back at once. Cost: ``len(steps)`` forwards with graph and as many parameter
-    VJPs; activations of those steps only.
+    d l_k / d v_k`` is taken at the velocity of that forward (the current model), scaled
+    by its weight (default 1), then pulled back at once. Cost: ``len(steps)`` forwards
+    with graph and as many parameter VJPs; activations of those steps only.
     """
     steps = list(steps)
+    scales = [1.0] * len(steps) if weights is None else [float(w) for w in weights]
     states = ctx.trajectory().states[steps]
     velocities, pull = ctx.field.param_pullback(states, ctx.times[steps])
     cotangents = torch.stack(
-        [ctx.step_cotangent(step, velocities[row]) for row, step in enumerate(steps)]
+        [
+            scale * ctx.step_cotangent(step, velocities[row])
+            for row, (step, scale) in enumerate(zip(steps, scales, strict=True))
+        ]
     )
     return pull(cotangents)

@@ -58,6 +58,7 @@ from gradest.context import EstimationContext
 from gradest.objectives import Objective
 from gradest.options import bool_option, choice_option, int_option, too_many_steps
 from gradest.protocol import Decisions, Definition
+from gradest.reference.decisions import replay_subset
 from gradest.reference.dense import DenseChain
 from gradest.reference.sdo_definition import sdo_definition, sdo_noise_grad_definition
 from gradest.strategies.sampling import draw_steps, stepwise_vjp_over
@@ -156,6 +157,18 @@ class ShortcutDiffusion(EstimatorBase):
             # Clamping would silently change the estimator (and its scale); refuse.
             fix = f"use samples <= {num_steps}, or full_sum=True to evaluate every step"
             raise too_many_steps("sdo", f"samples={self.samples}", num_steps, fix)
+
+    def expected_decisions(
+        self, chain: DenseChain, objective: Objective, generator: torch.Generator
+    ) -> SdoDecisions:
+        """The steps replayed from the generator; the factor from ``scale``."""
+        num_steps = chain.num_steps
+        if self.full_sum:
+            return SdoDecisions(sampled_steps=tuple(range(num_steps)), scale=1.0)
+        return SdoDecisions(
+            sampled_steps=replay_subset(num_steps, self.samples, generator),
+            scale=num_steps / self.samples if self.scale == "unbiased" else 1.0,
+        )
 
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: SdoDecisions

@@ -18,7 +18,8 @@ joint state-and-parameter VJP (``surrogate()``: the last ``k`` steps as a chain 
 the recorded states, graph kept).
 
 Randomized truncation (AlignProp-style): ``random="uniform"`` draws ``k`` uniformly from
-``{1, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset); a probability tuple
+``{k_min, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset; ``k_min`` defaults to 1;
+AlignProp's min-max truncation is ``random=uniform,k_min=..,k=..``); a probability tuple
 ``(p_1, ..., p_K)`` draws ``k`` with ``P(k) = p_k``. ``k`` is drawn **once per call**
 from the ``generator``, never per step, so the result is an
 unbiased estimate of ``sum_k p_k g_k`` (``gradest.reference.truncated_definition.
@@ -46,8 +47,15 @@ from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import Objective
-from gradest.options import option, parse_float_tuple, parse_optional_int, too_many_steps
+from gradest.options import (
+    int_option,
+    option,
+    parse_float_tuple,
+    parse_optional_int,
+    too_many_steps,
+)
 from gradest.protocol import Decisions, Definition
+from gradest.reference.decisions import replay_probability_draw, replay_uniform_int
 from gradest.reference.dense import DenseChain
 from gradest.reference.truncated_definition import (
     truncated_definition,
@@ -123,6 +131,8 @@ class Truncated(EstimatorBase):
             largest ``k`` drawn (None: ``N``).
         random: None for a fixed ``k``; ``"uniform"``; or probabilities ``(p_1, ..., p_K)``
             of ``k = 1..K`` (then leave ``k`` unset). ``k`` is drawn once per call.
+        k_min: with ``random="uniform"``, the smallest ``k`` drawn (AlignProp's min-max
+            truncation draws ``k`` from ``k_min..k``).
 
     A random ``k`` comes from the ``generator`` passed to ``estimate`` (with None, from
     torch's default generator: reproducible only through ``torch.manual_seed``).
@@ -150,7 +160,25 @@ class Truncated(EstimatorBase):
         },
     )
 
+    k_min: int = int_option(
+        1,
+        minimum=1,
+        doc="with random='uniform': the smallest k drawn (AlignProp's min-max truncation)",
+        expect="an int >= 1 (at most k), used with random='uniform'",
+    )
+
     def __attrs_post_init__(self) -> None:
+        if self.k_min != 1 and self.random != "uniform":
+            raise InvalidValue(
+                f"estimator 'truncated': option k_min={self.k_min} applies to "
+                f"random='uniform' only (got random={self.random!r}); add random=uniform, "
+                f"or drop k_min"
+            )
+        if self.k is not None and self.k_min > self.k:
+            raise InvalidValue(
+                f"estimator 'truncated': option k_min={self.k_min} exceeds k={self.k}; "
+                f"k is drawn from k_min..k, so use k_min <= k"
+            )
         if isinstance(self.random, tuple) and self.k is not None:
             raise InvalidValue(
                 f"estimator 'truncated': options k={self.k} and random={self.random!r} "
@@ -201,7 +229,7 @@ class Truncated(EstimatorBase):
         if isinstance(self.random, tuple):
             kept = draw_from_probabilities(self.random, ctx.generator)
         elif self.random == "uniform":
-            kept = draw_uniform_int(1, largest, ctx.generator)
+            kept = draw_uniform_int(self.k_min, largest, ctx.generator)
         else:
             kept = largest
         (kept,) = ctx.ranks.same_ints([kept])  # data-parallel ranks keep rank 0's depth
@@ -214,9 +242,24 @@ class Truncated(EstimatorBase):
         # Depends on the options and N only, never on a draw, so a bad setting fails on
         # the first call rather than on an unlucky one.
         largest, what = self._largest(num_steps)
+        if self.k_min > largest:
+            fix = f"use k_min <= {min(largest, num_steps)}"
+            raise too_many_steps("truncated", f"k_min={self.k_min}", num_steps, fix)
         if largest > num_steps:
             fix = f"keep at most {num_steps} steps (k={num_steps} is exact)"
             raise too_many_steps("truncated", what, num_steps, fix)
+
+    def expected_decisions(
+        self, chain: DenseChain, objective: Objective, generator: torch.Generator
+    ) -> TruncatedDecisions:
+        """``k`` fixed, or replayed from the option's distribution."""
+        num_steps = chain.num_steps
+        if isinstance(self.random, tuple):
+            return TruncatedDecisions(k=replay_probability_draw(self.random, generator))
+        if self.random == "uniform":
+            largest = num_steps if self.k is None else self.k
+            return TruncatedDecisions(k=replay_uniform_int(self.k_min, largest, generator))
+        return TruncatedDecisions(k=1 if self.k is None else self.k)
 
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: TruncatedDecisions

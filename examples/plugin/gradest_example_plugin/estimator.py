@@ -18,8 +18,9 @@ and one parameter VJP per *distinct* step (at most ``min(N, K m)``), in one batc
 The estimator uses only gradest's public strategy interface: ``EstimatorBase``,
 ``option`` fields, the ``EstimationContext`` building blocks (trajectory, terminal
 adjoint, step cotangents, the VJP engine ``ctx.field``, ``ctx.ranks``), and the contract
-methods ``check_steps`` and ``definition``, so ``estimate()``, ``surrogate()``,
-``gradest check`` and early option checks all work for it as for a built-in.
+methods ``check_steps``, ``definition`` and ``expected_decisions``, so ``estimate()``,
+``surrogate()``, ``gradest check`` (decisions and arithmetic) and early option checks all
+work for it as for a built-in.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gradest.context import EstimationContext
 from gradest.objectives import Objective
 from gradest.options import option, too_many_steps
 from gradest.protocol import Decisions, Definition
-from gradest.reference import DenseChain, sdo_definition
+from gradest.reference import DenseChain, replay_subset, sdo_definition
 from gradest.vjp import ParamGradient
 
 
@@ -124,6 +125,17 @@ class MeanOfSdoDraws(EstimatorBase):
             raise too_many_steps(
                 "sdo_mean", f"samples={self.samples}", num_steps, f"use samples <= {num_steps}"
             )
+
+    def expected_decisions(
+        self, chain: DenseChain, objective: Objective, generator: torch.Generator
+    ) -> SdoMeanDecisions:
+        """The subsets replayed from the generator (``K`` uniform subsets in draw order)
+        and the scale from the options, re-derived apart from ``_draw``: ``gradest check``
+        compares them with the estimate's and evaluates :meth:`definition` at these."""
+        subsets = [
+            replay_subset(chain.num_steps, self.samples, generator) for _ in range(self.draws)
+        ]
+        return SdoMeanDecisions(draws=tuple(subsets), scale=chain.num_steps / self.samples)
 
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: SdoMeanDecisions

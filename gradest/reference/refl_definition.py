@@ -1,0 +1,33 @@
+"""The ``refl`` estimator's definition, densely: one step's Jacobian at the jump's cotangent.
+
+    z^     = z_s + (t_N - t_s) v_s          (the rectified-flow one-step prediction)
+    g_refl = J_s^T ((t_N - t_s) grad l(z^)),   noise gradient 0 (the chain is cut at s)
+
+with ``v_s`` and ``J_s`` from the dense chain at the recorded state ``z_s``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gradest.errors import InvalidValue
+from gradest.objectives import Objective, TerminalObjective
+from gradest.reference.dense import DenseChain
+
+
+def refl_definition(chain: DenseChain, objective: Objective, step: int) -> tuple[Tensor, Tensor]:
+    """``(flat [P] gradient, zero noise gradient)`` of ReFL stopped at ``step``."""
+    if not isinstance(objective, TerminalObjective):
+        raise InvalidValue("refl is defined for terminal objectives only")
+    if not 0 <= step < chain.num_steps:
+        raise InvalidValue(f"step must be in 0..{chain.num_steps - 1}, got {step}")
+    times = chain.trajectory.times.to(torch.float64)
+    jump = float(times[-1] - times[step])
+    shape = chain.trajectory.states.shape[1:]
+    state = chain.trajectory.states[step].to(torch.float64)
+    predicted = (state + jump * chain.velocities[step].reshape(shape)).requires_grad_(True)
+    with torch.enable_grad():
+        (adjoint,) = torch.autograd.grad(objective.loss_fn(predicted).sum(), predicted)
+    grad = chain.param_jacobians[step].T @ (jump * adjoint.reshape(-1))
+    return grad, torch.zeros(shape, dtype=torch.float64)

@@ -31,9 +31,21 @@ SPECS = (
     "sdo:samples=2",
     "truncated:k=2",
     "truncated:random=uniform",
+    "jagg:window=3,debias=1",
+    "telescope:mean_depth=2",
+    "draft_lv",
+    "refl",
 )
+TERMINAL_ONLY = ("draft_lv", "refl")
 # Keys each built-in reports in result.info (summarised into the log).
-INFO_KEYS = {"jagg": "fallback_fraction", "sdo": "sampled_steps", "truncated": "k"}
+INFO_KEYS = {
+    "jagg": "fallback_fraction",
+    "sdo": "sampled_steps",
+    "truncated": "k",
+    "telescope": "depth",
+    "draft_lv": "renoise",
+    "refl": "step",
+}
 
 
 def tiny_dit(seed: int = 0) -> DiT:
@@ -94,8 +106,15 @@ def _without_timings(record: dict) -> dict:
 # -- every estimator, both modes --------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["reward", "grpo"])
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize(
+    ("mode", "spec"),
+    [
+        (mode, spec)
+        for spec in SPECS
+        for mode in ("reward", "grpo")
+        if mode == "reward" or spec not in TERMINAL_ONLY
+    ],
+)
 def test_finetune_runs_with_every_estimator(tmp_path, mode, spec):
     before = {n: p.detach().clone() for n, p in tiny_dit().named_parameters()}
     model, result = _run(tmp_path, estimator=spec, mode=mode)
@@ -272,6 +291,7 @@ def test_summarize_info():
         ({"optimizer": "adam"}, ValueError, "optimizer must be one of adamw, sgd"),
         ({"sampler_steps": 0}, ValueError, "sampler_steps must be >= 1"),
         ({"estimator": "nope"}, gradest.UnknownEstimatorError, "available: draft_lv, exact"),
+        ({"estimator": "refl", "mode": "grpo"}, ValueError, "estimator='refl' is for terminal"),
         ({"estimator": "jagg:windw=4"}, TypeError, "windw"),
         ({"estimator": "jagg:window=1"}, ValueError, "window"),
         ({"estimator": "sdo:samples=9"}, ValueError, "samples=9 exceeds the flow's N=4 steps"),

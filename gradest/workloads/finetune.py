@@ -68,7 +68,7 @@ from gradest.integrations.distributed import (
     process_group_from_env,
     replicas_in_sync,
 )
-from gradest.protocol import is_estimator
+from gradest.protocol import is_estimator, supports
 from gradest.registry import estimator as build_estimator
 from gradest.workloads.finetune_config import FinetuneConfig, config_from
 from gradest.workloads.finetune_modes import mode_of
@@ -176,6 +176,13 @@ def finetune(
     check_steps = getattr(est, "check_steps", None)
     if callable(check_steps):
         check_steps(config.sampler_steps)  # options that need more than N steps
+    kind = "terminal" if config.mode == "reward" else "stepwise"
+    if not supports(est, kind):  # GRPO's per-step loss is stepwise: refl, draft_lv cannot
+        raise InvalidValue(
+            f"estimator={config.estimator!r} is for {' and '.join(est.objectives)} objectives "
+            f"only, and mode={config.mode!r} differentiates a {kind} one; use mode='reward' "
+            f"or another estimator"
+        )
     # Under torchrun the world size is known from the environment before any group
     # exists, so a batch that does not split evenly fails here, on every rank alike.
     _, world = launched_world()

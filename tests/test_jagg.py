@@ -110,6 +110,84 @@ def test_jagg_matches_definition(kind, source, order, shared_knots, conditioned,
         assert relative_error(result.noise_grad, truth_noise) <= 1e-10
 
 
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("kind", ["terminal", "stepwise"])
+@pytest.mark.parametrize("source", ["noise", "trajectory"])
+@pytest.mark.parametrize("seed", [0, 2, 9, 12])
+def test_debiased_jagg_matches_its_definition(seed, source, kind, low_memory, engine):
+    # window 3 on 11 steps: interpolated steps 1 and 4 (group 3 is all nodes); tau=0.9995
+    # fails group 2 (cosine 0.99887: exact there, no correction). The seeds draw nodes and
+    # a fallback step (0: {0, 10}, 2: {3, 8}) and interpolated steps (9: {4, 9}, 12: {4, 10}).
+    problem = _problem(True, True)
+    chain = problem[5]
+    objective = _objective(kind)
+    est = Jagg(window=3, debias=2, tau=0.9995, low_memory=low_memory)
+    result = _estimate(
+        est,
+        problem,
+        objective,
+        source,
+        noise_grad=kind == "terminal",
+        generator=torch.Generator().manual_seed(seed),
+        engine=engine,
+    )
+    decisions = result.decisions
+    assert decisions.fallback_groups == (2,)
+    assert len(decisions.debias_steps) == 2 and decisions.debias_scale == STEPS / 2
+    assert decisions == est.expected_decisions(
+        chain, objective, torch.Generator().manual_seed(seed)
+    )
+    truth = est.definition(chain, objective, decisions)
+    assert relative_error(result.flat(), truth.grad) <= 1e-10
+    if kind == "terminal":
+        assert relative_error(result.noise_grad, truth.noise_grad) <= 1e-10
+    # The correction is real: without it the definition differs whenever a drawn step is
+    # interpolated (J_k != J^_k there).
+    plain = jagg_definition(
+        chain,
+        objective,
+        decisions.groups,
+        decisions.nodes,
+        [i not in decisions.fallback_groups for i in range(len(decisions.groups))],
+    )
+    interpolated = {k for g, n in zip(decisions.groups, decisions.nodes, strict=True) for k in g}
+    interpolated -= {k for n in decisions.nodes for k in n}
+    interpolated -= {k for i in decisions.fallback_groups for k in decisions.groups[i]}
+    corrected = interpolated & set(decisions.debias_steps)
+    assert bool(corrected) == (seed in (9, 12))
+    assert (relative_error(truth.grad, plain) > 1e-6) == bool(corrected)
+
+
+def test_debias_costs_at_most_m_more_parameter_vjps():
+    problem = _problem(False, False, steps=16)
+    objective = _objective("stepwise", steps=16)
+    plain = _estimate(Jagg(window=4, gate="off"), problem, objective, "trajectory")
+    for seed in range(6):
+        result = _estimate(
+            Jagg(window=4, gate="off", debias=3),
+            problem,
+            objective,
+            "trajectory",
+            generator=torch.Generator().manual_seed(seed),
+        )
+        nodes = set(plain.info["node_steps"])
+        extra = len(set(result.decisions.debias_steps) - nodes)
+        assert result.cost.param_vjps == plain.cost.param_vjps + extra
+
+
+@pytest.mark.parametrize("kind", ["terminal", "stepwise"])
+def test_fused_and_low_memory_terminal_agree(kind):
+    problem = _problem(True, True)
+    objective = _objective(kind)
+    results = [
+        _estimate(Jagg(window=4, tau=-1.0, low_memory=m), problem, objective, "noise")
+        for m in (False, True)
+    ]
+    assert results[0].decisions == results[1].decisions
+    assert relative_error(results[0].grads, results[1].grads) <= 1e-12
+
+
 @pytest.mark.parametrize("kind", ["terminal", "stepwise"])
 @pytest.mark.parametrize("aggregate", ["min", "mean"])
 @pytest.mark.parametrize("shared_knots", [False, True])

@@ -69,6 +69,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from gradest.harness.compare import compare
     from gradest.harness.embedded import embedded_problem
+    from gradest.harness.plots import plots_unavailable
     from gradest.harness.sweeps import jagg_debias_sweep, jagg_span_sweep, jagg_tau_sweep
 
     specs = split_specs(args.estimators)
@@ -95,6 +96,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             raise InvalidValue(f"{flag} must be >= 1, got {value}")
     # Before the work, not after it (created only when the report is written).
     out = check_output_dir(args.out, what="--out", create=False)
+    missing = None if args.no_plots else plots_unavailable()
+    if missing is not None and not args.quiet:
+        print(f"gradest compare: plots will be skipped: {missing}")
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise InvalidValue(f"--dtype must be float64 or float32, got {args.dtype!r}")
@@ -149,9 +153,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 problem.model, problem.flow, problem.objective, trajectory, cond
             ),
         }
-    report.write(out, plots=not args.no_plots)
+    plots = not args.no_plots and missing is None
+    report.write(out, plots=plots)
     print(report.to_markdown())
-    print(f"wrote {out}/report.md, report.json" + ("" if args.no_plots else " and plots"))
+    print(f"wrote {out}/report.md, report.json" + (" and plots" if plots else ""))
+    if missing is not None:
+        print(f"plots skipped: {missing}")
     return 0
 
 

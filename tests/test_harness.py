@@ -404,3 +404,28 @@ def test_sweeps_work_on_a_float32_model():
     assert rows[-1]["relative_error"] <= 1e-6  # tau = 1 falls back everywhere: exact
     span = jagg_span_sweep(model, objective, state, steps=4, spans=(1e-3, 5e-4), orders=(1,))
     assert len(span["orders"]["1"]["errors"]) == 2
+
+
+def test_compare_without_matplotlib_writes_the_report_and_says_why(tmp_path, capsys, monkeypatch):
+    """A plain ``pip install gradest`` has no matplotlib: the report and its JSON are
+    written all the same, and the CLI says the plots were skipped and why."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "matplotlib" else real_find_spec(name, *args),
+    )
+    out = tmp_path / "cmp"
+    argv = ["compare", "--steps", "4", "--seeds", "1", "--draws", "1", "--repeats", "1"]
+    code = main([*argv, "--estimators", "exact,sdo", "--no-sweeps", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "plots skipped: matplotlib is not installed" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    model, flow, objective, noise_fn = _problem()
+    report = compare(model, flow, objective, ["exact"], noise_fn=noise_fn, seeds=1)
+    with pytest.warns(UserWarning, match="plots skipped: matplotlib is not installed"):
+        report.write(tmp_path / "api")
+    assert sorted(p.name for p in (tmp_path / "api").iterdir()) == ["report.json", "report.md"]

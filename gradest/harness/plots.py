@@ -11,6 +11,19 @@ from gradest.errors import MissingDependency
 _REQUIRES = "plots need matplotlib: pip install 'gradest[plot]'"
 
 
+def plots_unavailable() -> str | None:
+    """Why plots cannot be drawn here (matplotlib is not installed), or None if they can.
+
+    Checked without importing matplotlib, so a report can say up front that it will
+    skip its plots rather than fail after the work.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed (pip install 'gradest[plot]' to get the plots)"
+    return None
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib

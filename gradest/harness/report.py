@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -210,8 +211,16 @@ class Report:
         Everything is written (and fsynced) into a temporary folder beside ``out`` and
         moved into place at the end, each file with ``os.replace``, so an interrupted run
         never leaves a half-written report, and a failed write (disk full, read-only)
-        raises :class:`gradest.files.OutputError` naming the path.
+        raises :class:`gradest.files.OutputError` naming the path. Without matplotlib
+        (a plain ``pip install gradest``) the plots are skipped with a warning that says
+        why, and the report and its JSON are written all the same.
         """
+        from gradest.harness.plots import plots_unavailable
+
+        missing = plots_unavailable() if plots else None
+        if missing is not None:
+            warnings.warn(f"gradest compare: plots skipped: {missing}", stacklevel=2)
+            plots = False
         # Checked before writing, but created only when the report moves in, so an
         # interrupted write leaves no (empty) report folder behind.
         target = check_output_dir(out, what="--out", create=False)

@@ -31,6 +31,14 @@ from gradest.harness.cost import (
 )
 from gradest.harness.report import CostRow, EstimatorRow, Report
 from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
+from gradest.harness.tensor_metrics import (
+    TensorLayout,
+    adam_cosine,
+    mean_of,
+    second_moment,
+    sign_agreement,
+    tensor_stats,
+)
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.protocol import is_estimator, supports
 from gradest.registry import estimator as build_estimator
@@ -182,9 +190,13 @@ def compare(
     progress = tqdm(
         total=total_work, desc="gradest compare", disable=not show_progress, leave=False
     )
-    references = {
-        seed: run(reference_est, seed, draw_generator(seed, 0)).flat() for seed in seed_list
+    reference_results = {
+        seed: run(reference_est, seed, draw_generator(seed, 0)) for seed in seed_list
     }
+    references = {seed: result.flat() for seed, result in reference_results.items()}
+    layout = TensorLayout.of(reference_results[seed_list[0]].grads)
+    # Adam's second moment of the exact gradients over the compared trajectories.
+    moment = second_moment(list(references.values()))
 
     rows: list[EstimatorRow] = []
     for est in resolved:
@@ -192,11 +204,13 @@ def compare(
         per_seed: list[TrajectoryStats] = []
         fallback: list[float] = []
         param_vjps: list[int] = []
+        flats: list[list[Tensor]] = []
         for seed in seed_list:
             results = [
                 run(est, seed, draw_generator(seed, d)) for d in range(draws if stochastic else 1)
             ]
-            per_seed.append(trajectory_stats([r.flat() for r in results], references[seed]))
+            flats.append([r.flat() for r in results])
+            per_seed.append(trajectory_stats(flats[-1], references[seed]))
             param_vjps += [r.cost.param_vjps for r in results]
             fallback += [
                 r.info["fallback_fraction"] for r in results if "fallback_fraction" in r.info
@@ -218,6 +232,19 @@ def compare(
                 mse=Estimate.of([s.mse for s in per_seed]),
                 counts=first.cost,
                 mean_param_vjps=sum(param_vjps) / len(param_vjps),
+                adam_cosine=Estimate.of(
+                    [
+                        mean_of(adam_cosine(f, references[seed], moment) for f in seed_flats)
+                        for seed, seed_flats in zip(seed_list, flats, strict=True)
+                    ]
+                ),
+                sign_agreement=Estimate.of(
+                    [
+                        mean_of(sign_agreement(f, references[seed]) for f in seed_flats)
+                        for seed, seed_flats in zip(seed_list, flats, strict=True)
+                    ]
+                ),
+                tensors=tensor_stats(flats, [references[s] for s in seed_list], moment, layout),
                 fallback_fraction=sum(fallback) / len(fallback) if fallback else None,
                 gate_cosines=list(first.info.get("gate_cosines", []) or []),
                 groups=[list(g) for g in first.info.get("groups", [])],

@@ -35,6 +35,7 @@ import attrs
 from gradest.files import OutputError, atomic_write_text, check_output_dir
 from gradest.harness.cost import COST_DRAWS, ratio
 from gradest.harness.statistics import Estimate
+from gradest.harness.tensor_metrics import TensorStats, worst_tensors
 from gradest.protocol import Cost
 
 SCHEMA = "gradest.report/1"
@@ -70,6 +71,9 @@ class EstimatorRow:
     mse: Estimate
     counts: Cost
     mean_param_vjps: float | None = None  # over every draw (random depths vary per call)
+    adam_cosine: Estimate | None = None  # gradest.harness.tensor_metrics
+    sign_agreement: Estimate | None = None
+    tensors: list[TensorStats] = attrs.field(factory=list)
     fallback_fraction: float | None = None
     gate_cosines: list[Any] = attrs.field(factory=list)
     groups: list[list[int]] = attrs.field(factory=list)
@@ -108,6 +112,11 @@ class EstimatorRow:
             **stats,
             "counts": {**attrs.asdict(self.counts), "model_units": self.counts.model_units()},
             "mean_param_vjps": self.mean_param_vjps,
+            "adam_cosine": None if self.adam_cosine is None else attrs.asdict(self.adam_cosine),
+            "sign_agreement": None
+            if self.sign_agreement is None
+            else attrs.asdict(self.sign_agreement),
+            "tensors": [t.to_dict() for t in self.tensors],
             "cost": None
             if self.cost is None
             else {
@@ -132,7 +141,9 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
     return format(value, spec)
 
 
-def _pm(estimate: Estimate, spec: str = ".3g") -> str:
+def _pm(estimate: Estimate | None, spec: str = ".3g") -> str:
+    if estimate is None:
+        return "-"
     return f"{_fmt(estimate.mean, spec)} ± {_fmt(estimate.stderr, '.1g')}"
 
 
@@ -177,17 +188,35 @@ class Report:
             f"FLOPs and bytes averaged over {COST_DRAWS} draws, wall time over calls cycling "
             f"through them; param VJPs averaged over every draw).",
             "",
-            "| estimator | cosine | rel. error | bias | variance | MSE | FLOPs × | retained × "
-            "| wall × | param VJPs | fallback | MSE × FLOPs× |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| estimator | cosine | Adam cosine | sign agree | rel. error | bias | variance | MSE "
+            "| FLOPs × | retained × | wall × | param VJPs | fallback | MSE × FLOPs× |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.rows:
             lines.append(
-                f"| `{r.label}` | {_pm(r.cosine, '.4f')} | {_pm(r.relative_error)} | {_pm(r.bias)} "
+                f"| `{r.label}` | {_pm(r.cosine, '.4f')} | {_pm(r.adam_cosine, '.4f')} "
+                f"| {_pm(r.sign_agreement, '.3f')} | {_pm(r.relative_error)} | {_pm(r.bias)} "
                 f"| {_pm(r.variance)} | {_pm(r.mse)} | {_fmt(r.flops_ratio)} | "
                 f"{_fmt(r.retained_ratio)} | {_fmt(r.wall_ratio)} | {_param_vjps(r)} | "
                 f"{_fmt(r.fallback_fraction, '.2f')} | {_fmt(r.efficiency)} |"
             )
+        worst = [(r, worst_tensors(r.tensors)) for r in self.rows if r.tensors]
+        if any(tensors and tensors[0].relative_error > 0 for _, tensors in worst):
+            lines += [
+                "",
+                "Worst parameter tensors (largest relative error; Adam cosine divides by the "
+                "root of the exact gradients' second moment):",
+                "",
+                "| estimator | tensor | size | rel. error | sign agree | Adam cosine |",
+                "|---|---|---|---|---|---|",
+                *(
+                    f"| `{r.label}` | {t.name} | {t.size} | {t.relative_error:.3g} "
+                    f"| {t.sign_agreement:.3f} | {t.adam_cosine:.4f} |"
+                    for r, tensors in worst
+                    if tensors and tensors[0].relative_error > 0
+                    for t in tensors
+                ),
+            ]
         debias = (c.get("sweeps") or {}).get("debias")
         if debias:
             lines += [

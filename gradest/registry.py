@@ -37,6 +37,7 @@ BUILTINS = {
     "telescope": "gradest.strategies.telescope:Telescope",
     "draft_lv": "gradest.strategies.draft_lv:DraftLV",
     "refl": "gradest.strategies.refl:Refl",
+    "auto": "gradest.harness.auto:Auto",
 }
 DISABLE_ENV = "GRADEST_DISABLE_PLUGINS"
 _OWN_DISTRIBUTION = "gradest"

@@ -35,6 +35,7 @@ SPECS = (
     "telescope:mean_depth=2",
     "draft_lv",
     "refl",
+    "auto:candidates=exact/sdo/truncated,draws=2",
 )
 TERMINAL_ONLY = ("draft_lv", "refl")
 # Keys each built-in reports in result.info (summarised into the log).
@@ -45,6 +46,7 @@ INFO_KEYS = {
     "telescope": "depth",
     "draft_lv": "renoise",
     "refl": "step",
+    "auto": "auto_choice",
 }
 
 
@@ -290,7 +292,7 @@ def test_summarize_info():
         ({"lr": math.inf}, ValueError, "lr must be a finite float > 0"),
         ({"optimizer": "adam"}, ValueError, "optimizer must be one of adamw, sgd"),
         ({"sampler_steps": 0}, ValueError, "sampler_steps must be >= 1"),
-        ({"estimator": "nope"}, gradest.UnknownEstimatorError, "available: draft_lv, exact"),
+        ({"estimator": "nope"}, gradest.UnknownEstimatorError, "available: .*exact, jagg"),
         ({"estimator": "refl", "mode": "grpo"}, ValueError, "estimator='refl' is for terminal"),
         ({"estimator": "jagg:windw=4"}, TypeError, "windw"),
         ({"estimator": "jagg:window=1"}, ValueError, "window"),

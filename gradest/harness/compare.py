@@ -196,7 +196,7 @@ def compare(
     references = {seed: result.flat() for seed, result in reference_results.items()}
     layout = TensorLayout.of(reference_results[seed_list[0]].grads)
     # Adam's second moment of the exact gradients over the compared trajectories.
-    moment = second_moment(list(references.values()))
+    moment = second_moment(list(references.values()), layout)
 
     rows: list[EstimatorRow] = []
     for est in resolved:

@@ -9,8 +9,9 @@ exact gradient ``g`` and ``n`` draws ``g^_i``:
 
 * **Adam cosine**: ``cos(g^_i / sqrt(v), g / sqrt(v))`` with ``v`` the per-coordinate second
   moment of the *exact* gradients over the compared trajectories (what Adam's ``v`` tends
-  to after many steps, ``E[g^2]``), plus ``eps``: the cosine in the geometry Adam steps
-  in; averaged over draws.
+  to after many steps, ``E[g^2]``; floored at 1% of its tensor's mean, since a few
+  trajectories estimate it far more noisily than Adam's thousand steps), plus ``eps``:
+  the cosine in the geometry Adam steps in; averaged over draws.
 * **sign agreement**: the fraction of coordinates where ``sign(g^_i) = sign(g)``
   (coordinates where ``g`` is exactly zero are left out), averaged over draws; an Adam
   step with a small ``v`` is close to a sign step.
@@ -31,6 +32,9 @@ from gradest.reference.dense import relative_error
 # Added to sqrt(v) as torch.optim.AdamW adds its default eps: coordinates whose exact gradient
 # is (nearly) always zero get a large but finite weight instead of a division by zero.
 ADAM_EPS = 1e-8
+# Each coordinate's second moment is at least this fraction of its tensor's mean (see
+# second_moment).
+MOMENT_FLOOR = 0.01
 
 
 @attrs.frozen
@@ -62,9 +66,23 @@ class TensorStats:
         return attrs.asdict(self)
 
 
-def second_moment(references: Sequence[Tensor]) -> Tensor:
-    """``v``: the per-coordinate mean of the squared exact gradients (float64)."""
-    return torch.stack([r.to(torch.float64) ** 2 for r in references]).mean(0)
+def second_moment(
+    references: Sequence[Tensor], layout: TensorLayout | None = None, floor: float = MOMENT_FLOOR
+) -> Tensor:
+    """``v``: the per-coordinate mean of the squared exact gradients (float64).
+
+    With a ``layout``, each coordinate's ``v`` is at least ``floor`` times its tensor's
+    mean ``v``: Adam's ``v`` averages ~1/(1 - beta2) = 1000 steps of gradients, while a
+    comparison has a handful of trajectories, over which a coordinate's exact gradient
+    can be near zero by chance and its normalised error would then swamp the cosine.
+    The floor is relative to the tensor's own scale, so small tensors still weigh as
+    much as large ones (the point of the normalisation).
+    """
+    moment = torch.stack([r.to(torch.float64) ** 2 for r in references]).mean(0)
+    if layout is None or floor <= 0:
+        return moment
+    parts = [part.clamp_min(floor * float(part.mean())) for part in layout.split(moment)]
+    return torch.cat(parts)
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:

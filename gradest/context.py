@@ -19,6 +19,7 @@ from torch import Tensor
 from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
 from gradest.errors import InvalidType, InvalidValue
 from gradest.flow import (
+    SamplerSteps,
     Trajectory,
     check_sampler,
     check_trajectory_matches,
@@ -183,6 +184,11 @@ class EstimationContext:
         """True when the estimator samples from ``noise`` itself (it may fuse sampling)."""
         return self.noise is not None
 
+    @property
+    def sampler_steps(self) -> SamplerSteps:
+        """The affine steps a chain runs: coefficients, grid and recorded step noise."""
+        return SamplerSteps(self.coefficients, self.times, self.step_noise())
+
     def step_noise(self) -> Tensor | None:
         """Recorded ``xi_k``: the trajectory's, or drawn from the generator at construction."""
         return self._step_noise
@@ -261,18 +267,11 @@ class EstimationContext:
         if self._trajectory is not None:
             states = self._trajectory.states
             return self.field.retained_chain(
-                self.coefficients,
-                self.times,
-                start,
-                states[start],
-                self.step_noise(),
-                recorded=states[start:],
+                self.sampler_steps, start, states[start], recorded=states[start:]
             )
         assert self.noise is not None
         head_states, head_velocities = self._sample_without_graph(self.noise.detach(), range(start))
-        chain = self.field.retained_chain(
-            self.coefficients, self.times, start, head_states[-1], self.step_noise()
-        )
+        chain = self.field.retained_chain(self.sampler_steps, start, head_states[-1])
         if start:
             self.record(
                 torch.cat([torch.stack(head_states[:-1]), chain.states]),
@@ -379,11 +378,9 @@ class EstimationContext:
         if self._trajectory is not None:
             trajectory = self._trajectory
             chain = self.field.chain(
-                self.coefficients,
-                self.times,
+                self.sampler_steps,
                 start,
                 trajectory.states[start],
-                trajectory.step_noise,
                 recorded=trajectory.states[start:],
                 low_memory=low_memory,
             )
@@ -391,11 +388,9 @@ class EstimationContext:
         assert self.noise is not None
         head_states, head_velocities = self._sample_without_graph(self.noise.detach(), range(start))
         chain = self.field.chain(
-            self.coefficients,
-            self.times,
+            self.sampler_steps,
             start,
             head_states[-1],
-            self.step_noise(),
             low_memory=low_memory,
             state_grad=want_state_grad,
         )

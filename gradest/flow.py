@@ -149,6 +149,16 @@ def affine_step(
     return out
 
 
+@attrs.frozen(eq=False)
+class SamplerSteps:
+    """What a chain needs of its sampler: the affine step coefficients ``(alpha, beta,
+    sigma)``, the time grid and the recorded step noise (None for a deterministic one)."""
+
+    coefficients: tuple[Tensor, Tensor, Tensor]
+    times: Tensor
+    step_noise: Tensor | None
+
+
 def integrate(
     velocity: Callable[[int, Tensor], Tensor],
     coefficients: tuple[Tensor, Tensor, Tensor],

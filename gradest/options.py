@@ -133,6 +133,17 @@ def too_many_steps(estimator: str, what: str, num_steps: int, fix: str) -> Inval
     )
 
 
+def at_most_steps(
+    estimator: str, num_steps: int, *, hint: str = "", **options: int | float | None
+) -> None:
+    """``check_steps`` for options that count steps: raise :func:`too_many_steps` for the
+    first of ``options`` (name=value, None skipped) above ``num_steps``."""
+    for name, value in options.items():
+        if value is not None and value > num_steps:
+            fix = f"use {name} <= {num_steps}" + (f" {hint}" if hint else "")
+            raise too_many_steps(estimator, f"{name}={value:g}", num_steps, fix)
+
+
 def int_option(default: int, *, minimum: int, doc: str, expect: str = "") -> Any:
     """An int option ``>= minimum`` (``expect`` overrides the range's description)."""
     return option(
@@ -141,6 +152,35 @@ def int_option(default: int, *, minimum: int, doc: str, expect: str = "") -> Any
         doc=doc,
         valid=lambda value: value >= minimum,
         expect=expect or f"an int >= {minimum}",
+    )
+
+
+def optional_int_option(*, minimum: int, doc: str, expect: str = "") -> Any:
+    """An int option ``>= minimum`` that may be None (its default), parsed from ``none``."""
+    return option(
+        None,
+        kind=(int, None),
+        doc=doc,
+        valid=lambda value: value is None or value >= minimum,
+        expect=expect or f"an int >= {minimum}, or None",
+        parse=parse_optional_int,
+    )
+
+
+def optional_float_option(*, minimum: float, doc: str, expect: str = "") -> Any:
+    """A float option (``> 0`` for ``minimum=0``, else ``>= minimum``) that may be None
+    (its default), parsed from ``none``."""
+
+    def valid(value: Any) -> bool:
+        return value is None or (value > 0 if minimum == 0 else value >= minimum)
+
+    return option(
+        None,
+        kind=(float, None),
+        doc=doc,
+        valid=valid,
+        expect=expect or f"a float {'> 0' if minimum == 0 else f'>= {minimum:g}'}, or None",
+        parse=lambda text: None if text.strip().lower() == "none" else float(text),
     )
 
 

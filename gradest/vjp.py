@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from gradest._checks import check_model_output, first_model_call, trainable_parameters
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
-from gradest.flow import integrate
+from gradest.flow import SamplerSteps, integrate
 from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
 from gradest.nonfinite import check_finite
 from gradest.replay import StepRandomness
@@ -515,14 +515,7 @@ class VelocityField:
         return pull(cotangents)
 
     def retained_chain(
-        self,
-        coefficients: tuple[Tensor, Tensor, Tensor],
-        times: Tensor,
-        start: int,
-        z_start: Tensor,
-        step_noise: Tensor | None,
-        *,
-        recorded: Tensor | None = None,
+        self, sampler: SamplerSteps, start: int, z_start: Tensor, *, recorded: Tensor | None = None
     ) -> RetainedChain:
         """Steps ``start..N-1`` with each step's graph kept from its own leaf (autograd).
 
@@ -531,6 +524,7 @@ class VelocityField:
         ``[N - start + 1, B, ...]`` as they are.
         """
         assert self.engine == "autograd", "retained chains need the autograd engine"
+        times = sampler.times
         steps = range(start, times.numel() - 1)
         leaves: list[Tensor] = []
         outputs: list[Tensor] = []
@@ -549,7 +543,9 @@ class VelocityField:
             outputs.append(v)
             return v.detach()
 
-        states, _ = integrate(velocity, coefficients, z_start.detach(), step_noise, steps, pin=pin)
+        states, _ = integrate(
+            velocity, sampler.coefficients, z_start.detach(), sampler.step_noise, steps, pin=pin
+        )
         self.meter.forwards_with_graph += len(steps)
         return RetainedChain(
             self, start, leaves, outputs, torch.stack(states), [float(times[k]) for k in steps]
@@ -557,11 +553,9 @@ class VelocityField:
 
     def chain(
         self,
-        coefficients: tuple[Tensor, Tensor, Tensor],
-        times: Tensor,
+        sampler: SamplerSteps,
         start: int,
         z_start: Tensor,
-        step_noise: Tensor | None,
         *,
         recorded: Tensor | None = None,
         low_memory: bool = False,
@@ -582,6 +576,7 @@ class VelocityField:
         ``low_memory``): one VJP through all steps on ``(theta, z_start)``.
         """
         assert self.surrogate or (recorded is None and not low_memory)
+        coefficients, times, step_noise = sampler.coefficients, sampler.times, sampler.step_noise
         steps = range(start, times.numel() - 1)
         chain_times = [float(times[k]) for k in steps]
 

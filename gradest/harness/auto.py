@@ -44,7 +44,7 @@ from gradest.flow import Trajectory, rollout
 from gradest.harness.statistics import trajectory_stats
 from gradest.harness.tensor_metrics import TensorLayout, adam_cosine, mean_of, second_moment
 from gradest.objectives import Objective, TerminalObjective
-from gradest.options import choice_option, int_option, option
+from gradest.options import choice_option, int_option, option, optional_float_option
 from gradest.protocol import (
     Decisions,
     Definition,
@@ -71,14 +71,6 @@ METRICS = ("adam_cosine", "cosine")
 def _parse_candidates(text: str) -> tuple[str, ...]:
     """``exact/jagg/sdo``: estimator names (with default options) separated by ``/``."""
     return tuple(part.strip() for part in text.split("/") if part.strip())
-
-
-def _positive_or_none(value: Any) -> bool:
-    return value is None or value > 0
-
-
-def _parse_optional_float(text: str) -> float | None:
-    return None if text.strip().lower() == "none" else float(text)
 
 
 @attrs.frozen
@@ -162,21 +154,11 @@ class Auto(EstimatorBase):
         expect="a non-empty tuple of estimator spec strings",
         parse=_parse_candidates,
     )
-    max_bias: float | None = option(
-        None,
-        kind=(float, None),
-        doc="exclude candidates with a larger relative bias to exact (None: no bound)",
-        valid=_positive_or_none,
-        expect="a float > 0, or None",
-        parse=_parse_optional_float,
+    max_bias: float | None = optional_float_option(
+        minimum=0, doc="exclude candidates with a larger relative bias to exact (None: no bound)"
     )
-    max_slowdown: float | None = option(
-        None,
-        kind=(float, None),
-        doc="exclude candidates costing more than this x the cheapest (None: no bound)",
-        valid=lambda value: value is None or value >= 1,
-        expect="a float >= 1, or None",
-        parse=_parse_optional_float,
+    max_slowdown: float | None = optional_float_option(
+        minimum=1, doc="exclude candidates costing more than this x the cheapest (None: no bound)"
     )
     metric: str = choice_option(
         "adam_cosine", METRICS, doc="predicted progress: Adam-normalised or plain cosine"

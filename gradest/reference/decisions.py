@@ -96,13 +96,13 @@ def jagg_layout(
     return tuple(groups), tuple(nodes)
 
 
+Steps = Sequence[Sequence[int]]  # per group, its steps (or its nodes)
+Indices = tuple[int, ...]
+
+
 def jagg_fallbacks(
-    chain: DenseChain,
-    groups: Sequence[Sequence[int]],
-    nodes: Sequence[Sequence[int]],
-    tau: float,
-    gate: str,
-) -> tuple[int, ...]:
+    chain: DenseChain, groups: Steps, nodes: Steps, tau: float, gate: str
+) -> Indices:
     """The groups whose gate cosine (dense velocities) is not ``>= tau`` (none if off)."""
     if gate == "off":
         return ()

@@ -51,13 +51,7 @@ def definition_at(
     estimator: Any, chain: DenseChain, objective: Objective, decisions: Any
 ) -> Definition | None:
     """The estimator's definition at the given ``decisions`` (None where it defines none)."""
-    method = getattr(estimator, "definition", None)
-    if method is None:
-        return None
-    try:
-        return method(chain, objective, decisions)
-    except NotImplementedError:
-        return None
+    return _ask(estimator, "definition", chain, objective, decisions)
 
 
 def expected_decisions(
@@ -65,10 +59,16 @@ def expected_decisions(
 ) -> Decisions | None:
     """The decisions the estimator must make, re-derived independently
     (``estimator.expected_decisions``), or None where it does not re-derive them."""
-    method = getattr(estimator, "expected_decisions", None)
-    if method is None:
+    return _ask(estimator, "expected_decisions", chain, objective, generator)
+
+
+def _ask(estimator: Any, method: str, *args: Any) -> Any:
+    """``estimator.method(*args)``, or None where the estimator lacks it (a plugin) or
+    raises NotImplementedError (``EstimatorBase``'s default)."""
+    bound = getattr(estimator, method, None)
+    if bound is None:
         return None
     try:
-        return method(chain, objective, generator)
+        return bound(*args)
     except NotImplementedError:
         return None

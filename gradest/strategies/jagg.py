@@ -67,7 +67,7 @@ from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective
-from gradest.options import bool_option, choice_option, int_option, option, too_many_steps
+from gradest.options import at_most_steps, bool_option, choice_option, int_option, option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import jagg_fallbacks, jagg_layout, replay_subset
 from gradest.reference.dense import DenseChain, exact_noise_grad
@@ -332,9 +332,7 @@ class Jagg(EstimatorBase):
     # -- the contract -----------------------------------------------------------------------
 
     def check_steps(self, num_steps: int) -> None:
-        if self.debias > num_steps:
-            fix = f"use debias <= {num_steps}"
-            raise too_many_steps("jagg", f"debias={self.debias}", num_steps, fix)
+        at_most_steps("jagg", num_steps, debias=self.debias)
 
     def expected_decisions(
         self, chain: DenseChain, objective: Objective, generator: torch.Generator

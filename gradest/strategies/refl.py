@@ -36,7 +36,7 @@ from torch import Tensor
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective, TerminalObjective
-from gradest.options import option, parse_optional_int, too_many_steps
+from gradest.options import at_most_steps, optional_int_option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import replay_uniform_int
 from gradest.reference.dense import DenseChain
@@ -76,13 +76,10 @@ class Refl(EstimatorBase):
     name: ClassVar[str] = "refl"
     objectives: ClassVar[tuple[str, ...]] = ("terminal",)
 
-    last_steps: int | None = option(
-        None,
-        kind=(int, None),
+    last_steps: int | None = optional_int_option(
+        minimum=1,
         doc="draw the stop step from the last this-many steps (None: ceil(N/4))",
-        valid=lambda value: value is None or value >= 1,
         expect="an int >= 1 (at most the number of sampler steps N), or None",
-        parse=parse_optional_int,
     )
 
     def _window(self, num_steps: int) -> int:
@@ -109,9 +106,7 @@ class Refl(EstimatorBase):
     # -- the contract -----------------------------------------------------------------------
 
     def check_steps(self, num_steps: int) -> None:
-        if self.last_steps is not None and self.last_steps > num_steps:
-            fix = f"use last_steps <= {num_steps}"
-            raise too_many_steps("refl", f"last_steps={self.last_steps}", num_steps, fix)
+        at_most_steps("refl", num_steps, last_steps=self.last_steps)
 
     def expected_decisions(
         self, chain: DenseChain, objective: Objective, generator: torch.Generator

@@ -45,7 +45,7 @@ from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective
-from gradest.options import int_option, option, too_many_steps
+from gradest.options import at_most_steps, int_option, option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import replay_survival_depth
 from gradest.reference.dense import DenseChain
@@ -175,12 +175,13 @@ class Telescope(EstimatorBase):
     # -- the contract -----------------------------------------------------------------------
 
     def check_steps(self, num_steps: int) -> None:
-        if self.mean_depth > num_steps:
-            fix = f"use mean_depth <= {num_steps} (mean_depth={num_steps} is exact)"
-            raise too_many_steps("telescope", f"mean_depth={self.mean_depth:g}", num_steps, fix)
-        if self.min_depth > num_steps:
-            fix = f"use min_depth <= {num_steps}"
-            raise too_many_steps("telescope", f"min_depth={self.min_depth}", num_steps, fix)
+        # min_depth <= mean_depth (checked at construction), so this bounds both.
+        at_most_steps(
+            "telescope",
+            num_steps,
+            hint=f"(mean_depth={num_steps} is exact)",
+            mean_depth=self.mean_depth,
+        )
 
     def expected_decisions(
         self, chain: DenseChain, objective: Objective, generator: torch.Generator

@@ -49,9 +49,8 @@ from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import Objective
 from gradest.options import (
     int_option,
-    option,
+    optional_int_option,
     parse_float_tuple,
-    parse_optional_int,
     too_many_steps,
 )
 from gradest.protocol import Decisions, Definition
@@ -141,13 +140,10 @@ class Truncated(EstimatorBase):
 
     name: ClassVar[str] = "truncated"
 
-    k: int | None = option(
-        None,
-        kind=(int, None),
+    k: int | None = optional_int_option(
+        minimum=1,
         doc="steps kept at the end of the chain (None: 1, or N with random='uniform')",
-        valid=lambda value: value is None or value >= 1,
         expect="an int >= 1 (at most the number of sampler steps N), or None",
-        parse=parse_optional_int,
     )
     random: None | str | tuple[float, ...] = attrs.field(
         default=None,

@@ -288,3 +288,12 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_leaves_the_final_names_whole
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()
     assert not temporary.exists()  # the stale temporary was cleared
     assert [r["step"] for r in JsonLog(folder / "log.jsonl").records()] == list(range(6))
+
+
+def test_a_checkpoint_from_before_prior_weight_resumes_with_the_default():
+    from gradest.workloads.run_state import check_same_run
+
+    current = {"mode": "reward", "steps": 4, "prior_weight": 0.0}
+    check_same_run({"mode": "reward", "steps": 2}, current)  # the setting did not exist
+    with pytest.raises(ValueError, match="prior_weight: checkpoint 0.0, now 1.0"):
+        check_same_run({"mode": "reward", "steps": 2}, {**current, "prior_weight": 1.0})

@@ -70,13 +70,14 @@ from gradest.integrations.distributed import (
 )
 from gradest.protocol import is_estimator, supports
 from gradest.registry import estimator as build_estimator
+from gradest.samplers import AffineSampler
 from gradest.workloads.finetune_config import FinetuneConfig, config_from
 from gradest.workloads.finetune_modes import mode_of
 from gradest.workloads.finetune_records import LOG_KEYS
 from gradest.workloads.finetune_run import Run
 from gradest.workloads.run_state import check_same_run, earlier_run, newest_checkpoint
 
-__all__ = ["LOG_KEYS", "FinetuneConfig", "finetune", "resolve_estimator"]
+__all__ = ["LOG_KEYS", "FinetuneConfig", "finetune", "resolve_estimator", "start_run"]
 
 Reward = Callable[[Tensor], Tensor]
 
@@ -93,6 +94,7 @@ def finetune(
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
     resume: str | Path | None = None,
+    prior_data: Tensor | None = None,
     **settings: Any,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` (in place) to raise ``reward`` of its samples.
@@ -124,6 +126,8 @@ def finetune(
             the checkpoint's step before it goes on. Without ``resume``, a ``log_path``
             that already holds records or a ``checkpoint_dir`` that holds checkpoints is
             refused (two runs never mix in one place).
+        prior_data: real samples ``[M, *sample_shape]`` for ``prior_weight > 0`` (a
+            flow-matching loss on a batch of them joins every backward, unconditional).
         **settings: :class:`FinetuneConfig` fields replacing those of ``config``
             (``finetune(model, reward, estimator="sdo", steps=20)``).
 
@@ -156,12 +160,7 @@ def finetune(
     """
     # -- everything is validated before the first model call --
     config = config_from(config, settings)
-    if not isinstance(model, torch.nn.Module):
-        raise InvalidType(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(reward):
-        raise InvalidType(
-            f"reward must be a callable images [B, ...] -> rewards [B], got {type(reward).__name__}"
-        )
+    _check_model_and_reward(model, reward)
     if config.checkpoint_every and checkpoint_dir is None:
         raise InvalidValue(
             f"checkpoint_every={config.checkpoint_every} needs checkpoint_dir= (a folder to "
@@ -172,6 +171,83 @@ def finetune(
         None if checkpoint_dir is None else check_output_dir(checkpoint_dir, what="checkpoint_dir")
     )
     resumed = _resumed(resume, log_path, checkpoint_dir)
+    _, world = launched_world()
+    model, est, shape, eval_cond, record = _validated(
+        model, config, labels=labels, cond_key=cond_key, sample_shape=sample_shape, world=world
+    )
+    _check_prior(config, prior_data, shape)
+    if resumed is not None:
+        check_same_run(resumed["config"], record)
+        if resumed["step"] > config.steps:
+            raise InvalidValue(
+                f"the checkpoint is at step {resumed['step']}, past steps={config.steps}; "
+                f"pass steps >= {resumed['step']} to continue the run"
+            )
+
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    with process_group_from_env(device) as (rank, world):
+        run = Run.start_on_rank(
+            config,
+            record,
+            est,
+            reward,
+            model,
+            rank=rank,
+            world=world,
+            shape=shape,
+            eval_cond=eval_cond,
+            log_path=log_path,
+            checkpoint_dir=checkpoint_dir,
+            resumed=resumed,
+            prior_data=prior_data,
+        )
+        return _train(run, checkpoint_dir, progress=progress, log_path=log_path)
+
+
+def _check_model_and_reward(model: Any, reward: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidType(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(reward):
+        raise InvalidType(
+            f"reward must be a callable images [B, ...] -> rewards [B], got {type(reward).__name__}"
+        )
+
+
+def _check_prior(config: FinetuneConfig, prior_data: Any, shape: tuple[int, ...]) -> None:
+    """``prior_data`` is given exactly when ``prior_weight > 0``, shaped ``[M, *shape]``."""
+    if config.prior_weight and prior_data is None:
+        raise InvalidValue(
+            f"prior_weight={config.prior_weight} needs prior_data= (real samples "
+            f"[M, {', '.join(map(str, shape))}]); pass them or set prior_weight=0"
+        )
+    if prior_data is None:
+        return
+    if not config.prior_weight:
+        raise InvalidValue(
+            "prior_data= is only used with prior_weight > 0; set prior_weight (e.g. 1.0) "
+            "or drop prior_data"
+        )
+    if not isinstance(prior_data, Tensor) or tuple(prior_data.shape[1:]) != tuple(shape):
+        got = tuple(prior_data.shape) if isinstance(prior_data, Tensor) else type(prior_data)
+        raise InvalidValue(
+            f"prior_data must be a tensor [M, {', '.join(map(str, shape))}] of real samples, "
+            f"got {got}"
+        )
+    if prior_data.shape[0] == 0 or not bool(torch.isfinite(prior_data).all()):
+        raise InvalidValue("prior_data must hold at least one sample, all finite")
+
+
+def _validated(
+    model: torch.nn.Module,
+    config: FinetuneConfig,
+    *,
+    labels: int | Tensor | None,
+    cond_key: str,
+    sample_shape: tuple[int, ...] | None,
+    world: int,
+) -> tuple[torch.nn.Module, Any, tuple[int, ...], dict[str, Tensor] | None, dict[str, Any]]:
+    """Everything about the model and the estimator checked before any model call:
+    ``(bare model, estimator, sample shape, evaluation condition, config record)``."""
     est = resolve_estimator(config.estimator)
     check_steps = getattr(est, "check_steps", None)
     if callable(check_steps):
@@ -185,7 +261,6 @@ def finetune(
         )
     # Under torchrun the world size is known from the environment before any group
     # exists, so a batch that does not split evenly fails here, on every rank alike.
-    _, world = launched_world()
     _check_world(config, world)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module  # the run wraps the bare module itself once the group exists
@@ -203,30 +278,50 @@ def finetune(
         "sample_shape": list(shape),
         "world_size": world,
     }
-    if resumed is not None:
-        check_same_run(resumed["config"], record)
-        if resumed["step"] > config.steps:
-            raise InvalidValue(
-                f"the checkpoint is at step {resumed['step']}, past steps={config.steps}; "
-                f"pass steps >= {resumed['step']} to continue the run"
-            )
+    return model, est, shape, eval_cond, record
 
-    with process_group_from_env(trainable[0].device) as (rank, world):
-        run = Run.start_on_rank(
-            config,
-            record,
-            est,
-            reward,
-            model,
-            rank=rank,
-            world=world,
-            shape=shape,
-            eval_cond=eval_cond,
-            log_path=log_path,
-            checkpoint_dir=checkpoint_dir,
-            resumed=resumed,
-        )
-        return _train(run, checkpoint_dir, progress=progress, log_path=log_path)
+
+def start_run(
+    model: torch.nn.Module,
+    reward: Reward,
+    config: FinetuneConfig | None = None,
+    *,
+    labels: int | Tensor | None = None,
+    cond_key: str = "y",
+    sample_shape: tuple[int, ...] | None = None,
+    prior_data: Tensor | None = None,
+    **settings: Any,
+) -> tuple[Run, AffineSampler]:
+    """A fine-tuning run on this process that the caller advances step by step.
+
+    For loops that interleave several runs (``benchmarks/digits_paired.py`` alternates
+    the estimators within each training step, so machine load hits all of them alike).
+    Arguments as for :func:`finetune` (no logging, checkpoints or resume). Returns the
+    :class:`~gradest.workloads.finetune_run.Run` (``run.step(k, sampler)`` for ``k = 0,
+    1, ...``, ``run.evaluate()``, ``run.history``, ``run.initial``) and its sampler.
+    """
+    config = config_from(config, settings)
+    _check_model_and_reward(model, reward)
+    model, est, shape, eval_cond, record = _validated(
+        model, config, labels=labels, cond_key=cond_key, sample_shape=sample_shape, world=1
+    )
+    _check_prior(config, prior_data, shape)
+    run = Run.start_on_rank(
+        config,
+        record,
+        est,
+        reward,
+        model,
+        rank=0,
+        world=1,
+        shape=shape,
+        eval_cond=eval_cond,
+        log_path=None,
+        checkpoint_dir=None,
+        resumed=None,
+        prior_data=prior_data,
+    )
+    return run, mode_of(config).sampler(config)
 
 
 def _train(

@@ -111,10 +111,17 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         from gradest.integrations.peft import add_lora
 
         model = add_lora(model, args.lora_rank)
+    prior_data = None
+    if config.prior_weight:
+        # Prior preservation on the real digits the model was pretrained on (train split).
+        from gradest.workloads.digits import load_digits_dataset
+
+        prior_data, _ = load_digits_dataset("train")
     result = finetune(
         model,
         ClassifierReward(load_digit_classifier(), args.target),
         config,
+        prior_data=prior_data,
         labels=args.target if args.labels == "target" else None,
         log_path=out / "log.jsonl",
         checkpoint_dir=out / "checkpoints",

@@ -104,6 +104,9 @@ class FinetuneConfig:
             generator, and each rank's training generator via ``rank_generator(seed)``).
         sampler_steps: ``N``, steps of the sampler.
         checkpoint_every: save a checkpoint every this many steps (0: only at the end).
+        prior_weight: weight of a flow-matching loss on real samples (``prior_data``) added
+            to every backward: prior preservation, which keeps the model near the data
+            while the reward pulls it away (0: off).
         group_size, inner_epochs, clip, noise_level, log_prob_reduction: GRPO's group
             size, optimizer steps per batch, PPO clip range, FlowSDE ``noise_level`` and
             the reduction of :meth:`~gradest.samplers.TimeGrid.step_log_prob`.
@@ -159,6 +162,13 @@ class FinetuneConfig:
         kind=int,
         validator=_int_at_least(0, "0 saves only the final checkpoint"),
         help="save a checkpoint every this many steps (0: only the final one)",
+    )
+    prior_weight: float = setting(
+        0.0,
+        kind=float,
+        validator=_finite_float(positive=False, hint="0 switches it off"),
+        help="weight of a flow-matching loss on real data beside the reward (prior "
+        "preservation; needs prior data)",
     )
     group_size: int = setting(
         4,

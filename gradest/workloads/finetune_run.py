@@ -113,6 +113,7 @@ class Run:
     start: int
     initial: Tensor = attrs.field(factory=lambda: torch.zeros(0))
     checkpoints: list[str] = attrs.field(factory=list)
+    prior_data: Tensor | None = None  # real samples for config.prior_weight
 
     @property
     def distributed(self) -> bool:
@@ -138,6 +139,7 @@ class Run:
         log_path: Path | None,
         checkpoint_dir: Path | None,
         resumed: dict[str, Any] | None,
+        prior_data: Tensor | None = None,
     ) -> Run:
         parameters = [p for p in model.parameters() if p.requires_grad]
         dtype, device = parameters[0].dtype, parameters[0].device
@@ -195,6 +197,7 @@ class Run:
             log=log,
             history=[] if resumed is None else list(resumed["history"]),
             start=start,
+            prior_data=None if prior_data is None else prior_data.to(device=device, dtype=dtype),
         )
         if resumed is None:
             run.initial = run.evaluate()
@@ -285,7 +288,10 @@ class Run:
             cond=self.cond,
             generator=self.generator,
         )
-        result.loss.backward()
+        loss_tensor = result.loss
+        if self.config.prior_weight:
+            loss_tensor = loss_tensor + self.config.prior_weight * self._prior_loss()
+        loss_tensor.backward()
         timings["backward"] += time.perf_counter() - started
         # The averaged gradient is the same on every rank: so are the norm, the clipping
         # and the optimizer step, and the replicas stay equal.
@@ -302,6 +308,21 @@ class Run:
         info = dict(result.info)
         loss = info.pop("loss", None)
         return (None if loss is None else float(loss)), norm, info, result.cost
+
+    def _prior_loss(self) -> Tensor:
+        """Flow matching on a batch of real samples (unconditional): ``mean ||v_theta(z_t,
+        t) - (eps - x)||^2`` with ``z_t = t eps + (1 - t) x``, the pretraining loss that
+        prior preservation keeps low while the reward moves the model."""
+        assert self.prior_data is not None
+        data = self.prior_data
+        generator, count = self.generator, self.local_batch
+        index = torch.randint(0, data.shape[0], (count,), generator=generator)
+        x = data[index.to(data.device)]
+        t = torch.rand(count, generator=generator, dtype=data.dtype).to(data.device)
+        eps = torch.randn(x.shape, generator=generator, dtype=data.dtype).to(data.device)
+        weight = t.reshape(-1, *([1] * (x.ndim - 1)))
+        z = weight * eps + (1 - weight) * x
+        return (self.trained(z, t) - (eps - x)).pow(2).mean()
 
     def checkpoint(self, directory: Path, done: int) -> None:
         """Save what step ``done`` depends on; every rank takes part (its streams are gathered)."""

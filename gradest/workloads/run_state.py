@@ -119,6 +119,11 @@ def earlier_run(log_path: Path | None, checkpoint_dir: Path | None) -> str | Non
     return "; ".join(found) or None
 
 
+# Settings added to FinetuneConfig after checkpoints of the same format were written, with
+# the value those runs had: resuming such a checkpoint with the default is the same run.
+ADDED_SETTINGS: dict[str, Any] = {"prior_weight": 0.0}
+
+
 def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume with other settings than the checkpoint's (``steps`` may grow).
 
@@ -126,6 +131,8 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:
         ValueError: naming every setting that differs, with both values.
     """
     keys = (set(saved) | set(current)) - _MAY_CHANGE
+    # A setting added after the checkpoint was written ran at its default then.
+    saved = {**ADDED_SETTINGS, **saved}
     differ = sorted(key for key in keys if saved.get(key) != current.get(key))
     if differ:
         detail = "; ".join(

@@ -1,19 +1,29 @@
 """Paired benchmark: reward fine-tuning of the pretrained digits DiT with each estimator.
 
-Every seed gives every estimator the same initial model (the shipped checkpoint), the
-same noise, labels and draws (``finetune`` seeds its only generator with the seed), so
-differences are the estimators'. Per estimator it reports the final reward, the paired
-wins against ``exact`` out of the seeds and a paired test's p-value (Wilcoxon signed-rank,
-exact for small samples; and a paired t-test), for reward at equal steps and for reward
-gain per backward-second; FID / KID of class-conditional samples against the held-out
-digits of the target class (torch-fidelity, on the digit classifier's features); the
-backward wall time and the retained activation bytes as ratios to ``exact``; and the
-gradient's cosine to ``exact`` on the same minibatch at the initial model.
+Every seed gives every estimator the same initial model (the shipped checkpoint) and the
+same seed, so differences are the estimators'. The estimators' runs advance **in lockstep**:
+at every training step each estimator takes its step in turn (the order rotates from step
+to step), so machine load hits all of them alike, and each step's backward is timed where
+it runs. Cost is also counted deterministically: model units from each estimator's own
+``Cost`` (a forward F, a parameter VJP 2F, a state VJP F) times one forward's FLOPs
+(FlopCounterMode).
+
+Per estimator it reports the final reward on a fixed evaluation batch, paired wins against
+``exact`` out of the seeds with a paired test's p-value (Wilcoxon signed-rank, exact for
+small samples; and a paired t-test), for reward at equal steps and for reward gain per
+backward-FLOP and per backward-second; FID / KID of the samples against the held-out
+digits of the target class (torch-fidelity, on the digit classifier's features); backward
+FLOPs and time as ratios to ``exact``; and, on one minibatch at the initial model, the
+gradient's cosine, Adam-normalised cosine and sign agreement to ``exact``, with the rank
+correlation of each with the final reward across estimators.
 
     python -m benchmarks.digits_paired --mode reward --seeds 8 --out docs/results/digits_reward
     python -m benchmarks.digits_paired --mode grpo --seeds 8 --out docs/results/digits_grpo
 
-Runs on the CPU in minutes; ``--device cuda`` runs unchanged on a GPU.
+``--prior-weight w`` adds prior preservation (a flow-matching loss on the real training
+digits) to every backward, so the reward cannot be maximised by collapsing onto one blob
+and the estimators differ on sample quality as well. Runs on the CPU; ``--device cuda``
+runs unchanged on a GPU.
 """
 
 from __future__ import annotations
@@ -33,16 +43,29 @@ from tqdm import tqdm
 
 import gradest
 from gradest.cli import split_specs
-from gradest.harness.cost import retained_activation_bytes
+from gradest.files import atomic_write_text
+from gradest.harness.cost import count_flops, retained_activation_bytes
+from gradest.harness.tensor_metrics import (
+    TensorLayout,
+    adam_cosine,
+    mean_of,
+    second_moment,
+    sign_agreement,
+)
+from gradest.protocol import supports
 from gradest.samplers import FlowSDE
 from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
 from gradest.workloads.digits import load_digits_dataset
-from gradest.workloads.finetune import finetune
+from gradest.workloads.finetune import start_run
 from gradest.workloads.grpo import group_advantages, grpo_objective
 from gradest.workloads.metrics import fid_kid
 from gradest.workloads.rewards import ClassifierReward
 
-DEFAULT_ESTIMATORS = "exact,jagg:window=4,jagg:window=4,shared_knots=true,sdo,truncated:k=1"
+DEFAULT_ESTIMATORS = (
+    "exact,jagg:window=4,jagg:window=4,shared_knots=true,jagg:window=4,tau=0.9,"
+    "jagg:window=4,debias=2,sdo,truncated:k=1,truncated:random=uniform,k_min=2,telescope,"
+    "draft_lv,refl,auto"
+)
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,18 +106,25 @@ def _agreement_problem(args: argparse.Namespace, model: torch.nn.Module, reward:
 def measure_agreement(
     args: argparse.Namespace, specs: Sequence[str]
 ) -> dict[str, dict[str, float]]:
-    """Cosine to exact (mean over draws), and retained bytes relative to exact."""
+    """On one minibatch at the initial model: agreement with exact (cosine, Adam cosine,
+    sign agreement; means over draws), and retained bytes relative to exact."""
     model = load_pretrained_dit(device=args.device)
     reward = ClassifierReward(load_digit_classifier(device=args.device), args.target)
     flow, objective, trajectory, cond = _agreement_problem(args, model, reward)
     exact = gradest.estimator("exact").estimate(
         model, flow, objective, trajectory=trajectory, cond=cond
     )
+    reference = exact.flat()
+    moment = second_moment([reference], TensorLayout.of(exact.grads))
+    # Retained activations when the estimator samples itself (terminal) or works on the
+    # recorded path (stepwise), as in the harness.
+    inputs = (
+        {"noise": trajectory.states[0]} if args.mode == "reward" else {"trajectory": trajectory}
+    )
     out = {}
     for spec in specs:
         est = gradest.estimator(spec)
-        first = est.estimate(model, flow, objective, trajectory=trajectory, cond=cond)
-        draws = [
+        results = [
             est.estimate(
                 model,
                 flow,
@@ -102,16 +132,12 @@ def measure_agreement(
                 trajectory=trajectory,
                 cond=cond,
                 generator=torch.Generator().manual_seed(d),
-            ).flat()
+            )
             for d in range(args.draws)
         ]
-        # Retained activations when the estimator samples itself (terminal) or works on
-        # the recorded path (stepwise), as in the harness.
-        inputs = (
-            {"noise": trajectory.states[0]} if args.mode == "reward" else {"trajectory": trajectory}
-        )
+        draws = [r.flat() for r in results]
         retained = retained_activation_bytes(
-            lambda est=est, inputs=inputs: est.estimate(
+            lambda est=est: est.estimate(
                 model,
                 flow,
                 objective,
@@ -121,70 +147,87 @@ def measure_agreement(
             )
         )
         out[spec] = {
-            "cosine": statistics.fmean(_cosine(d, exact.flat()) for d in draws),
-            "cosine_of_mean": _cosine(torch.stack(draws).mean(0), exact.flat()),
+            "cosine": statistics.fmean(_cosine(d, reference) for d in draws),
+            "adam_cosine": mean_of(adam_cosine(d, reference, moment) for d in draws),
+            "sign_agreement": mean_of(sign_agreement(d, reference) for d in draws),
+            "cosine_of_mean": _cosine(torch.stack(draws).mean(0), reference),
             # jagg: the fraction of groups the gate sent back to exact on this minibatch
-            "fallback_fraction": first.info.get("fallback_fraction"),
-            "param_vjps": first.cost.param_vjps,
+            "fallback_fraction": results[0].info.get("fallback_fraction"),
             "retained_bytes": retained,
         }
-    base = out.get("exact", {}).get("retained_bytes") or retained_activation_bytes(
-        lambda: gradest.estimator("exact").estimate(
-            model,
-            flow,
-            objective,
-            cond=cond,
-            **(
-                {"noise": trajectory.states[0]}
-                if args.mode == "reward"
-                else {"trajectory": trajectory}
-            ),
-        )
-    )
+    base = out["exact"]["retained_bytes"]
     for row in out.values():
         row["retained_ratio"] = row["retained_bytes"] / base
     return out
 
 
-def run_one(
-    args: argparse.Namespace, spec: str, seed: int, reference: torch.Tensor
-) -> dict[str, Any]:
+def forward_flops(args: argparse.Namespace) -> int:
+    """``F``: FLOPs of one forward of the DiT on a training batch (FlopCounterMode)."""
     model = load_pretrained_dit(device=args.device)
+    z = torch.zeros(args.batch, 1, 8, 8, device=args.device)
+    t = torch.full((args.batch,), 0.5, device=args.device)
+    with torch.no_grad():
+        return count_flops(lambda: model(z, t, **(_cond(args, args.batch) or {})))
+
+
+def run_seed(
+    args: argparse.Namespace,
+    specs: Sequence[str],
+    seed: int,
+    reference: torch.Tensor,
+    prior: torch.Tensor | None,
+    flops: int,
+) -> dict[str, dict[str, Any]]:
+    """Every estimator's fine-tuning on this seed, advanced in lockstep (see the module)."""
     reward = ClassifierReward(load_digit_classifier(device=args.device), args.target)
-    result = finetune(
-        model,
-        reward,
-        estimator=spec,
-        mode=args.mode,
-        steps=args.steps,
-        batch_size=args.batch,
-        lr=args.lr,
-        seed=seed,
-        sampler_steps=args.sampler_steps,
-        labels=args.target if args.labels == "target" else None,
-        group_size=args.group_size,
-        progress=False,
-    )
+    runs = {}
+    for spec in specs:
+        runs[spec] = start_run(
+            load_pretrained_dit(device=args.device),
+            reward,
+            estimator=spec,
+            mode=args.mode,
+            steps=args.steps,
+            batch_size=args.batch,
+            lr=args.lr,
+            seed=seed,
+            sampler_steps=args.sampler_steps,
+            labels=args.target if args.labels == "target" else None,
+            group_size=args.group_size,
+            prior_weight=args.prior_weight,
+            prior_data=prior,
+        )
+    for step in range(args.steps):
+        # Rotate the order so that no estimator always runs first (warm caches) or last.
+        shift = (step + seed) % len(specs)
+        for spec in [*specs[shift:], *specs[:shift]]:
+            run, sampler = runs[spec]
+            run.step(step, sampler)
+    out = {}
     gen = torch.Generator().manual_seed(777)
     noise = torch.randn(args.eval_samples, 1, 8, 8, generator=gen).to(args.device)
     cond = _cond(args, args.eval_samples)
-    samples = gradest.rollout(
-        model, gradest.RectifiedFlow(steps=args.sampler_steps), noise, cond=cond
-    ).states[-1]
-    with torch.no_grad():
-        eval_reward = float(reward(samples).mean())
-    quality = fid_kid(samples.float().cpu(), reference, seed=seed)
-    backward = sum(h["backward_seconds"] for h in result["history"])
-    return {
-        "seed": seed,
-        "initial_reward": result["initial_reward"],
-        "final_reward": result["final_reward"],
-        "eval_reward": eval_reward,
-        "backward_seconds": backward,
-        "reward_gain_per_backward_second": (result["final_reward"] - result["initial_reward"])
-        / backward,
-        **quality,
-    }
+    for spec, (run, _) in runs.items():
+        samples = gradest.rollout(
+            run.model, gradest.RectifiedFlow(steps=args.sampler_steps), noise, cond=cond
+        ).states[-1]
+        with torch.no_grad():
+            eval_reward = float(reward(samples).mean())
+        initial, final = float(run.initial.mean()), float(run.evaluate().mean())
+        seconds = sum(h["backward_seconds"] for h in run.history)
+        backward_flops = flops * sum(h["cost"]["model_units"] for h in run.history)
+        out[spec] = {
+            "seed": seed,
+            "initial_reward": initial,
+            "final_reward": final,
+            "eval_reward": eval_reward,
+            "backward_seconds": seconds,
+            "backward_flops": backward_flops,
+            "reward_gain_per_backward_second": (final - initial) / seconds,
+            "reward_gain_per_backward_gflop": (final - initial) / (backward_flops / 1e9),
+            **fid_kid(samples.float().cpu(), reference, seed=seed),
+        }
+    return out
 
 
 def _paired(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
@@ -213,31 +256,59 @@ def summarize(
     runs: dict[str, list[dict[str, Any]]], agreement: dict[str, dict[str, float]]
 ) -> dict[str, Any]:
     exact = runs["exact"]
+    exact_mean = statistics.fmean(r["final_reward"] for r in exact)
+
+    def paired(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+        return _paired([r[key] for r in rows], [r[key] for r in exact])
+
+    exact_gain = exact_mean - statistics.fmean(r["initial_reward"] for r in exact)
     summary = {}
     for spec, rows in runs.items():
         rewards = [r["final_reward"] for r in rows]
+        gain_per_gflop = paired(rows, "reward_gain_per_backward_gflop")
+        # The share of exact's reward gain this estimator reached (rewards are log-probs
+        # near 0 at the end, so a ratio of final rewards would say nothing).
+        gain_fraction = (statistics.fmean(rewards) - exact_mean + exact_gain) / exact_gain
         summary[spec] = {
             "final_reward_mean": statistics.fmean(rewards),
             "final_reward_std": statistics.stdev(rewards) if len(rows) > 1 else 0.0,
-            # (est - exact) / |exact|: negative is a degradation (rewards are log-probs).
-            "relative_reward_change_vs_exact": (
-                statistics.fmean(rewards) - statistics.fmean(r["final_reward"] for r in exact)
-            )
-            / abs(statistics.fmean(r["final_reward"] for r in exact)),
+            "reward_gain_fraction_of_exact": gain_fraction,
+            # The goal of issue 12: >= 7/8 paired wins on reward per backward cost at
+            # p < 0.05, with the reward within 1% of exact's (gain).
+            "meets_goal": spec != "exact"
+            and gain_per_gflop["wins"] >= 7 / 8 * len(rows)
+            and gain_per_gflop["wilcoxon_p"] < 0.05
+            and gain_fraction >= 0.99,
             "fid_mean": statistics.fmean(r["fid"] for r in rows),
             "kid_mean": statistics.fmean(r["kid_mean"] for r in rows),
-            "backward_ratio": statistics.median(
+            "backward_time_ratio": statistics.median(
                 r["backward_seconds"] / e["backward_seconds"]
                 for r, e in zip(rows, exact, strict=True)
             ),
-            "reward_vs_exact": _paired(rewards, [r["final_reward"] for r in exact]),
-            "gain_per_second_vs_exact": _paired(
-                [r["reward_gain_per_backward_second"] for r in rows],
-                [r["reward_gain_per_backward_second"] for r in exact],
-            ),
+            "backward_flops_ratio": statistics.fmean(r["backward_flops"] for r in rows)
+            / statistics.fmean(e["backward_flops"] for e in exact),
+            "reward_vs_exact": paired(rows, "final_reward"),
+            "gain_per_gflop_vs_exact": gain_per_gflop,
+            "gain_per_second_vs_exact": paired(rows, "reward_gain_per_backward_second"),
             **agreement.get(spec, {}),
         }
     return summary
+
+
+def metric_rank_correlations(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Spearman's rho (and p) across estimators between each agreement metric measured on
+    one minibatch and the final reward after fine-tuning: does the metric predict training?"""
+    from scipy import stats
+
+    rewards = [row["final_reward_mean"] for row in summary.values()]
+    out = {}
+    for metric in ("cosine", "adam_cosine", "sign_agreement"):
+        values = [row.get(metric, math.nan) for row in summary.values()]
+        if len(values) < 3 or any(v != v for v in values):
+            continue
+        result = stats.spearmanr(values, rewards)
+        out[metric] = {"rho": float(result.statistic), "p": float(result.pvalue)}
+    return out
 
 
 def _fraction(value: float | None) -> str:
@@ -246,35 +317,69 @@ def _fraction(value: float | None) -> str:
 
 def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
     sampling = "unconditional sampling" if config["labels"] == "none" else "conditioned on it"
+    prior = (
+        f", prior preservation weight {config['prior_weight']} (flow matching on the real "
+        f"training digits)"
+        if config.get("prior_weight")
+        else ""
+    )
     lines = [
         f"# Digits fine-tuning, paired benchmark ({config['mode']})",
         "",
         f"`{config['command']}` — {config['date']}, {config['machine']}, torch {config['torch']}.",
         f"{config['seeds']} seeds; each seed gives every estimator the same initial model "
-        f"(shipped checkpoint), noise, labels and draws. Target digit {config['target']} "
-        f"({sampling}), {config['steps']} steps, batch {config['batch']}, lr {config['lr']}, "
-        f"N={config['sampler_steps']}. "
-        f"Reward = classifier log-probability of the target (higher is better), on a fixed "
-        f"evaluation batch. FID/KID: {config['eval_samples']} samples vs the held-out digits of "
-        f"the target class, on the digit classifier's features (torch-fidelity).",
+        f"(shipped checkpoint) and seed, and the estimators' runs advance in lockstep (each "
+        f"takes its training step in turn, the order rotating), so machine load hits all "
+        f"alike. Target digit {config['target']} ({sampling}), {config['steps']} steps, batch "
+        f"{config['batch']}, lr {config['lr']}, N={config['sampler_steps']}{prior}. Reward = "
+        f"classifier log-probability of the target (higher is better), on a fixed evaluation "
+        f"batch. Backward FLOPs = model units (each estimator's `Cost`) x one forward's FLOPs "
+        f"({config['forward_flops'] / 1e6:.1f} MFLOP). FID/KID: {config['eval_samples']} "
+        f"samples vs the held-out digits of the target class, on the digit classifier's "
+        f"features (torch-fidelity). Agreement columns: one minibatch at the initial model. "
+        f"\"gain / exact's\": the estimator's reward gain (final - initial, mean over seeds) "
+        f"as a share of exact's. Goal (issue 12): >= 7/8 paired wins on reward gain per "
+        f"backward-GFLOP at Wilcoxon p < 0.05 with >= 99% of exact's gain.",
         "",
-        "| estimator | final reward | vs exact (Δ/|exact|) | wins / seeds (p Wilcoxon, t) "
-        "| gain per backward-s: wins (p) | FID | KID | backward × | retained × | cos to exact "
-        "| fallback |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| estimator | final reward | gain / exact's | reward wins (p W, t) "
+        "| gain/backward-GFLOP wins (p) | gain/backward-s wins (p) | goal | FID | KID | FLOPs × "
+        "| time × | retained × | cos | Adam cos | sign agree | fallback |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     n = config["seeds"]
     for spec, s in summary.items():
-        rw, gw = s["reward_vs_exact"], s["gain_per_second_vs_exact"]
+        rw, fw, gw = (
+            s["reward_vs_exact"],
+            s["gain_per_gflop_vs_exact"],
+            s["gain_per_second_vs_exact"],
+        )
         lines.append(
             f"| `{spec}` | {s['final_reward_mean']:.4f} ± {s['final_reward_std']:.4f} "
-            f"| {100 * s['relative_reward_change_vs_exact']:+.2f}% "
+            f"| {100 * s['reward_gain_fraction_of_exact']:.1f}% "
             f"| {rw['wins']}/{n} ({rw['wilcoxon_p']:.3g}, {rw['ttest_p']:.3g}) "
+            f"| {fw['wins']}/{n} ({fw['wilcoxon_p']:.3g}) "
             f"| {gw['wins']}/{n} ({gw['wilcoxon_p']:.3g}) "
-            f"| {s['fid_mean']:.2f} | {s['kid_mean']:.4f} | {s['backward_ratio']:.2f} "
-            f"| {s.get('retained_ratio', math.nan):.3f} | {s.get('cosine', math.nan):.4f} "
+            f"| {'met' if s['meets_goal'] else '-'} "
+            f"| {s['fid_mean']:.2f} | {s['kid_mean']:.4f} | {s['backward_flops_ratio']:.2f} "
+            f"| {s['backward_time_ratio']:.2f} | {s.get('retained_ratio', math.nan):.3f} "
+            f"| {s.get('cosine', math.nan):.4f} | {s.get('adam_cosine', math.nan):.4f} "
+            f"| {s.get('sign_agreement', math.nan):.3f} "
             f"| {_fraction(s.get('fallback_fraction'))} |"
         )
+    correlations = config.get("metric_rank_correlations") or {}
+    if correlations:
+        lines += [
+            "",
+            "Does a one-minibatch agreement metric predict the final reward? Spearman rank "
+            f"correlation across the {len(summary)} estimators:",
+            "",
+            "| metric | rho | p |",
+            "|---|---|---|",
+            *(
+                f"| {metric} | {c['rho']:+.2f} | {c['p']:.3g} |"
+                for metric, c in correlations.items()
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -296,9 +401,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sample unconditionally (default: the reward steers the model to the target) "
         "or conditioned on the target",
     )
+    parser.add_argument(
+        "--prior-weight",
+        type=float,
+        default=0.0,
+        help="prior preservation: weight of a flow-matching loss on the real training digits",
+    )
     parser.add_argument("--eval-samples", type=int, default=128)
     parser.add_argument(
-        "--draws", type=int, default=4, help="draws for the cosine of stochastic estimators"
+        "--draws", type=int, default=4, help="draws for the agreement of stochastic estimators"
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
@@ -307,15 +418,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--agreement-only",
         action="store_true",
         help="keep the fine-tuning runs in --out/results.json and recompute only the "
-        "minibatch agreement (cosine, fallback, retained bytes) and the summary",
+        "minibatch agreement (cosines, fallback, retained bytes) and the summary",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     specs = split_specs(args.estimators)
     if "exact" not in specs:
         specs.insert(0, "exact")
-    for spec in specs:
-        gradest.estimator(spec)
+    kind = "terminal" if args.mode == "reward" else "stepwise"
+    # Estimators for the other objective kind (draft_lv, refl in GRPO mode) are left out.
+    left_out = [s for s in specs if not supports(gradest.estimator(s), kind)]
+    specs = [s for s in specs if s not in left_out]
+    if left_out:
+        print(f"left out (no {kind} objectives): {', '.join(left_out)}")
     out = Path(args.out)
     if args.agreement_only:
         saved = json.loads((out / "results.json").read_text())
@@ -324,19 +439,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key in ("mode", "batch", "sampler_steps", "target", "labels", "group_size"):
             setattr(args, key, config[key])
         summary = summarize(runs, measure_agreement(args, specs))
+        config["metric_rank_correlations"] = metric_rank_correlations(summary)
         _write(out, config, summary, runs)
         return 0
     images, labels = load_digits_dataset("heldout")
     reference = images[labels == args.target]
+    prior = load_digits_dataset("train")[0] if args.prior_weight else None
+    flops = forward_flops(args)
     runs: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
-    # One untimed run first: the first calls of a process pay one-off costs (torch.func
-    # and allocator warm-up) that would otherwise land on seed 0's first estimator.
-    run_one(argparse.Namespace(**{**vars(args), "steps": 1}), specs[0], 0, reference)
-    with tqdm(total=len(specs) * args.seeds, desc="digits paired") as bar:
-        for seed in range(args.seeds):
-            for spec in specs:
-                runs[spec].append(run_one(args, spec, seed, reference))
-                bar.update(1)
+    # One untimed step first: the first calls of a process pay one-off costs (allocator
+    # and kernel warm-up) that would otherwise land on seed 0's first estimator.
+    run_seed(argparse.Namespace(**{**vars(args), "steps": 1}), specs, 0, reference, prior, flops)
+    for seed in tqdm(range(args.seeds), desc="digits paired (seeds)"):
+        for spec, row in run_seed(args, specs, seed, reference, prior, flops).items():
+            runs[spec].append(row)
     agreement = measure_agreement(args, specs)
     config = {
         "command": "python -m benchmarks.digits_paired "
@@ -344,9 +460,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {args.device}",
         "torch": torch.__version__,
+        "forward_flops": flops,
         **{k: v for k, v in vars(args).items() if k not in ("estimators", "out")},
     }
-    _write(out, config, summarize(runs, agreement), runs)
+    summary = summarize(runs, agreement)
+    config["metric_rank_correlations"] = metric_rank_correlations(summary)
+    _write(out, config, summary, runs)
     return 0
 
 
@@ -355,8 +474,8 @@ def _write(
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"config": config, "summary": summary, "runs": runs}
-    (out / "results.json").write_text(json.dumps(payload, indent=2))
-    (out / "results.md").write_text(to_markdown(config, summary))
+    atomic_write_text(out / "results.json", json.dumps(payload, indent=2))
+    atomic_write_text(out / "results.md", to_markdown(config, summary))
     print(to_markdown(config, summary))
 
 

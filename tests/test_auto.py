@@ -57,6 +57,18 @@ def test_probe_calls_return_the_exact_gradient_then_the_choice_takes_over(setup)
     assert probing == [True, True, False, False, False, True, True]
 
 
+def test_a_probe_reports_what_it_spent(setup):
+    model, flow, objective = setup
+    est = Auto(candidates=("exact", "truncated:k=1"), draws=2)
+    probe = est.estimate(model, flow, objective, noise=noise(0))
+    after = est.estimate(model, flow, objective, noise=noise(1))
+    exact_units = gradest.estimator("exact").estimate(model, flow, objective, noise=noise(1))
+    # exact on the path, then per candidate 2 draws on the path and 2 from the noise.
+    assert probe.cost.model_units() > 4 * exact_units.cost.model_units()
+    chosen = gradest.estimator(after.decisions.choice)
+    assert after.cost == chosen.estimate(model, flow, objective, noise=noise(1)).cost
+
+
 def test_the_budget_decides(setup):
     model, flow, objective = setup
     candidates = ("exact", "truncated:k=1")

@@ -515,3 +515,15 @@ def test_start_run_steps_like_finetune():
         _without_timings(r) for r in reference["history"]
     ]
     assert float(run.evaluate().mean()) == pytest.approx(reference["final_reward"], rel=1e-6)
+
+
+def test_every_estimator_samples_the_same_noise_for_a_seed():
+    # The estimators' draws have a stream of their own: with a learning rate too small to
+    # move the model, exact and sdo (which draws a step every call) see the same batches,
+    # so their logged rewards agree at every step.
+    _, exact = _run(steps=3, lr=1e-30)
+    _, sdo = _run(steps=3, lr=1e-30, estimator="sdo:samples=2")
+    assert [r["reward_mean"] for r in exact["history"]] == [
+        r["reward_mean"] for r in sdo["history"]
+    ]
+    assert {tuple(r["info"]["sampled_steps"]) for r in sdo["history"]} != {()}

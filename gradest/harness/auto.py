@@ -18,7 +18,9 @@ those within the budget (``max_bias``; ``max_slowdown``: at most this many times
 of the cheapest candidate), which may be ``exact``, and uses it until the next recheck. A
 probe call returns the exact gradient it measured against (the candidates' draws are
 discarded), so probing never hurts the update, only the time: a probe costs exact's
-``3NF`` plus every candidate's cost times ``draws``.
+``3NF`` plus every candidate's cost times ``draws`` (twice when training samples from
+noise: once on the path, once for the cost from noise), and the probing call's
+``result.cost`` says so.
 
 The choice is cached per model signature (the trainable parameters' names, shapes and
 dtypes, the sampler and its grid, the objective kind, the state shape) and per ``auto``
@@ -46,6 +48,7 @@ from gradest.harness.tensor_metrics import TensorLayout, adam_cosine, mean_of, s
 from gradest.objectives import Objective, TerminalObjective
 from gradest.options import choice_option, int_option, option, optional_float_option
 from gradest.protocol import (
+    Cost,
     Decisions,
     Definition,
     EstimateOptions,
@@ -234,15 +237,17 @@ class Auto(EstimatorBase):
                     generator=inputs.get("generator"),
                 )
             on_path = {k: v for k, v in inputs.items() if k != "noise"} | {"trajectory": trajectory}
-            exact = self._probe(
+            exact, probe_cost = self._probe(
                 model, flow, objective, kind, on_path, inputs.get("noise"), schedule
             )
             choice = "exact"
             result: Any
             if surrogate:
                 result = estimator(choice).surrogate(model, flow, objective, **on_path)
+                result = attrs.evolve(result, cost=result.cost + probe_cost)
             else:
-                result = exact  # the gradient the candidates were measured against
+                # The gradient the candidates were measured against; its cost is the probe's.
+                result = attrs.evolve(exact, cost=probe_cost)
         else:
             assert schedule.choice is not None
             choice = schedule.choice
@@ -294,9 +299,11 @@ class Auto(EstimatorBase):
         inputs: Mapping[str, Any],
         noise: torch.Tensor | None,
         schedule: _Schedule,
-    ) -> GradientEstimate:
+    ) -> tuple[GradientEstimate, Cost]:
         """Measure every eligible candidate against exact on this batch's path; choose
-        after the last probe batch. Returns exact's estimate on the path.
+        after the last probe batch. Returns exact's estimate on the path and the cost of
+        the whole probe (every estimate it made, exact's included), which the probing
+        call reports as its cost, so training logs count what probing spends.
 
         The gradients are compared on the recorded path (every candidate sees the same
         states). When training samples from ``noise``, the cost is measured from the
@@ -314,11 +321,14 @@ class Auto(EstimatorBase):
             else {k: v for k, v in common.items() if k != "trajectory"} | {"noise": noise}
         )
 
+        spent = [exact.cost]
+
         def units_of(est: Any, draw: int) -> float:
             """Model units of one estimate sampling from the noise itself."""
             assert sampled is not None
             generator = torch.Generator().manual_seed(1000 * schedule.probes_done + draw)
             result = est.estimate(model, flow, objective, generator=generator, **sampled)
+            spent.append(result.cost)
             return float(result.cost.model_units())
 
         exact_units = (
@@ -338,6 +348,7 @@ class Auto(EstimatorBase):
                 )
                 for draw in range(self.draws)
             ]
+            spent += [r.cost for r in results]
             if sampled is None:
                 units = sum(r.cost.model_units() for r in results) / len(results)
             else:
@@ -359,7 +370,7 @@ class Auto(EstimatorBase):
             schedule.probes_done += 1
             if schedule.probes_done >= self.probe_batches:
                 self._choose(model, schedule)
-        return exact
+        return exact, sum(spent[1:], spent[0])
 
     def _choose(self, model: torch.nn.Module, schedule: _Schedule) -> None:
         table = {spec: record.summary() for spec, record in schedule.measured.items()}

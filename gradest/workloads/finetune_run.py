@@ -71,6 +71,12 @@ def require_finite(values: Tensor) -> None:
         )
 
 
+def draw_stream_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's estimator-draw stream: fixed by ``(seed, rank)``, apart from
+    the training stream's (a multiplicative hash, not Python's per-process ``hash``)."""
+    return ((seed + 1) * 2_654_435_761 + 97 * rank + 12_345) % 2**63
+
+
 def grad_norm(parameters: list[torch.nn.Parameter]) -> float:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -114,6 +120,11 @@ class Run:
     initial: Tensor = attrs.field(factory=lambda: torch.zeros(0))
     checkpoints: list[str] = attrs.field(factory=list)
     prior_data: Tensor | None = None  # real samples for config.prior_weight
+    # The estimator's random draws (sdo's steps, truncation depths, ...) come from a stream
+    # of their own, so that every estimator run with one seed samples the same noise
+    # batches whatever it draws (paired comparisons); runs resumed from checkpoints written
+    # before this stream existed keep drawing from the training generator.
+    draws: torch.Generator | None = None
 
     @property
     def distributed(self) -> bool:
@@ -199,6 +210,7 @@ class Run:
             start=start,
             prior_data=None if prior_data is None else prior_data.to(device=device, dtype=dtype),
         )
+        run.draws = torch.Generator().manual_seed(draw_stream_seed(config.seed, rank))
         if resumed is None:
             run.initial = run.evaluate()
         else:
@@ -206,6 +218,11 @@ class Run:
             run.initial = torch.tensor(resumed["initial_reward"])
             generator.set_state(resumed["generators"][rank])
             torch.set_rng_state(resumed["torch_rng"][rank])
+            saved_draws = resumed.get("draw_generators")
+            if saved_draws is None:
+                run.draws = None  # an older checkpoint: draws came from the training stream
+            else:
+                run.draws.set_state(saved_draws[rank])
         return run
 
     def evaluate(self) -> Tensor:
@@ -286,7 +303,7 @@ class Run:
             objective,
             trajectory=trajectory,
             cond=self.cond,
-            generator=self.generator,
+            generator=self.generator if self.draws is None else self.draws,
         )
         loss_tensor = result.loss
         if self.config.prior_weight:
@@ -326,7 +343,7 @@ class Run:
 
     def checkpoint(self, directory: Path, done: int) -> None:
         """Save what step ``done`` depends on; every rank takes part (its streams are gathered)."""
-        generators, torch_rng = self._rng_states()
+        generators, torch_rng, draws = self._rng_states()
         if not self.main:
             return
         state = {
@@ -334,6 +351,7 @@ class Run:
             "optimizer": self.optimizer.state_dict(),
             "generators": generators,
             "torch_rng": torch_rng,
+            "draw_generators": draws,
             "config": self.record,
             "history": self.history,
             "initial_reward": self.initial.tolist(),
@@ -360,11 +378,14 @@ class Run:
         dist.all_reduce(local)
         return [None if math.isnan(v) else v / self.world for v in local.tolist()]
 
-    def _rng_states(self) -> tuple[list[Tensor], list[Tensor]]:
-        """Every rank's training generator and global torch RNG state, in rank order."""
-        mine = (self.generator.get_state(), torch.get_rng_state())
+    def _rng_states(self) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+        """Every rank's training generator, global torch RNG state and estimator-draw
+        generator (None for a run without that stream), in rank order."""
+        draws = None if self.draws is None else self.draws.get_state()
+        mine = (self.generator.get_state(), torch.get_rng_state(), draws)
         if not self.distributed:
-            return [mine[0]], [mine[1]]
+            return [mine[0]], [mine[1]], None if draws is None else [draws]
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
-        return [g for g, _ in gathered], [r for _, r in gathered]
+        all_draws = None if draws is None else [d for _, _, d in gathered]
+        return [g for g, _, _ in gathered], [r for _, r, _ in gathered], all_draws

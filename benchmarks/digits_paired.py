@@ -29,6 +29,7 @@ runs unchanged on a GPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import math
@@ -65,7 +66,7 @@ from gradest.workloads.rewards import ClassifierReward
 DEFAULT_ESTIMATORS = (
     "exact,jagg:window=4,jagg:window=4,shared_knots=true,jagg:window=4,tau=0.9,"
     "jagg:window=4,debias=2,sdo,truncated:k=1,truncated:random=uniform,k_min=2,telescope,"
-    "draft_lv,refl,auto"
+    "draft_lv,refl,auto,auto:min_progress=0.95"
 )
 
 
@@ -228,6 +229,9 @@ def run_seed(
             "backward_flops": backward_flops,
             "reward_gain_per_backward_second": (final - initial) / seconds,
             "reward_gain_per_backward_gflop": (final - initial) / (backward_flops / 1e9),
+            # What a delegating estimator (auto) ran in each step's last backward (exact on
+            # a probe; GRPO takes several backwards per step).
+            "selected": [h["info"].get("auto_choice") for h in run.history],
             **fid_kid(samples.float().cpu(), reference, seed=seed),
         }
     return out
@@ -282,6 +286,9 @@ def summarize(
             and gain_per_gflop["wins"] >= 7 / 8 * len(rows)
             and gain_per_gflop["wilcoxon_p"] < 0.05
             and gain_fraction >= 0.99,
+            "selected": dict(
+                collections.Counter(c for r in rows for c in r.get("selected", []) if c)
+            ),
             "fid_mean": statistics.fmean(r["fid"] for r in rows),
             "kid_mean": statistics.fmean(r["kid_mean"] for r in rows),
             "backward_time_ratio": statistics.median(
@@ -300,13 +307,17 @@ def summarize(
 
 def metric_rank_correlations(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Spearman's rho (and p) across estimators between each agreement metric measured on
-    one minibatch and the final reward after fine-tuning: does the metric predict training?"""
+    one minibatch and the final reward after fine-tuning: does the metric predict training?
+
+    Delegating estimators (``auto``, whose rows repeat the estimator they ran) are left out,
+    so that no estimator counts twice."""
     from scipy import stats
 
-    rewards = [row["final_reward_mean"] for row in summary.values()]
+    rows = [row for row in summary.values() if not row.get("selected")]
+    rewards = [row["final_reward_mean"] for row in rows]
     out = {}
     for metric in ("cosine", "adam_cosine", "sign_agreement"):
-        values = [row.get(metric, math.nan) for row in summary.values()]
+        values = [row.get(metric, math.nan) for row in rows]
         if len(values) < 3 or any(v != v for v in values):
             continue
         result = stats.spearmanr(values, rewards)
@@ -369,12 +380,23 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
             f"| {s.get('sign_agreement', math.nan):.3f} "
             f"| {_fraction(s.get('fallback_fraction'))} |"
         )
+    for spec, s in summary.items():
+        if s.get("selected"):
+            picks = ", ".join(
+                f"`{c}` ({k} steps)" for c, k in sorted(s["selected"].items(), key=lambda x: -x[1])
+            )
+            lines += [
+                "",
+                f"`{spec}` ran, in each training step's last backward over all seeds (exact "
+                f"where that backward was a probe): {picks}.",
+            ]
     correlations = config.get("metric_rank_correlations") or {}
     if correlations:
         lines += [
             "",
             "Does a one-minibatch agreement metric predict the final reward? Spearman rank "
-            f"correlation across the {len(summary)} estimators:",
+            f"correlation across the {sum(not s.get('selected') for s in summary.values())} "
+            "estimators (auto's rows left out: they repeat the estimators they ran):",
             "",
             "| metric | rho | p |",
             "|---|---|---|",

@@ -80,7 +80,10 @@ def test_the_budget_decides(setup):
         est.estimate(model, flow, objective, noise=noise(0))
     picks = {
         name: est.estimate(model, flow, objective, noise=noise(1)).decisions.choice
-        for name, est in [("strict", strict), ("cheapest", cheapest_only)]
+        for name, est in [
+            ("strict", strict),
+            ("cheapest", cheapest_only),
+        ]
     }
     assert picks == {"strict": "exact", "cheapest": "truncated:k=1"}
     info = cheapest_only.estimate(model, flow, objective, noise=noise(2)).info
@@ -89,6 +92,34 @@ def test_the_budget_decides(setup):
     assert table["truncated:k=1"]["bias"] > 0.01 and table["truncated:k=1"]["cost"] < 1
     assert info["auto_selected"] == info["auto_choice"] == "truncated:k=1"
     assert "truncated:k=1" in info["auto_reason"] and "cost" in info["auto_reason"]
+
+
+def test_min_progress_keeps_estimators_close_to_exact_per_step(setup):
+    """The rule itself, on planted measurements: per unit cost a cheap noisy candidate
+    beats exact (0.5 / 0.25 > 1 / 1); a floor on progress per step keeps exact."""
+    from gradest.harness.auto import _Measured, _Schedule
+
+    model, _, _ = setup
+
+    def choice(est: Auto) -> str:
+        schedule = _Schedule(
+            measured={
+                "exact": _Measured(progress=[1.0], bias=[0.0], cost=[1.0]),
+                "truncated:random=uniform": _Measured(progress=[0.5], bias=[0.0], cost=[0.25]),
+            }
+        )
+        est._choose(model, schedule)
+        return schedule.choice
+
+    assert choice(Auto()) == "truncated:random=uniform"
+    assert choice(Auto(min_progress=0.9)) == "exact"
+    assert choice(Auto(min_progress=0.4)) == "truncated:random=uniform"
+    # Nothing qualifies: choose among all, and say so.
+    strict = _Schedule(measured={"sdo": _Measured(progress=[0.2], bias=[0.0], cost=[0.1])})
+    Auto(min_progress=0.9)._choose(model, strict)
+    assert strict.choice == "sdo" and "no candidate met the budget" in strict.reason
+    with pytest.raises(InvalidValue, match="min_progress"):
+        Auto(min_progress=-1.0)
 
 
 def test_the_choice_is_cached_per_model_signature(setup):

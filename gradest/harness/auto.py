@@ -14,8 +14,9 @@ path and measured against it (``gradest.harness`` statistics):
 * bias: ``||mean of draws - exact|| / ||exact||`` with the noise of the mean removed.
 
 After the last probe it picks the candidate with the best progress per unit cost among
-those within the budget (``max_bias``; ``max_slowdown``: at most this many times the cost
-of the cheapest candidate), which may be ``exact``, and uses it until the next recheck. A
+those within the budget (``max_bias``; ``min_progress``: at least this predicted progress
+per step, exact's being 1; ``max_slowdown``: at most this many times the cost of the
+cheapest candidate), which may be ``exact``, and uses it until the next recheck. A
 probe call returns the exact gradient it measured against (the candidates' draws are
 discarded), so probing never hurts the update, only the time: a probe costs exact's
 ``3NF`` plus every candidate's cost times ``draws`` (twice when training samples from
@@ -139,6 +140,11 @@ class Auto(EstimatorBase):
             ``/``, e.g. ``auto:candidates=exact/jagg/sdo``).
         max_bias: exclude candidates whose relative bias to exact exceeds this (None: no
             bound).
+        min_progress: exclude candidates whose predicted progress per step is below this
+            (exact's is 1; None: no bound). Progress per unit cost favours cheap, noisy
+            estimators that need more steps for the same reward; set e.g. 0.95 when the
+            number of training steps is fixed and the reward reached must stay near
+            exact's.
         max_slowdown: exclude candidates costing more than this many times the cheapest
             candidate (None: no bound).
         metric: ``"adam_cosine"`` or ``"cosine"``: how progress per step is predicted.
@@ -159,6 +165,9 @@ class Auto(EstimatorBase):
     )
     max_bias: float | None = optional_float_option(
         minimum=0, doc="exclude candidates with a larger relative bias to exact (None: no bound)"
+    )
+    min_progress: float | None = optional_float_option(
+        minimum=0, doc="exclude candidates with a lower predicted progress per step (exact: 1)"
     )
     max_slowdown: float | None = optional_float_option(
         minimum=1, doc="exclude candidates costing more than this x the cheapest (None: no bound)"
@@ -379,6 +388,7 @@ class Auto(EstimatorBase):
             spec: row
             for spec, row in table.items()
             if (self.max_bias is None or row["bias"] <= self.max_bias)
+            and (self.min_progress is None or row["progress"] >= self.min_progress)
             and (self.max_slowdown is None or row["cost"] <= self.max_slowdown * cheapest)
         }
         note = ""

@@ -8,6 +8,7 @@ Swap estimators by name; train with the surrogate loss::
 """
 
 from gradest.conditioning import Shared
+from gradest.diffusion_samplers import DDIMSampler
 from gradest.errors import GradestError
 from gradest.flow import Trajectory, rollout
 from gradest.harness.compare import compare
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AffineSampler",
     "Cost",
+    "DDIMSampler",
     "FlowSDE",
     "GradestError",
     "GradientEstimate",

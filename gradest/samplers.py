@@ -19,7 +19,8 @@ the ``repr`` and, for stochastic samplers, the Gaussian log-density of a recorde
 
 All three share the rectified-flow interpolant ``z_t = t eps + (1 - t) x`` (``t = 1``
 noise, ``t = 0`` data), which :meth:`TimeGrid.noised` and :meth:`TimeGrid.jump_to_end`
-expose for the estimators that leave the recorded chain (``draft_lv``, ``refl``).
+expose for the estimators that leave the recorded chain (``draft_lv``, ``refl``). DDIM /
+DDPM samplers (another interpolant) are in :mod:`gradest.diffusion_samplers`.
 
 The one sampling loop that runs any of them is :func:`gradest.flow.integrate`.
 """
@@ -150,10 +151,11 @@ class TimeGrid:
         t = float(self.times[k])
         return t * noise + (1.0 - t) * data
 
-    def jump_to_end(self, k: int) -> float:
-        """``b`` in ``z^_N = z_k + b v_k``, the one-step prediction of the state at ``t_N``
-        from step ``k`` (``b = t_N - t_k``; the data prediction ``z - t v`` when ``t_N = 0``)."""
-        return float(self.times[-1] - self.times[k])
+    def jump_to_end(self, k: int) -> tuple[float, float]:
+        """``(a, b)`` in ``z^_N = a z_k + b v_k``, the one-step prediction of the state at
+        ``t_N`` from step ``k``: here ``(1, t_N - t_k)`` (the data prediction ``z - t v``
+        when ``t_N = 0``). Samplers with another interpolant (DDIM) have ``a != 1``."""
+        return 1.0, float(self.times[-1] - self.times[k])
 
     def _options(self) -> str:
         """Further ``repr`` arguments after the grid (``", noise_level=0.7"``)."""
@@ -335,7 +337,8 @@ def require_interpolant(flow: Any, estimator: str) -> TimeGrid:
         return flow
     raise InvalidType(
         f"estimator {estimator!r} needs the sampler's interpolant (methods noised(data, k, "
-        f"noise) and jump_to_end(k)), which {type(flow).__name__} does not define; use "
-        f"gradest.RectifiedFlow / FlowSDE / StochasticFlowMatchSampler (rectified-flow "
-        f"interpolant z_t = t eps + (1 - t) x), or add the two methods to your sampler"
+        f"noise) and jump_to_end(k) -> (a, b)), which {type(flow).__name__} does not "
+        f"define; use gradest.RectifiedFlow / FlowSDE / StochasticFlowMatchSampler "
+        f"(rectified-flow interpolant z_t = t eps + (1 - t) x) or gradest.DDIMSampler, or "
+        f"add the two methods to your sampler"
     )

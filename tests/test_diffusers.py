@@ -170,7 +170,8 @@ def test_stochastic_sampling_becomes_an_affine_sampler_with_noise():
 def test_non_flow_matching_schedulers_are_refused_with_the_fix():
     with pytest.raises(
         TypeError,
-        match="needs a diffusers FlowMatchEulerDiscreteScheduler.*got DDIMScheduler.*AffineSampler",
+        match="needs a diffusers FlowMatchEulerDiscreteScheduler.*got DDIMScheduler"
+        ".*ddim_from_scheduler",
     ):
         flow_from_scheduler(diffusers.DDIMScheduler(), 10)
     with pytest.raises(ValueError, match="invert_sigmas=True"):

@@ -6,6 +6,7 @@ dependency it does not need:
 * :mod:`gradest.integrations.distributed`: helpers around DDP / FSDP2 data parallelism
   (``rank_generator``, ``check_same_estimator``, ``process_group_from_env``).
 * :mod:`gradest.integrations.peft`: LoRA adapters through ``peft`` (``add_lora``).
-* :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching schedulers and
-  transformers (``flow_from_scheduler``, ``DiffusersVelocity``).
+* :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching and DDIM / DDPM
+  schedulers, transformers and UNets (``flow_from_scheduler``, ``ddim_from_scheduler``,
+  ``DiffusersVelocity``).
 """

@@ -41,6 +41,8 @@ class DenseChain:
         evaluate: ``evaluate(z, t) -> (v, J, A)`` flattened like the rows above, for any
             state ``z`` shaped like one recorded state (estimators that leave the recorded
             chain, ``draft_lv``, are defined at states of their own).
+        flow: the sampler the chain was built for (its interpolant, ``noised`` /
+            ``jump_to_end``, defines ``draft_lv`` and ``refl``); None if not given.
     """
 
     trajectory: Trajectory
@@ -52,6 +54,7 @@ class DenseChain:
     alpha: Tensor
     beta: Tensor
     evaluate: Callable[[Tensor, float], tuple[Tensor, Tensor, Tensor]]
+    flow: Any = None
 
     @property
     def num_steps(self) -> int:
@@ -132,6 +135,7 @@ def dense_chain(
         alpha=alpha,
         beta=beta,
         evaluate=evaluate,
+        flow=flow,
     )
 
 

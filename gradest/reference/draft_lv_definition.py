@@ -1,6 +1,8 @@
 """The ``draft_lv`` estimator's definition, densely, at the copies' own states.
 
-    z^(i)   = t_{N-1} eps_i + (1 - t_{N-1}) z_N                (rectified-flow interpolant)
+    z^(i)   = noised(z_N, N-1, eps_i)                          (the sampler's interpolant;
+                                                               rectified flow:
+                                                               t_{N-1} eps_i + (1 - t_{N-1}) z_N)
     z_N^(i) = alpha_{N-1} z^(i) + beta_{N-1} v(z^(i)) + r       (r: the recorded last step's
                                                                noise term, zero for an ODE)
     g_lv    = (1/n) sum_i J(z^(i))^T (beta_{N-1} grad l(z_N^(i))),   noise gradient 0
@@ -17,6 +19,7 @@ from torch import Tensor
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.dense import DenseChain
+from gradest.samplers import require_interpolant
 
 
 def draft_lv_definition(
@@ -25,6 +28,7 @@ def draft_lv_definition(
     """``(flat [P] gradient, zero noise gradient)`` of DRaFT-LV with copies' noise ``renoise``."""
     if not isinstance(objective, TerminalObjective):
         raise InvalidValue("draft_lv is defined for terminal objectives only")
+    flow = require_interpolant(chain.flow, "draft_lv")
     states = chain.trajectory.states.to(torch.float64)
     shape = states.shape[1:]
     last = chain.num_steps - 1
@@ -36,7 +40,7 @@ def draft_lv_definition(
     total = torch.zeros(chain.param_jacobians.shape[-1], dtype=torch.float64)
     copies = renoise.shape[0]
     for eps in renoise.to(torch.float64):
-        state = t * eps + (1.0 - t) * states[-1]
+        state = flow.noised(states[-1], last, eps)
         velocity, jacobian, _ = chain.evaluate(state, t)
         final = (alpha * state + beta * velocity.reshape(shape) + recorded_noise_term).detach()
         final.requires_grad_(True)

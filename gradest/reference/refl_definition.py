@@ -1,7 +1,9 @@
 """The ``refl`` estimator's definition, densely: one step's Jacobian at the jump's cotangent.
 
-    z^     = z_s + (t_N - t_s) v_s          (the rectified-flow one-step prediction)
-    g_refl = J_s^T ((t_N - t_s) grad l(z^)),   noise gradient 0 (the chain is cut at s)
+    z^     = a_s z_s + b_s v_s          (the sampler's one-step prediction of z_N,
+                                         (a_s, b_s) = sampler.jump_to_end(s); rectified
+                                         flow: (1, t_N - t_s))
+    g_refl = J_s^T (b_s grad l(z^)),     noise gradient 0 (the chain is cut at s)
 
 with ``v_s`` and ``J_s`` from the dense chain at the recorded state ``z_s``.
 """
@@ -14,6 +16,7 @@ from torch import Tensor
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.dense import DenseChain
+from gradest.samplers import require_interpolant
 
 
 def refl_definition(chain: DenseChain, objective: Objective, step: int) -> tuple[Tensor, Tensor]:
@@ -22,11 +25,11 @@ def refl_definition(chain: DenseChain, objective: Objective, step: int) -> tuple
         raise InvalidValue("refl is defined for terminal objectives only")
     if not 0 <= step < chain.num_steps:
         raise InvalidValue(f"step must be in 0..{chain.num_steps - 1}, got {step}")
-    times = chain.trajectory.times.to(torch.float64)
-    jump = float(times[-1] - times[step])
+    scale, jump = require_interpolant(chain.flow, "refl").jump_to_end(step)
     shape = chain.trajectory.states.shape[1:]
     state = chain.trajectory.states[step].to(torch.float64)
-    predicted = (state + jump * chain.velocities[step].reshape(shape)).requires_grad_(True)
+    predicted = scale * state + jump * chain.velocities[step].reshape(shape)
+    predicted = predicted.detach().requires_grad_(True)
     with torch.enable_grad():
         (adjoint,) = torch.autograd.grad(objective.loss_fn(predicted).sum(), predicted)
     grad = chain.param_jacobians[step].T @ (jump * adjoint.reshape(-1))

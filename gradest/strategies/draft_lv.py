@@ -5,7 +5,8 @@ are noised back to the last step's time with fresh noise ``eps_i`` (the sampler'
 interpolant, :meth:`gradest.samplers.TimeGrid.noised`), each takes the last step with
 its graph, and the loss gradient is averaged::
 
-    z^(i)   = t_{N-1} eps_i + (1 - t_{N-1}) x^
+    z^(i)   = t_{N-1} eps_i + (1 - t_{N-1}) x^      (rectified flow; DDIM:
+                                                sqrt(a_{N-1}) x^ + sqrt(1 - a_{N-1}) eps_i)
     z_N^(i) = alpha_{N-1} z^(i) + beta_{N-1} v_theta(z^(i), t_{N-1}) + sigma_{N-1} xi_{N-1}
     g_lv    = (1/n) sum_i J(z^(i))^T (beta_{N-1} grad l(z_N^(i)))
 

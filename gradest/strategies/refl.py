@@ -2,9 +2,10 @@
 
 Sampling stops at a step ``s`` drawn uniformly from the last ``last_steps`` steps
 (``N - last_steps <= s <= N - 1``); the final sample is predicted from ``z_s`` in one step
-of the interpolant (:meth:`gradest.samplers.TimeGrid.jump_to_end`),
+of the interpolant (:meth:`gradest.samplers.TimeGrid.jump_to_end` gives ``(a_s, b_s)``),
 
-    z^ = z_s + b_s v_theta(z_s, t_s),        b_s = t_N - t_s,
+    z^ = a_s z_s + b_s v_theta(z_s, t_s)     (rectified flow: a_s = 1, b_s = t_N - t_s;
+                                              DDIM: the deterministic step t_s -> t_N),
 
 the loss is evaluated on ``z^`` and backpropagated through that one model call only::
 
@@ -93,9 +94,10 @@ class Refl(EstimatorBase):
         ctx.decide(ReflDecisions(step=step, window=window))
         state = ctx.state_at(step)
         velocity, pull = ctx.field.param_pullback(state[None], ctx.times[step : step + 1])
-        jump = flow.jump_to_end(step)
+        scale, jump = flow.jump_to_end(step)
+        predicted = (state if scale == 1.0 else scale * state) + jump * velocity[0]
         assert isinstance(ctx.objective, TerminalObjective)
-        loss, adjoint = ctx.objective.terminal_adjoint(state + jump * velocity[0])
+        loss, adjoint = ctx.objective.terminal_adjoint(predicted)
         ctx.info["loss"] = float(loss)
         grads = pull((jump * adjoint)[None])
         return grads, torch.zeros_like(state) if ctx.want_noise_grad else None
@@ -120,5 +122,5 @@ class Refl(EstimatorBase):
     def definition(
         self, chain: DenseChain, objective: Objective, decisions: ReflDecisions
     ) -> Definition:
-        """``J_s^T (b_s grad l(z_s + b_s v_s))`` at the decided step; zero noise gradient."""
+        """``J_s^T (b_s grad l(a_s z_s + b_s v_s))`` at the decided step; zero noise gradient."""
         return Definition(*refl_definition(chain, objective, decisions.step))

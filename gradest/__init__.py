@@ -7,6 +7,8 @@ Swap estimators by name; train with the surrogate loss::
     sur.loss.backward()   # .grad now holds the estimate; or est.estimate(...) for a dict
 """
 
+# RL objectives (Flow-GRPO, adjoint matching) as a namespace: ``gradest.rl.grpo_objective``.
+from gradest import rl
 from gradest.conditioning import Shared
 from gradest.diffusion_samplers import DDIMSampler
 from gradest.errors import GradestError
@@ -48,5 +50,6 @@ __all__ = [
     "estimator",
     "flow_matching_objective",
     "flow_matching_trajectory",
+    "rl",
     "rollout",
 ]

@@ -249,13 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="reward fine-tuning of the pretrained digits DiT with any estimator",
     )
     add_finetune_arguments(fine)
-    fine.set_defaults(run=_cmd_finetune)
+    # ``subparser``: where --config's settings become defaults (see gradest.config_file).
+    fine.set_defaults(run=_cmd_finetune, subparser=fine)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None) is not None:
+            from gradest.config_file import parse_with_config
+
+            args = parse_with_config(parser, args.subparser, argv, args)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.run(args))

@@ -344,8 +344,9 @@ def test_cli_defaults_and_parsing():
 def test_run_finetune_from_args_with_injected_assets(tmp_path, monkeypatch):
     """The CLI path, with the shipped checkpoints replaced by the tiny test model."""
     assets = types.ModuleType("gradest.workloads.assets")
-    assets.load_pretrained_dit = tiny_dit
-    assets.load_digit_classifier = lambda: "classifier"
+    # The real loaders take the device (gradest finetune --device).
+    assets.load_pretrained_dit = lambda device="cpu": tiny_dit().to(device)
+    assets.load_digit_classifier = lambda device="cpu": "classifier"
     rewards = types.ModuleType("gradest.workloads.rewards")
     rewards.ClassifierReward = lambda classifier, target: LinearClassifierReward(target)
     monkeypatch.setitem(sys.modules, "gradest.workloads.assets", assets)

@@ -1,6 +1,6 @@
 """Reward fine-tuning of a flow model with any gradest estimator: the user-facing loop.
 
-Two objectives, one loop (``est.surrogate(...).loss.backward()`` then
+Three objectives, one loop (``est.surrogate(...).loss.backward()`` then
 ``optimizer.step()``, as with any loss):
 
 * ``mode="reward"``: the terminal objective ``L = -mean_b reward(z_N)``, differentiated
@@ -10,7 +10,14 @@ Two objectives, one loop (``est.surrogate(...).loss.backward()`` then
   the stochastic :class:`~gradest.FlowSDE`, scores them, normalises the
   rewards within groups into advantages, and takes ``inner_epochs`` optimizer steps on
   the clipped surrogate (:func:`~gradest.workloads.grpo.grpo_objective`) of the recorded
-  trajectories, each gradient from the estimator.
+  trajectories, each gradient from the estimator (``kl_weight > 0`` adds the KL to a
+  frozen copy of the initial model).
+* ``mode="adjoint_matching"``: adjoint matching (:mod:`gradest.rl.adjoint_matching`). Each
+  step samples the batch with the memoryless :class:`~gradest.FlowSDE`
+  (``noise_level=sqrt(2)``), computes the lean adjoint of ``-reward`` with a frozen copy of
+  the initial model (the model as passed to :func:`finetune`, before any checkpoint is
+  loaded: resume with the same initial model), and takes one optimizer step on the
+  regression loss; the target is ``p_base(x) exp(reward(x))``.
 
 Every estimator differentiates the **same recorded path**: the loop samples without a
 graph (``gradest.rollout``, timed as ``sample_seconds``) and hands the trajectory to

@@ -2,14 +2,16 @@
 
 The training options are generated from :class:`~gradest.workloads.finetune_config.FinetuneConfig`
 (one flag per field, same defaults); this module adds only what belongs to the command:
-the digit to reward, the conditioning, LoRA, the output folder, ``--resume`` and
-``--quiet``.
+the digit to reward, the conditioning, LoRA, the device, the output folder, ``--config``
+(a TOML file of any of these settings; flags on the command line override it),
+``--resume`` and ``--quiet``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,46 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
         "with the same settings (--steps may be larger); it ends bitwise as an "
         "uninterrupted run would",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where to train: cpu (default), cuda or cuda:N; under torchrun, cuda means "
+        "each rank's own GPU (cuda:LOCAL_RANK)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of settings, keys named like these flags without -- (steps = 50, "
+        'estimator = "jagg:window=4"); flags given on the command line override it',
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def resolve_device(name: Any) -> torch.device:
+    """``--device`` as a torch.device that exists here; under torchrun ``cuda`` is the
+    rank's own GPU (``LOCAL_RANK``)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as err:
+        raise InvalidValue(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from err
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise InvalidValue(f"--device {name!r}: gradest finetune runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise InvalidValue(
+            f"--device {name!r}, but this torch sees no CUDA device "
+            f"(torch.cuda.is_available() is False); use --device cpu"
+        )
+    if device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.index >= torch.cuda.device_count():
+        raise InvalidValue(
+            f"--device {name!r} (cuda:{device.index}), but only "
+            f"{torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    return device
 
 
 def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,6 +124,7 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     resolve_estimator(config.estimator)
     if not 0 <= args.target <= 9:
         raise InvalidValue(f"--target must be a digit 0..9, got {args.target}")
+    device = resolve_device(args.device)
     if args.lora_rank < 0:
         raise InvalidValue(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
     if args.resume is not None and args.out is not None and Path(args.out) != Path(args.resume):
@@ -105,7 +147,7 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
     from gradest.workloads.rewards import ClassifierReward
 
-    model: torch.nn.Module = load_pretrained_dit()
+    model: torch.nn.Module = load_pretrained_dit(device=device)
     if args.lora_rank:
         # After loading: peft renames the targeted weights to *.base_layer.weight.
         from gradest.integrations.peft import add_lora
@@ -117,9 +159,10 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         from gradest.workloads.digits import load_digits_dataset
 
         prior_data, _ = load_digits_dataset("train")
+        prior_data = prior_data.to(device)
     result = finetune(
         model,
-        ClassifierReward(load_digit_classifier(), args.target),
+        ClassifierReward(load_digit_classifier(device=device), args.target),
         config,
         prior_data=prior_data,
         labels=args.target if args.labels == "target" else None,

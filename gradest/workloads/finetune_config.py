@@ -18,7 +18,7 @@ import attrs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.samplers import LOG_PROB_REDUCTIONS
 
-MODES = ("reward", "grpo")
+MODES = ("reward", "grpo", "adjoint_matching")
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -92,8 +92,10 @@ class FinetuneConfig:
 
     Attributes:
         estimator: a spec string (``"exact"``, ``"jagg:window=4"``) or an estimator object.
-        mode: ``"reward"`` (the terminal ``-reward`` through the ODE sampler) or ``"grpo"``
-            (Flow-GRPO's clipped surrogate on FlowSDE rollouts).
+        mode: ``"reward"`` (the terminal ``-reward`` through the ODE sampler), ``"grpo"``
+            (Flow-GRPO's clipped surrogate on FlowSDE rollouts) or ``"adjoint_matching"``
+            (adjoint matching on rollouts of the memoryless FlowSDE, ``noise_level=sqrt(2)``,
+            against a frozen copy of the initial model; :mod:`gradest.rl.adjoint_matching`).
         steps: outer steps (``reward``: one optimizer step each; ``grpo``: one batch of
             rollouts, then ``inner_epochs`` optimizer steps).
         batch_size: samples per step over all ranks (``grpo``: a multiple of
@@ -110,6 +112,8 @@ class FinetuneConfig:
         group_size, inner_epochs, clip, noise_level, log_prob_reduction: GRPO's group
             size, optimizer steps per batch, PPO clip range, FlowSDE ``noise_level`` and
             the reduction of :meth:`~gradest.samplers.TimeGrid.step_log_prob`.
+        kl_weight: GRPO's weight of the KL to a frozen copy of the initial model (the
+            reference policy), per step (:func:`gradest.rl.grpo_objective`; 0: off).
     """
 
     estimator: Any = setting(
@@ -118,7 +122,9 @@ class FinetuneConfig:
     mode: str = setting(
         "reward",
         choices=MODES,
-        help="reward: backprop -reward through the ODE sampler; grpo: Flow-GRPO on FlowSDE",
+        help="reward: backprop -reward through the ODE sampler; grpo: Flow-GRPO on FlowSDE; "
+        "adjoint_matching: adjoint matching on memoryless FlowSDE rollouts (base: the "
+        "initial model)",
     )
     steps: int = setting(
         50, kind=int, validator=_int_at_least(1, "e.g. steps=50"), help="outer training steps"
@@ -194,6 +200,13 @@ class FinetuneConfig:
     )
     log_prob_reduction: str = setting(
         "sum", choices=LOG_PROB_REDUCTIONS, help="GRPO step log-density: sum or mean", grpo=True
+    )
+    kl_weight: float = setting(
+        0.0,
+        kind=float,
+        validator=_finite_float(positive=False, hint="0 switches it off; Flow-GRPO uses 0.04"),
+        help="GRPO weight of the KL to the initial model (0: off)",
+        grpo=True,
     )
 
     def __attrs_post_init__(self) -> None:

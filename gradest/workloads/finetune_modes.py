@@ -1,14 +1,21 @@
-"""The two fine-tuning objectives as small objects: which sampler, which objectives per batch.
+"""The fine-tuning objectives as small objects: which sampler, which objectives per batch.
 
 * :class:`RewardMode`: the terminal objective ``L = -mean_b reward(z_N)``, differentiated
   through the deterministic Euler sampler (DRaFT / AlignProp / SDO-style direct reward
   backpropagation); one optimizer step per batch.
 * :class:`GrpoMode`: Flow-GRPO. Rollouts of the stochastic :class:`~gradest.FlowSDE`,
   rewards normalised within groups into advantages, and ``inner_epochs`` optimizer steps
-  on the clipped surrogate of the recorded trajectories.
+  on the clipped surrogate of the recorded trajectories (plus, with ``kl_weight > 0``, the
+  KL to the frozen initial model).
+* :class:`AdjointMatchingMode`: adjoint matching. Rollouts of the memoryless FlowSDE
+  (``noise_level=sqrt(2)``), the lean adjoint of ``-reward`` through the frozen initial
+  model, one optimizer step on the regression loss per batch.
 
 A mode is asked for its sampler once and for the objectives of each batch; the loop in
-:mod:`gradest.workloads.finetune` does the rest the same way for both.
+:mod:`gradest.workloads.finetune` does the rest the same way for all of them. ``base`` is
+a frozen copy of the model as it was when the run started (before a checkpoint is
+loaded), given to the modes that need one (:func:`needs_base`), and ``cond`` the rank's
+model keyword arguments.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from torch import Tensor
 
 from gradest.flow import Trajectory
 from gradest.objectives import Objective, TerminalObjective
+from gradest.rl.adjoint_matching import adjoint_matching_objective, memoryless_flow
+from gradest.rl.flow_grpo import group_advantages, grpo_objective, reference_velocities
 from gradest.samplers import AffineSampler, FlowSDE, RectifiedFlow
 from gradest.workloads.finetune_config import FinetuneConfig
-from gradest.workloads.grpo import group_advantages, grpo_objective
 
 Reward = Callable[[Tensor], Tensor]
 
@@ -45,8 +53,11 @@ class RewardMode:
         trajectory: Trajectory,
         rewards: Tensor,
         reward: Callable[[Tensor], Tensor],
+        *,
+        base: torch.nn.Module | None = None,
+        cond: dict[str, Tensor] | None = None,
     ) -> list[Objective]:
-        del sampler, trajectory, rewards
+        del sampler, trajectory, rewards, base, cond
         return [TerminalObjective(lambda images: -reward(images).mean())]
 
     def record_extras(self, losses: list[float | None], norms: list[float]) -> dict[str, Any]:
@@ -70,6 +81,9 @@ class GrpoMode:
         trajectory: Trajectory,
         rewards: Tensor,
         reward: Callable[[Tensor], Tensor],
+        *,
+        base: torch.nn.Module | None = None,
+        cond: dict[str, Tensor] | None = None,
     ) -> list[Objective]:
         del reward
         assert isinstance(sampler, FlowSDE)
@@ -79,6 +93,10 @@ class GrpoMode:
         old_log_probs = sampler.trajectory_log_probs(
             trajectory, reduction=config.log_prob_reduction
         )
+        reference = None
+        if config.kl_weight:
+            assert base is not None, "kl_weight > 0 needs the frozen initial model"
+            reference = reference_velocities(base, sampler, trajectory, cond)
         surrogate = grpo_objective(
             sampler,
             trajectory,
@@ -86,6 +104,8 @@ class GrpoMode:
             advantages.to(trajectory.states.dtype),
             config.clip,
             reduction=config.log_prob_reduction,
+            kl_weight=config.kl_weight,
+            reference=reference,
         )
         return [surrogate] * config.inner_epochs
 
@@ -93,5 +113,55 @@ class GrpoMode:
         return {"losses": losses, "grad_norms": norms}
 
 
-def mode_of(config: FinetuneConfig) -> RewardMode | GrpoMode:
-    return GrpoMode() if config.mode == "grpo" else RewardMode()
+@attrs.frozen
+class AdjointMatchingMode:
+    """Adjoint matching on memoryless FlowSDE rollouts; one optimizer step per batch.
+
+    The terminal loss is ``-reward`` per sample, so the target distribution is
+    ``p_base(x) exp(reward(x))`` (for the classifier reward ``log p(target | x)``:
+    ``p_base(x) p(target | x)``).
+    """
+
+    name = "adjoint_matching"
+
+    def sampler(self, config: FinetuneConfig) -> AffineSampler:
+        return memoryless_flow(config.sampler_steps)
+
+    def objectives(
+        self,
+        config: FinetuneConfig,
+        sampler: AffineSampler,
+        trajectory: Trajectory,
+        rewards: Tensor,
+        reward: Callable[[Tensor], Tensor],
+        *,
+        base: torch.nn.Module | None = None,
+        cond: dict[str, Tensor] | None = None,
+    ) -> list[Objective]:
+        del config, rewards
+        assert base is not None, "adjoint matching needs the frozen initial model"
+        return [
+            adjoint_matching_objective(
+                base, sampler, trajectory, lambda images: -reward(images), cond=cond
+            )
+        ]
+
+    def record_extras(self, losses: list[float | None], norms: list[float]) -> dict[str, Any]:
+        del losses, norms
+        return {}
+
+
+Mode = RewardMode | GrpoMode | AdjointMatchingMode
+
+
+def mode_of(config: FinetuneConfig) -> Mode:
+    if config.mode == "grpo":
+        return GrpoMode()
+    if config.mode == "adjoint_matching":
+        return AdjointMatchingMode()
+    return RewardMode()
+
+
+def needs_base(config: FinetuneConfig) -> bool:
+    """Whether the run needs a frozen copy of the initial model (reference / base model)."""
+    return config.mode == "adjoint_matching" or (config.mode == "grpo" and bool(config.kl_weight))

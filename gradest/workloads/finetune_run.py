@@ -9,6 +9,7 @@ evaluation batch.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from gradest.integrations.distributed import check_same_estimator, rank_generato
 from gradest.protocol import Cost, Surrogate
 from gradest.samplers import RectifiedFlow
 from gradest.workloads.finetune_config import FinetuneConfig
-from gradest.workloads.finetune_modes import mode_of
+from gradest.workloads.finetune_modes import mode_of, needs_base
 from gradest.workloads.finetune_records import cost_record, mean_or_none, summarize_info
 from gradest.workloads.run_state import save_checkpoint
 
@@ -75,6 +76,13 @@ def draw_stream_seed(seed: int, rank: int) -> int:
     """The seed of a rank's estimator-draw stream: fixed by ``(seed, rank)``, apart from
     the training stream's (a multiplicative hash, not Python's per-process ``hash``)."""
     return ((seed + 1) * 2_654_435_761 + 97 * rank + 12_345) % 2**63
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters never train (the base / reference model)."""
+    base = copy.deepcopy(model)
+    base.requires_grad_(False)
+    return base
 
 
 def grad_norm(parameters: list[torch.nn.Parameter]) -> float:
@@ -125,6 +133,9 @@ class Run:
     # batches whatever it draws (paired comparisons); runs resumed from checkpoints written
     # before this stream existed keep drawing from the training generator.
     draws: torch.Generator | None = None
+    # A frozen copy of the model as the run started (before a checkpoint is loaded): the
+    # base model of adjoint matching and GRPO's KL reference; None when the mode needs none.
+    base: torch.nn.Module | None = None
 
     @property
     def distributed(self) -> bool:
@@ -156,6 +167,7 @@ class Run:
         dtype, device = parameters[0].dtype, parameters[0].device
         optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
         optimizer = optimizer_class(parameters, lr=config.lr, weight_decay=config.weight_decay)
+        base = frozen_copy(model) if needs_base(config) else None
         if resumed is not None:
             # Before DDP's constructor, which broadcasts rank 0's weights: every rank loads.
             model.load_state_dict(resumed["model"])
@@ -209,6 +221,7 @@ class Run:
             history=[] if resumed is None else list(resumed["history"]),
             start=start,
             prior_data=None if prior_data is None else prior_data.to(device=device, dtype=dtype),
+            base=base,
         )
         run.draws = torch.Generator().manual_seed(draw_stream_seed(config.seed, rank))
         if resumed is None:
@@ -253,6 +266,8 @@ class Run:
             trajectory,
             rewards,
             lambda images: checked_rewards(self.reward, images),
+            base=self.base,
+            cond=self.cond,
         )
         sample_seconds = time.perf_counter() - started
 

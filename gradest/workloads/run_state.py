@@ -121,7 +121,7 @@ def earlier_run(log_path: Path | None, checkpoint_dir: Path | None) -> str | Non
 
 # Settings added to FinetuneConfig after checkpoints of the same format were written, with
 # the value those runs had: resuming such a checkpoint with the default is the same run.
-ADDED_SETTINGS: dict[str, Any] = {"prior_weight": 0.0}
+ADDED_SETTINGS: dict[str, Any] = {"prior_weight": 0.0, "kl_weight": 0.0}
 
 
 def check_same_run(saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -1,0 +1,98 @@
+"""Settings from a TOML file as a command's defaults, so flags on the command line win.
+
+``gradest finetune --config run.toml --steps 50``: the file's keys are the command's flag
+names without the leading ``--`` (``batch-size`` or ``batch_size``), its values TOML's own
+types::
+
+    estimator = "jagg:window=4"
+    steps = 200
+    lr = 1e-4
+    labels = "null"
+
+Each value is checked against its flag (type and choices) before anything runs, and an
+unknown key is refused with the list of known ones, so a typo never silently keeps a
+default. The file becomes the parser's defaults and the command line is parsed again, so
+any flag given explicitly overrides the file whatever the order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gradest.errors import InvalidType, InvalidValue, MissingFile
+
+# Flags that are about the invocation rather than the run's settings.
+NOT_IN_FILE = frozenset({"help", "config", "resume", "command", "run"})
+
+
+def _settable(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {
+        action.dest: action
+        for action in parser._actions  # argparse keeps no public list of its actions
+        if action.option_strings and action.dest not in NOT_IN_FILE
+    }
+
+
+def _checked(key: str, value: Any, action: argparse.Action, path: Path) -> Any:
+    where = f"{key} = {value!r} in {path}"
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+        if not isinstance(value, bool):
+            raise InvalidType(f"{where}: expected true or false")
+        # store_false flags (--no-x) keep the meaning of their dest: the file says the value.
+        return value
+    kind = action.type
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidType(f"{where}: expected an integer (e.g. {key} = 3)")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidType(f"{where}: expected a number (e.g. {key} = 0.5)")
+        value = float(value)
+    elif not isinstance(value, str):
+        raise InvalidType(f'{where}: expected a string (e.g. {key} = "...")')
+    elif callable(kind):
+        value = kind(value)
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(repr(c) for c in action.choices)
+        raise InvalidValue(f"{where}: must be one of {choices}")
+    return value
+
+
+def load_defaults(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The file's settings as ``{dest: value}`` for ``parser.set_defaults``, checked."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFile(f"--config {str(path)!r}: no such file")
+    try:
+        table = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise InvalidValue(f"--config {str(path)!r} is not valid TOML: {err}") from err
+    settable = _settable(parser)
+    defaults = {}
+    for key, value in table.items():
+        dest = key.replace("-", "_")
+        if dest not in settable:
+            if isinstance(value, dict):
+                raise InvalidValue(
+                    f"--config {str(path)!r}: [{key}] tables are not settings; write the "
+                    f"keys at the top level"
+                )
+            known = ", ".join(sorted(name.replace("_", "-") for name in settable))
+            raise InvalidValue(f"--config {str(path)!r}: unknown setting {key!r}; known: {known}")
+        defaults[dest] = _checked(key, value, settable[dest], path)
+    return defaults
+
+
+def parse_with_config(
+    parser: argparse.ArgumentParser,
+    subparser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    args: argparse.Namespace,
+) -> argparse.Namespace:
+    """``args`` again, with ``args.config``'s settings as ``subparser``'s defaults."""
+    subparser.set_defaults(**load_defaults(args.config, subparser))
+    return parser.parse_args(argv)

@@ -1,0 +1,261 @@
+"""Flow-GRPO as a gradest stepwise objective: group advantages, the clipped surrogate, KL.
+
+Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL")
+treats every step of the :class:`~gradest.FlowSDE` sampler as a Gaussian policy
+``pi_theta(z_{k+1} | z_k) = N(alpha_k z_k + beta_k v_theta(z_k, t_k), s_k^2 I)``. With
+group-normalised advantages ``A_b`` and the log-probabilities ``log pi_old`` recorded
+when the batch was sampled, the loss of step ``k`` is PPO's pessimistic clipped
+surrogate, averaged over the batch and divided by ``N`` (Flow-GRPO accumulates the
+per-step losses over the ``N`` training steps), plus an optional KL penalty to a frozen
+reference policy ``pi_ref`` (the pretrained model)::
+
+    r_{k,b}  = exp(log pi_theta(k, b) - log pi_old(k, b))
+    KL_{k,b} = KL(pi_theta(. | z_k) || pi_ref(. | z_k)) = beta_k^2 ||v_k - v_ref,k||^2 / (2 s_k^2)
+    l_k      = (1 / N) mean_b [ -min(r A_b, clip(r, 1 - eps, 1 + eps) A_b) + w_k KL_{k,b} ]
+
+Both policies of a step share the variance ``s_k^2``, so their KL is the squared
+distance of the step means ``beta_k v`` over ``2 s_k^2``; ``v_ref,k`` is the reference
+model's velocity at the recorded state ``z_k`` (:func:`reference_velocities`, computed
+once, without a graph). With ``reduction="mean"`` the KL, like
+:meth:`~gradest.samplers.TimeGrid.step_log_prob`, is divided by the element count ``D``.
+
+Conventions against Flow-GRPO's code (``scripts/train_sd3.py``): it computes
+``((mean - mean_ref) ** 2).mean(dims) / (2 * std_dev_t ** 2)`` with ``std_dev_t`` the
+diffusion ``sigma_t`` of the SDE, not the step's standard deviation
+``s_k = sigma_t sqrt(|dt|)``; its KL term is therefore ``|h_k|`` times the Gaussian KL of
+the paper (and of this module) with ``reduction="mean"``. To reproduce a run of that code
+with its ``beta`` (0.04 for SD3), pass ``reduction="mean"`` and the per-step weights
+``kl_weight = beta * flow.step_sizes.abs()``; a float ``kl_weight`` weights the exact KL
+equally at every step.
+
+The recorded states are data and ``l_k`` depends on ``theta`` only through ``v_k``, so
+this is exactly the shape of :class:`gradest.StepwiseObjective`: every estimator
+evaluates ``sum_k J_k^T (d l_k / d v_k)`` its own way. At ``theta = theta_old`` the
+surrogate's cotangent is the policy gradient ``-A_b (d log pi / d v_k) / (N B)``; a sample
+whose ratio has left the band on the side its advantage favours contributes nothing. The
+KL's cotangent is ``w_k beta_k^2 (v_k - v_ref,k) / (s_k^2 N B)`` (``/ D`` for ``"mean"``),
+zero when the policy is the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradest.errors import InvalidType, InvalidValue
+from gradest.flow import Trajectory, check_trajectory_matches
+from gradest.objectives import StepwiseObjective
+from gradest.rl._common import check_recorded, model_velocities
+from gradest.samplers import LOG_PROB_REDUCTIONS, AffineSampler, FlowSDE
+
+ADVANTAGE_EPS = 1e-4
+
+
+def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """``(r - mean_group) / (std_group + 1e-4)`` for consecutive groups of ``group_size``.
+
+    The standard deviation is the population one (``ddof=0``), as in Flow-GRPO.
+
+    Args:
+        rewards: ``[G * group_size]``, consecutive entries form a group (samples that
+            share a prompt / class label).
+        group_size: samples per group, at least 2 (one sample has no spread to
+            normalise by).
+
+    Returns:
+        ``[G * group_size]`` advantages in ``rewards``' dtype.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise InvalidValue(
+            f"group_size must be an int >= 2 (advantages compare samples within a group), "
+            f"got {group_size!r}"
+        )
+    if not isinstance(rewards, Tensor) or rewards.ndim != 1:
+        shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
+        raise InvalidValue(f"rewards must be a 1-D tensor [G * group_size], got {shape}")
+    if rewards.numel() % group_size:
+        raise InvalidValue(
+            f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}; "
+            f"sample group_size images per group"
+        )
+    if not bool(torch.isfinite(rewards).all()):
+        raise InvalidValue("rewards contain NaN or Inf; check the reward function")
+    groups = rewards.reshape(-1, group_size)
+    mean = groups.mean(1, keepdim=True)
+    std = groups.std(1, unbiased=False, keepdim=True)
+    return ((groups - mean) / (std + ADVANTAGE_EPS)).reshape(-1)
+
+
+def reference_velocities(
+    reference: torch.nn.Module,
+    flow: AffineSampler,
+    trajectory: Trajectory,
+    cond: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """``[N, B, ...]``: the reference model's velocities at the recorded states (no graph).
+
+    The reference is evaluated once per batch of rollouts, on the states the current
+    policy visited (``reference(z_k, t_k, **cond)``); the KL of :func:`grpo_objective` treats
+    the result as data. For a LoRA-adapted model the reference is the model with its
+    adapters disabled (``with model.disable_adapter(): ...``), as in Flow-GRPO.
+    """
+    return model_velocities(reference, flow, trajectory, cond, what="reference model")
+
+
+def step_kl(
+    flow: AffineSampler, k: int, velocity: Tensor, reference: Tensor, *, reduction: str = "sum"
+) -> Tensor:
+    """``[B]``: ``KL(N(m_theta, s_k^2 I) || N(m_ref, s_k^2 I))`` of step ``k``, per sample.
+
+    ``m = alpha_k z_k + beta_k v``, so the KL is ``beta_k^2 ||velocity - reference||^2 /
+    (2 s_k^2)`` (``reduction="sum"``) or that divided by the element count (``"mean"``, as
+    :meth:`~gradest.samplers.TimeGrid.step_log_prob` averages log-densities).
+    Differentiable in ``velocity``.
+    """
+    if reduction not in LOG_PROB_REDUCTIONS:
+        raise InvalidValue(
+            f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
+        )
+    _, beta, scale = (float(c[k]) for c in flow.coefficients())
+    if scale == 0.0:
+        raise InvalidValue(
+            f"step {k} of {flow!r} is deterministic (noise scale 0): the KL of two "
+            f"deterministic steps is infinite; use noise_level > 0"
+        )
+    squared = (velocity - reference.to(velocity)).pow(2).reshape(velocity.shape[0], -1)
+    per_sample = squared.sum(1) if reduction == "sum" else squared.mean(1)
+    return (beta * beta / (2.0 * scale * scale)) * per_sample
+
+
+def _shape_of(value: Any) -> Any:
+    return tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+
+
+def _kl_weights(kl_weight: Any, steps: int) -> Tensor | None:
+    """``kl_weight`` as ``[N]`` float64 weights, or None when it is off (all zero)."""
+    if isinstance(kl_weight, Tensor):
+        if kl_weight.shape != (steps,) or not kl_weight.is_floating_point():
+            raise InvalidValue(
+                f"kl_weight must be a float >= 0 or a [N] = [{steps}] float tensor of per-step "
+                f"weights, got a tensor of shape {tuple(kl_weight.shape)} and dtype "
+                f"{kl_weight.dtype}; e.g. kl_weight=0.04"
+            )
+        weights = kl_weight.detach().to(device="cpu", dtype=torch.float64)
+    elif isinstance(kl_weight, bool) or not isinstance(kl_weight, int | float):
+        raise InvalidType(
+            f"kl_weight must be a float >= 0 (0: no KL term) or a [N] tensor, got "
+            f"{kl_weight!r}; Flow-GRPO uses 0.04"
+        )
+    else:
+        weights = torch.full((steps,), float(kl_weight), dtype=torch.float64)
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+        raise InvalidValue(
+            f"kl_weight must be finite and >= 0, got {kl_weight!r}; 0 switches the KL off"
+        )
+    return weights if bool((weights > 0).any()) else None
+
+
+def grpo_objective(
+    flow: FlowSDE,
+    trajectory: Trajectory,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    clip: float = 0.2,
+    *,
+    reduction: str = "sum",
+    kl_weight: float | Tensor = 0.0,
+    reference: Tensor | None = None,
+) -> StepwiseObjective:
+    """The Flow-GRPO clipped surrogate (plus its KL penalty) on ``trajectory``.
+
+    Args:
+        flow: the :class:`FlowSDE` the trajectory was sampled with.
+        trajectory: the recorded rollout (states are data).
+        old_log_probs: ``[N, B]`` step log-probabilities under the sampling policy,
+            e.g. ``flow.trajectory_log_probs(trajectory)`` right after the rollout.
+        advantages: ``[B]``, e.g. :func:`group_advantages` of the rewards.
+        clip: PPO's ``eps``; the ratio is clipped to ``[1 - eps, 1 + eps]``.
+        reduction: how :meth:`FlowSDE.step_log_prob` (and the KL) reduce over the state's
+            elements (``"sum"``: the Gaussian log-density; ``"mean"``: Flow-GRPO's
+            per-element average). Must match how ``old_log_probs`` were computed.
+        kl_weight: ``w`` of the KL to the reference policy: a float for every step, or
+            ``[N]`` per-step weights (see the module docstring for Flow-GRPO's code
+            convention); 0 (the default) leaves the objective exactly the surrogate.
+        reference: ``[N, B, ...]`` reference velocities at the recorded states
+            (:func:`reference_velocities`); needed when ``kl_weight > 0``.
+
+    Use it with ``trajectory=`` (the same one) in ``estimate`` / ``backward``.
+    """
+    if not isinstance(flow, FlowSDE):
+        raise InvalidType(
+            f"flow must be the gradest.FlowSDE the trajectory was sampled with, "
+            f"got {type(flow).__name__}"
+        )
+    check_trajectory_matches(flow, trajectory)
+    steps, batch = trajectory.num_steps, trajectory.batch_size
+    if not isinstance(old_log_probs, Tensor) or tuple(old_log_probs.shape) != (steps, batch):
+        raise InvalidValue(
+            f"old_log_probs must be [N, B] = [{steps}, {batch}], got {_shape_of(old_log_probs)}; "
+            f"use flow.trajectory_log_probs(trajectory)"
+        )
+    if not isinstance(advantages, Tensor) or tuple(advantages.shape) != (batch,):
+        raise InvalidValue(f"advantages must be [B] = [{batch}], got {_shape_of(advantages)}")
+    if isinstance(clip, bool) or not isinstance(clip, int | float):
+        raise InvalidType(f"clip must be a float in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
+    if not (math.isfinite(clip) and 0 < clip < 1):
+        raise InvalidValue(f"clip must be in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
+    if reduction not in LOG_PROB_REDUCTIONS:
+        raise InvalidValue(
+            f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
+        )
+    for name, tensor in (("old_log_probs", old_log_probs), ("advantages", advantages)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidValue(f"{name} contain NaN or Inf")
+    weights = _kl_weights(kl_weight, steps)
+    reference = _checked_reference(reference, trajectory, weights is not None)
+    old_log_probs = old_log_probs.detach()
+    advantages = advantages.detach()
+    low, high = 1.0 - float(clip), 1.0 + float(clip)
+
+    def loss_fn(k: int, velocity: Tensor, given: Trajectory) -> Tensor:
+        # The ratios are against log-probabilities of *this* trajectory's steps; an
+        # estimator that sampled a fresh path (noise= instead of trajectory=) would
+        # silently optimise nonsense.
+        check_recorded(given, trajectory, "GRPO")
+        log_prob = flow.step_log_prob(trajectory, k, velocity, reduction=reduction)
+        ratio = torch.exp(log_prob - old_log_probs[k].to(log_prob))
+        advantage = advantages.to(log_prob)
+        surrogate = torch.minimum(ratio * advantage, torch.clamp(ratio, low, high) * advantage)
+        loss = -surrogate.mean() / steps
+        if weights is None or float(weights[k]) == 0.0:
+            return loss
+        assert reference is not None
+        kl = step_kl(flow, k, velocity, reference[k], reduction=reduction)
+        return loss + float(weights[k]) * kl.mean() / steps
+
+    return StepwiseObjective(loss_fn)
+
+
+def _checked_reference(reference: Any, trajectory: Trajectory, needed: bool) -> Tensor | None:
+    if reference is None:
+        if needed:
+            raise InvalidValue(
+                "kl_weight > 0 needs reference= (the reference model's velocities at the "
+                "recorded states, [N, B, ...]): pass reference=gradest.rl.reference_velocities("
+                "reference_model, flow, trajectory, cond), or set kl_weight=0"
+            )
+        return None
+    expected = tuple(trajectory.velocities.shape)
+    if not isinstance(reference, Tensor) or tuple(reference.shape) != expected:
+        raise InvalidValue(
+            f"reference must be [N, B, ...] = {list(expected)} (the reference model's "
+            f"velocities at the recorded states), got {_shape_of(reference)}; use "
+            f"gradest.rl.reference_velocities(reference_model, flow, trajectory, cond)"
+        )
+    if not reference.is_floating_point() or not bool(torch.isfinite(reference).all()):
+        raise InvalidValue("reference must be a finite floating-point tensor")
+    return reference.detach()

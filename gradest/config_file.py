@@ -39,10 +39,14 @@ def _settable(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def _checked(key: str, value: Any, action: argparse.Action, path: Path) -> Any:
     where = f"{key} = {value!r} in {path}"
-    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+    if isinstance(
+        action,
+        argparse._StoreTrueAction | argparse._StoreFalseAction | argparse.BooleanOptionalAction,
+    ):
         if not isinstance(value, bool):
             raise InvalidType(f"{where}: expected true or false")
-        # store_false flags (--no-x) keep the meaning of their dest: the file says the value.
+        # store_false flags (--no-x) and --x/--no-x pairs keep the meaning of their dest:
+        # the file says the value.
         return value
     kind = action.type
     if kind is int:

@@ -3,13 +3,14 @@
 Every recipe runs end to end on CPU with tiny random models built in code (``--tiny``: a
 micro SD3 / Flux transformer or SD UNet, a micro ``AutoencoderKL``, random prompt
 embeddings), in-process through the scripts' ``main(argv)``; one run goes through the
-script as a subprocess, one through ``torchrun`` with two CPU processes (DDP over gloo),
-and one loads every part from a ``save_pretrained`` folder with ``--pretrained``. Checked:
-the outputs (log.jsonl, tensorboard events, PNG grid, checkpoint, diffusers LoRA file),
-that only LoRA weights change, that a resumed run equals an uninterrupted one bit for bit,
-that config files and command-line overrides take effect, that bad values name the
-setting, and that the classifier-free-guidance wrapper is the guidance formula and
-``exact`` differentiates through it like a hand-written autograd loop.
+script as a subprocess, one through ``torchrun`` and one through ``accelerate launch``
+with two CPU processes each (DDP over gloo), and one loads every part from a
+``save_pretrained`` folder with ``--pretrained``. Checked: the outputs (log.jsonl,
+tensorboard events, PNG grid, checkpoint, diffusers LoRA file), that only LoRA weights
+change, that a resumed run equals an uninterrupted one bit for bit, that config files and
+command-line overrides take effect, that bad values name the setting, and that the
+classifier-free-guidance wrapper is the guidance formula and ``exact`` differentiates
+through it like a hand-written autograd loop.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
+
+from accelerate_state import fresh_accelerate_state, reset_accelerate  # noqa: E402, F401
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:There are modules in .* that should be kept in float32"),
@@ -66,23 +69,6 @@ def script(family: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def reset_accelerate() -> None:
-    """accelerate keeps one global state per process (its settings cannot change)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each test starts without accelerate state (runs with other mixed precision reset
-    it in between)."""
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 def records(out: Path) -> list[dict]:
@@ -220,6 +206,40 @@ def test_resume_continues_bit_for_bit(family, tmp_path):
             "step_000002",
             "step_000004",
         ]
+
+
+def test_resume_after_a_crash_shows_each_step_once_in_tensorboard(tmp_path):
+    """A run that got past its last checkpoint (step 3 of a run checkpointed at 2) and is
+    resumed redoes step 3: log.jsonl is cut back, and TensorBoard's purge_step hides the
+    first attempt's step-3 events, so every step shows once, with the resumed values."""
+    import time
+
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    main = script("sd3").main
+    out = tmp_path / "run"
+    main(["--tiny", "--out", str(out), "--steps", "3", "--save-every", "2"])
+    first = records(out)
+    for leftover in (out / "checkpoints" / "step_000003").iterdir():
+        leftover.unlink()  # the crash: step 3 ran and logged, its checkpoint never landed
+    (out / "checkpoints" / "step_000003").rmdir()
+    # TensorBoard orders event files by the second in their name; a real resume is a
+    # later process, here wait for the next second.
+    started = int(time.time())
+    while int(time.time()) == started:
+        time.sleep(0.05)
+    main(["--resume", str(out), "--steps", "4"])
+    resumed = records(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert comparable(resumed[:3]) == comparable(first)  # the redone step 3 is the same
+    board = event_accumulator.EventAccumulator(str(out / "tensorboard"), {"scalars": 0})
+    board.Reload()
+    shown = [(e.step, e.value) for e in board.Scalars("train/seconds")]
+    assert [step for step, _ in shown] == [1, 2, 3, 4]
+    # the wall time of step 3 differs between attempts: TensorBoard shows the resumed one
+    assert shown[2][1] == pytest.approx(resumed[2]["seconds"], rel=1e-6)
+    assert shown[2][1] != pytest.approx(first[2]["seconds"], rel=1e-6)
 
 
 def test_resume_refuses_changed_settings_and_finished_runs(tmp_path):
@@ -454,29 +474,84 @@ def test_a_reward_hook_from_a_file_gets_images_and_prompts(tmp_path):
     assert len(records(out)) == 2
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
+GLOO = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="torch.distributed with gloo is not available",
 )
-def test_two_processes_under_torchrun_train_data_parallel(tmp_path):
-    """``torchrun --nproc_per_node 2`` (what ``accelerate launch`` runs): one DDP run over
-    gloo on CPU, one log, one checkpoint with both processes' RNG states."""
-    out = tmp_path / "ddp"
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+
+
+def launch(command: list[str], tmp_path: Path) -> None:
+    """Run a launcher command line as CI does: none of the calling shell's launcher or
+    accelerate variables, no hub, one thread per process, CPUs only (also on a machine
+    with GPUs), and an empty HF_HOME, so no saved ``accelerate config`` file is read."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_ENV and not k.startswith("ACCELERATE_")
+    }
+    env.update(
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
     done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def assert_two_process_run(out: Path, family: str, tmp_path: Path, **overrides) -> None:
+    """One DDP run of 2 processes: one log, one checkpoint with both processes' RNG
+    states, and a logged reward that is not a single process's."""
+    assert_run_outputs(out, steps=2)
+    checkpoint = out / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
+    one = tmp_path / "one"
+    train(family, load_config(family, overrides={"tiny": True, "out": str(one), **overrides}))
+    # The logged reward is the mean over both processes' batches (other noise than one's).
+    assert records(out)[0]["reward"] != records(one)[0]["reward"]
+
+
+@pytest.mark.slow
+@GLOO
+def test_two_processes_under_torchrun_train_data_parallel(tmp_path):
+    """``torchrun --nproc_per_node 2``: one DDP run over gloo on CPU."""
+    out = tmp_path / "ddp"
+    launch(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(SCRIPTS / "sd3_reward.py"), "--tiny", "--out", str(out)],
-        env={**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=240, check=False,
+        tmp_path,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_run_outputs(out, steps=2)
-    assert (out / "checkpoints" / "step_000002" / "random_states_1.pkl").is_file()
-    config = load_config("sd3", overrides={"tiny": True, "out": str(tmp_path / "one")})
-    train("sd3", config)
-    # The logged reward is the mean over both processes' batches (other noise than one's).
-    assert records(out)[0]["reward"] != records(tmp_path / "one")[0]["reward"]
+    assert_two_process_run(out, "sd3", tmp_path)
+
+
+# The command docs/recipes.md gives for 2 CPU processes. ``--multi_gpu`` selects
+# accelerate's torch.distributed launcher (``--cpu`` starts one process, for mpirun); with
+# no CUDA device the recipe asks accelerate for CPUs, so DDP runs over gloo.
+ACCELERATE_TWO_CPU_PROCESSES = [
+    "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@GLOO
+def test_two_processes_under_accelerate_launch_train_data_parallel(tmp_path):
+    """``accelerate launch`` with 2 CPU processes, every setting a flag (no config file):
+    sd_unet with a jagg estimator, one DDP run over gloo."""
+    out = tmp_path / "ddp"
+    launch(
+        [sys.executable, "-m", "accelerate.commands.launch", *ACCELERATE_TWO_CPU_PROCESSES,
+         str(SCRIPTS / "sd_unet_reward.py"), "--tiny", "--out", str(out),
+         "--estimator", "jagg:window=2"],
+        tmp_path,
+    )  # fmt: skip
+    assert "jagg:window=2" in (out / "config.toml").read_text()  # the script's own flags
+    assert_two_process_run(out, "sd_unet", tmp_path, estimator="jagg:window=2")
 
 
 # -- 5. classifier-free guidance ---------------------------------------------------------------

@@ -212,11 +212,7 @@ class _Run:
         self.model, self.optimizer = accelerator.prepare(velocity, optimizer)
         register_lora_hooks(accelerator)
         self.log = JsonLog(self.out / "log.jsonl") if accelerator.is_main_process else None
-        self.writer: Any = None
         if accelerator.is_main_process:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.out / "tensorboard"))
             atomic_write_text(self.out / "config.toml", to_toml(config))
         self.step = 0
         if self.resume_from is not None:
@@ -225,6 +221,13 @@ class _Run:
             self.step = int(state["step"])
             if self.log is not None:
                 self.log.keep(lambda record: record.get("step", 0) <= self.step)
+        self.writer: Any = None
+        if accelerator.is_main_process:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A resumed run redoes the steps after its checkpoint: purge_step hides the
+            # earlier run's events from the first redone step on, so none appears twice.
+            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -237,7 +240,7 @@ class _Run:
     def train_step(self) -> dict[str, Any]:
         accelerator, config, family = self.accelerator, self.config, self.family
         started = time.perf_counter()
-        values, units, grad_norm = [], 0.0, float("nan")
+        values, losses, units, grad_norm = [], [], 0.0, float("nan")
         for micro in range(config.gradient_accumulation):
             index, noise = self.batch(micro)
             prompts = [self.embeddings.prompts[int(i)] for i in index]
@@ -263,11 +266,17 @@ class _Run:
                     grad_norm = float(norm) if norm is not None else float("nan")
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            values.append(-sur.value)
+            # The reward of this step's samples. An estimator that takes its loss on other
+            # points (draft_lv: on re-noised copies of the sample) reports the sample's own
+            # loss as info["sample_loss"]; its objective value goes to "loss".
+            values.append(-sur.info.get("sample_loss", sur.value))
+            losses.append(sur.value)
             units += sur.cost.model_units()
         self.step += 1
-        local = torch.tensor([float(np.mean(values))], device=accelerator.device)
-        reward = float(accelerator.gather(local).mean())
+        local = torch.tensor([float(np.mean(values)), float(np.mean(losses))])
+        reward, loss = (
+            float(x) for x in accelerator.gather(local.to(accelerator.device)).view(-1, 2).mean(0)
+        )
         if not math.isfinite(reward):
             from gradest.errors import Diverged
 
@@ -275,7 +284,7 @@ class _Run:
         return {
             "step": self.step,
             "reward": reward,
-            "loss": -reward,
+            "loss": loss,
             "grad_norm": grad_norm,
             "lr": config.lr,
             "model_forwards": units,

@@ -82,6 +82,7 @@ from gradest.workloads.finetune_config import FinetuneConfig, config_from
 from gradest.workloads.finetune_modes import mode_of
 from gradest.workloads.finetune_records import LOG_KEYS
 from gradest.workloads.finetune_run import Run
+from gradest.workloads.finetune_tensorboard import check_tensorboard_dir
 from gradest.workloads.run_state import check_same_run, earlier_run, newest_checkpoint
 
 __all__ = ["LOG_KEYS", "FinetuneConfig", "finetune", "resolve_estimator", "start_run"]
@@ -102,6 +103,7 @@ def finetune(
     progress: bool = True,
     resume: str | Path | None = None,
     prior_data: Tensor | None = None,
+    tensorboard_dir: str | Path | None = None,
     **settings: Any,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` (in place) to raise ``reward`` of its samples.
@@ -135,6 +137,11 @@ def finetune(
             refused (two runs never mix in one place).
         prior_data: real samples ``[M, *sample_shape]`` for ``prior_weight > 0`` (a
             flow-matching loss on a batch of them joins every backward, unconditional).
+        tensorboard_dir: also write every logged record's numbers as TensorBoard
+            scalars in this folder, at ``global_step = record["step"]`` (needs
+            tensorboard; :mod:`~gradest.workloads.finetune_tensorboard`). A resumed run
+            purges the events from its first step on, so no step appears twice. Not a
+            setting: it may differ between a run and its resumption.
         **settings: :class:`FinetuneConfig` fields replacing those of ``config``
             (``finetune(model, reward, estimator="sdo", steps=20)``).
 
@@ -150,6 +157,8 @@ def finetune(
         ValueError / TypeError: invalid settings or estimator spec, an output path that
             cannot be written (:class:`gradest.files.OutputError`), or a run that cannot be
             resumed, all before any model call.
+        MissingDependency: ``tensorboard_dir`` is given and tensorboard is not
+            installed (an ``ImportError``), also before any model call.
 
     Data parallelism (``torchrun --nproc_per_node=R ...``): when ``WORLD_SIZE > 1`` and
     no default process group exists, one is initialized from the environment (``gloo``,
@@ -160,10 +169,10 @@ def finetune(
     backpropagates its surrogate loss (DDP averages the gradients) and takes the same
     optimizer step, so the replicas stay equal. The estimators' random draws and gates are
     rank 0's (:mod:`gradest.ranks`), so every rank makes the same model calls. The
-    evaluation batch is the global one on every rank. Only rank 0 writes the log and
-    checkpoints and shows the progress bar (other ranks return ``log_path=None`` and no
-    checkpoints). Logged rewards and losses are over the global batch; ``cost`` and
-    ``info`` are rank 0's own.
+    evaluation batch is the global one on every rank. Only rank 0 writes the log,
+    checkpoints and TensorBoard events and shows the progress bar (other ranks return
+    ``log_path=None`` and no checkpoints). Logged rewards and losses are over the global
+    batch; ``cost`` and ``info`` are rank 0's own.
     """
     # -- everything is validated before the first model call --
     config = config_from(config, settings)
@@ -177,6 +186,8 @@ def finetune(
     checkpoint_dir = (
         None if checkpoint_dir is None else check_output_dir(checkpoint_dir, what="checkpoint_dir")
     )
+    if tensorboard_dir is not None:
+        tensorboard_dir = check_tensorboard_dir(tensorboard_dir, what="tensorboard_dir")
     resumed = _resumed(resume, log_path, checkpoint_dir)
     _, world = launched_world()
     model, est, shape, eval_cond, record = _validated(
@@ -207,8 +218,12 @@ def finetune(
             checkpoint_dir=checkpoint_dir,
             resumed=resumed,
             prior_data=prior_data,
+            tensorboard_dir=tensorboard_dir,
         )
-        return _train(run, checkpoint_dir, progress=progress, log_path=log_path)
+        try:
+            return _train(run, checkpoint_dir, progress=progress, log_path=log_path)
+        finally:
+            run.close()
 
 
 def _check_model_and_reward(model: Any, reward: Any) -> None:

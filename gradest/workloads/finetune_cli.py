@@ -2,9 +2,9 @@
 
 The training options are generated from :class:`~gradest.workloads.finetune_config.FinetuneConfig`
 (one flag per field, same defaults); this module adds only what belongs to the command:
-the digit to reward, the conditioning, LoRA, the device, the output folder, ``--config``
-(a TOML file of any of these settings; flags on the command line override it),
-``--resume`` and ``--quiet``.
+the digit to reward, the conditioning, LoRA, the device, the output folder,
+``--tensorboard`` / ``--no-tensorboard``, ``--config`` (a TOML file of any of these
+settings; flags on the command line override it), ``--resume`` and ``--quiet``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from gradest.files import (
 )
 from gradest.workloads.finetune import finetune, resolve_estimator
 from gradest.workloads.finetune_config import add_config_arguments, config_from_args
+from gradest.workloads.finetune_tensorboard import use_tensorboard
 from gradest.workloads.run_state import earlier_run
 
 
@@ -56,8 +57,17 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="output folder: log.jsonl, result.json, checkpoints/ (default runs/finetune; "
-        "a folder that holds an earlier run is refused: --resume it or pass a new one)",
+        help="output folder: log.jsonl, result.json, checkpoints/, tensorboard/ (default "
+        "runs/finetune; a folder that holds an earlier run is refused: --resume it or pass "
+        "a new one)",
+    )
+    parser.add_argument(
+        "--tensorboard",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also write the log's numbers as TensorBoard scalars in OUT/tensorboard "
+        "(default: on when tensorboard is installed; pip install tensorboard). Not a "
+        "setting: a run may be resumed with or without it",
     )
     parser.add_argument(
         "--resume",
@@ -112,9 +122,10 @@ def resolve_device(name: Any) -> torch.device:
 def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``gradest finetune`` on the shipped digits DiT and classifier reward.
 
-    Writes ``log.jsonl``, ``result.json`` (the result without the history) and
-    ``checkpoints/`` under ``--out`` (or continues the run in ``--resume DIR``) and returns
-    the result dict; every output path is checked before any work. Under ``torchrun``
+    Writes ``log.jsonl``, ``result.json`` (the result without the history),
+    ``checkpoints/`` and (unless ``--no-tensorboard``) ``tensorboard/`` under ``--out``
+    (or continues the run in ``--resume DIR``) and returns the result dict; every output
+    path is checked before any work. Under ``torchrun``
     (``python -m torch.distributed.run --nproc_per_node=2 -m gradest.cli finetune ...``)
     the ranks train data-parallel (see :func:`~gradest.workloads.finetune.finetune`;
     ``--batch-size`` is the global batch) and only rank 0 writes.
@@ -127,6 +138,7 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device)
     if args.lora_rank < 0:
         raise InvalidValue(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
+    tensorboard = use_tensorboard(getattr(args, "tensorboard", None))
     if args.resume is not None and args.out is not None and Path(args.out) != Path(args.resume):
         raise InvalidValue(
             f"--resume {args.resume!r} continues the run in that folder; drop --out "
@@ -170,6 +182,7 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint_dir=out / "checkpoints",
         progress=not args.quiet,
         resume=out if args.resume is not None else None,
+        tensorboard_dir=out / "tensorboard" if tensorboard else None,
     )
     if result["rank"] == 0:
         summary = {key: value for key, value in result.items() if key not in ("history", "rank")}

@@ -31,6 +31,7 @@ from gradest.samplers import RectifiedFlow
 from gradest.workloads.finetune_config import FinetuneConfig
 from gradest.workloads.finetune_modes import mode_of, needs_base
 from gradest.workloads.finetune_records import cost_record, mean_or_none, summarize_info
+from gradest.workloads.finetune_tensorboard import TensorBoardLog
 from gradest.workloads.run_state import save_checkpoint
 
 Reward = Callable[[Tensor], Tensor]
@@ -104,6 +105,7 @@ class Run:
         generator: this rank's training stream; ``eval_noise`` the fixed evaluation batch.
         cond, eval_cond: this rank's and the global batch's conditioning.
         log: the JSON log (rank 0 only), ``history`` its records, ``start`` the first step.
+        board: the records as TensorBoard scalars (rank 0 only, when asked for).
     """
 
     config: FinetuneConfig
@@ -136,6 +138,8 @@ class Run:
     # A frozen copy of the model as the run started (before a checkpoint is loaded): the
     # base model of adjoint matching and GRPO's KL reference; None when the mode needs none.
     base: torch.nn.Module | None = None
+    # The log's records as TensorBoard scalars (rank 0, when asked for); close() closes it.
+    board: TensorBoardLog | None = None
 
     @property
     def distributed(self) -> bool:
@@ -162,6 +166,7 @@ class Run:
         checkpoint_dir: Path | None,
         resumed: dict[str, Any] | None,
         prior_data: Tensor | None = None,
+        tensorboard_dir: Path | None = None,
     ) -> Run:
         parameters = [p for p in model.parameters() if p.requires_grad]
         dtype, device = parameters[0].dtype, parameters[0].device
@@ -236,7 +241,16 @@ class Run:
                 run.draws = None  # an older checkpoint: draws came from the training stream
             else:
                 run.draws.set_state(saved_draws[rank])
+        if tensorboard_dir is not None and rank == 0:
+            # Opened last, so that nothing after it can fail before close() is due. The
+            # steps from `start` on are redone: their earlier events are purged.
+            run.board = TensorBoardLog(tensorboard_dir, purge_step=start)
         return run
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard events (the JSON log needs nothing)."""
+        if self.board is not None:
+            self.board.close()
 
     def evaluate(self) -> Tensor:
         """Rewards of the fixed evaluation batch, sampled with the ODE."""
@@ -301,6 +315,8 @@ class Run:
         self.history.append(record)
         if self.log is not None:
             self.log.append(record)
+        if self.board is not None:
+            self.board.append(record)
         return record
 
     def _descend(

@@ -114,3 +114,12 @@ def test_a_bad_device_is_refused_before_any_work(tmp_path, capsys, device, messa
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+def test_estimator_options_beyond_the_sampler_are_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "x"
+    argv = ["finetune", "--estimator", "telescope:mean_depth=5", "--sampler-steps", "3"]
+    code = main([*argv, "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "mean_depth=5 exceeds the flow's N=3 steps" in err
+    assert "Traceback" not in err and not out.exists()

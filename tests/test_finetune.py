@@ -80,6 +80,19 @@ class LinearClassifierReward(nn.Module):
         return torch.log_softmax(logits, -1)[:, self.target]
 
 
+@pytest.fixture
+def tiny_digits_assets(monkeypatch):
+    """The CLI loads the micro DiT and a linear reward instead of the shipped digits model
+    (the real loaders take the device: gradest finetune --device)."""
+    assets = types.ModuleType("gradest.workloads.assets")
+    assets.load_pretrained_dit = lambda device="cpu": tiny_dit().to(device)
+    assets.load_digit_classifier = lambda device="cpu": "classifier"
+    rewards = types.ModuleType("gradest.workloads.rewards")
+    rewards.ClassifierReward = lambda classifier, target: LinearClassifierReward(target)
+    monkeypatch.setitem(sys.modules, "gradest.workloads.assets", assets)
+    monkeypatch.setitem(sys.modules, "gradest.workloads.rewards", rewards)
+
+
 def _run(tmp_path=None, **overrides):
     arguments = {
         "estimator": "exact",
@@ -341,16 +354,9 @@ def test_cli_defaults_and_parsing():
     assert args.target == 3 and args.labels == "null" and args.sampler_steps == 10
 
 
-def test_run_finetune_from_args_with_injected_assets(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("tiny_digits_assets")
+def test_run_finetune_from_args_with_injected_assets(tmp_path):
     """The CLI path, with the shipped checkpoints replaced by the tiny test model."""
-    assets = types.ModuleType("gradest.workloads.assets")
-    # The real loaders take the device (gradest finetune --device).
-    assets.load_pretrained_dit = lambda device="cpu": tiny_dit().to(device)
-    assets.load_digit_classifier = lambda device="cpu": "classifier"
-    rewards = types.ModuleType("gradest.workloads.rewards")
-    rewards.ClassifierReward = lambda classifier, target: LinearClassifierReward(target)
-    monkeypatch.setitem(sys.modules, "gradest.workloads.assets", assets)
-    monkeypatch.setitem(sys.modules, "gradest.workloads.rewards", rewards)
     out = tmp_path / "ft"
     argv = "--estimator sdo:samples=2 --steps 2 --batch-size 4 --sampler-steps 4 --target 2"
     args = _parse([*argv.split(), "--out", str(out), "--checkpoint-every", "1", "--quiet"])

@@ -4,8 +4,6 @@ GRPO's kl_weight (2-step runs on the tiny DiT, the CLI path, resuming)."""
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from test_finetune import (
     _run,
     _shipped_assets,
     _without_timings,
+    tiny_digits_assets,  # noqa: F401 - a fixture
     tiny_dit,
 )
 
@@ -132,14 +131,8 @@ def test_kl_weight_is_validated():
         FinetuneConfig(mode="grpo", kl_weight="a lot")
 
 
-def test_cli_mode_adjoint_matching_with_injected_assets(tmp_path, monkeypatch):
-    assets = types.ModuleType("gradest.workloads.assets")
-    assets.load_pretrained_dit = lambda **_: tiny_dit()
-    assets.load_digit_classifier = lambda **_: "classifier"
-    rewards = types.ModuleType("gradest.workloads.rewards")
-    rewards.ClassifierReward = lambda classifier, target: LinearClassifierReward(target)
-    monkeypatch.setitem(sys.modules, "gradest.workloads.assets", assets)
-    monkeypatch.setitem(sys.modules, "gradest.workloads.rewards", rewards)
+@pytest.mark.usefixtures("tiny_digits_assets")
+def test_cli_mode_adjoint_matching_with_injected_assets(tmp_path):
     for mode, extra in (("adjoint_matching", []), ("grpo", ["--kl-weight", "0.04"])):
         out = tmp_path / mode
         argv = f"--mode {mode} --steps 2 --batch-size 4 --sampler-steps 4 --group-size 2 --target 2"

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_finetune import LinearClassifierReward, tiny_dit
+from test_finetune import LinearClassifierReward, tiny_digits_assets, tiny_dit  # noqa: F401
 
 from gradest.cli import main
 from gradest.errors import Diverged, MissingDependency
@@ -27,18 +26,6 @@ from gradest.workloads.finetune import finetune
 from gradest.workloads.finetune_tensorboard import TensorBoardLog, scalars
 
 TINY = "--steps 3 --batch-size 4 --sampler-steps 4 --target 2 --quiet".split()
-
-
-@pytest.fixture
-def tiny_assets(monkeypatch):
-    """The CLI loads the micro DiT and a linear reward instead of the shipped digits model."""
-    assets = types.ModuleType("gradest.workloads.assets")
-    assets.load_pretrained_dit = lambda **_: tiny_dit()
-    assets.load_digit_classifier = lambda **_: "classifier"
-    rewards = types.ModuleType("gradest.workloads.rewards")
-    rewards.ClassifierReward = lambda classifier, target: LinearClassifierReward(target)
-    monkeypatch.setitem(sys.modules, "gradest.workloads.assets", assets)
-    monkeypatch.setitem(sys.modules, "gradest.workloads.rewards", rewards)
 
 
 def finetune_cli(capsys, *argv: str) -> None:
@@ -80,7 +67,8 @@ def next_second() -> None:
         time.sleep(0.05)
 
 
-def test_every_logged_number_is_a_scalar_at_its_step(tmp_path, capsys, tiny_assets):
+@pytest.mark.usefixtures("tiny_digits_assets")
+def test_every_logged_number_is_a_scalar_at_its_step(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     out = tmp_path / "ft"
     # GRPO with jagg: lists (losses, grad_norms), nested cost and estimator info.
@@ -119,7 +107,8 @@ def test_scalars_flattens_numbers_and_skips_the_rest():
     }
 
 
-def test_no_tensorboard_writes_no_folder(tmp_path, capsys, tiny_assets):
+@pytest.mark.usefixtures("tiny_digits_assets")
+def test_no_tensorboard_writes_no_folder(tmp_path, capsys):
     out = tmp_path / "ft"
     finetune_cli(capsys, "--no-tensorboard", "--out", str(out))
     assert len(log_records(out)) == 3
@@ -144,7 +133,8 @@ def test_a_config_file_tensorboard_must_be_a_boolean(tmp_path, capsys):
     assert code == 2 and "tensorboard = 'no' in " in err and "expected true or false" in err
 
 
-def test_a_resumed_run_purges_its_redone_steps(tmp_path, capsys, tiny_assets):
+@pytest.mark.usefixtures("tiny_digits_assets")
+def test_a_resumed_run_purges_its_redone_steps(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     out = tmp_path / "ft"
     finetune_cli(capsys, "--checkpoint-every", "2", "--out", str(out))
@@ -164,7 +154,8 @@ def test_a_resumed_run_purges_its_redone_steps(tmp_path, capsys, tiny_assets):
     assert records[2]["sample_seconds"] != first[2]["sample_seconds"]
 
 
-def test_tensorboard_on_or_off_does_not_block_a_resume(tmp_path, capsys, tiny_assets):
+@pytest.mark.usefixtures("tiny_digits_assets")
+def test_tensorboard_on_or_off_does_not_block_a_resume(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     out = tmp_path / "ft"
     finetune_cli(capsys, "--no-tensorboard", "--steps", "2", "--out", str(out))
@@ -193,9 +184,8 @@ def test_tensorboard_flag_without_tensorboard_is_a_one_line_error(
     assert not out.exists()  # refused before any work
 
 
-def test_by_default_a_missing_tensorboard_is_simply_off(
-    tmp_path, capsys, tiny_assets, without_tensorboard
-):
+@pytest.mark.usefixtures("tiny_digits_assets")
+def test_by_default_a_missing_tensorboard_is_simply_off(tmp_path, capsys, without_tensorboard):
     out = tmp_path / "ft"
     finetune_cli(capsys, "--out", str(out))
     assert len(log_records(out)) == 3 and not (out / "tensorboard").exists()

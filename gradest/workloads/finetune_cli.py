@@ -132,7 +132,8 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """
     # Validate the cheap things before loading checkpoints.
     config = config_from_args(args)
-    resolve_estimator(config.estimator)
+    # Options that need more than --sampler-steps steps fail here, before --out exists.
+    resolve_estimator(config.estimator).check_steps(config.sampler_steps)
     if not 0 <= args.target <= 9:
         raise InvalidValue(f"--target must be a digit 0..9, got {args.target}")
     device = resolve_device(args.device)

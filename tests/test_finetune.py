@@ -145,6 +145,7 @@ def test_finetune_runs_with_every_estimator(tmp_path, mode, spec):
         assert record["grad_norm"] > 0
         assert record["cost"]["param_vjps"] >= 1
         assert record["cost"]["sample_forwards"] == STEPS
+        assert record["cost"]["objective_model_units"] == 0  # no base model in these modes
         assert all(record[k] >= 0 for k in LOG_KEYS if k.endswith("_seconds"))
         if name in INFO_KEYS:
             assert INFO_KEYS[name] in record["info"]

@@ -38,6 +38,8 @@ def test_adjoint_matching_runs(tmp_path, spec):
     for record in records:
         assert set(LOG_KEYS) <= set(record)
         assert record["loss"] > 0 and record["grad_norm"] > 0
+        # The lean adjoint: N base forwards with graph + N state VJPs, beside the estimator's.
+        assert record["cost"]["objective_model_units"] == 2 * STEPS
     assert result["config"]["mode"] == "adjoint_matching"
     assert "kl_weight" not in result["config"] and "noise_level" not in result["config"]
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
@@ -95,6 +97,9 @@ def test_grpo_kl_weight_zero_is_the_old_run_and_positive_differs(tmp_path):
     assert default[1]["config"]["kl_weight"] == 0.0 and kl[1]["config"]["kl_weight"] == 5.0
     # The same rollouts (the KL changes only the updates after the first batch's)...
     assert kl[0][0]["reward_mean"] == default[0][0]["reward_mean"]
+    # ... N reference forwards for the KL, none without it ...
+    assert kl[0][0]["cost"]["objective_model_units"] == STEPS
+    assert default[0][0]["cost"]["objective_model_units"] == 0
     # ... and a different first update.
     assert (
         kl[0][0]["losses"] != default[0][0]["losses"]

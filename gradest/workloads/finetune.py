@@ -31,11 +31,15 @@ The JSON log has one line per outer step: ``step``; ``reward_mean`` / ``reward_s
 that step's samples (before its update); ``loss`` (the estimator's ``info["loss"]``,
 averaged over GRPO's inner epochs, whose per-epoch values are in ``losses``);
 ``grad_norm`` (before clipping; per epoch in ``grad_norms``); ``sample_seconds`` (the
-rollout, the rewards and, for GRPO, advantages and old log-probabilities);
+rollout, the rewards and what the objectives precompute: GRPO's advantages, old
+log-probabilities and KL reference velocities, adjoint matching's lean adjoint);
 ``backward_seconds`` (the estimator's ``surrogate`` calls and their ``loss.backward()``);
 ``optimizer_seconds``;
 ``cost`` (the estimators' :class:`~gradest.protocol.Cost` counts summed over the
-step's backwards, their ``model_units``, and the rollout's ``sample_forwards``); and
+step's backwards, their ``model_units``, the rollout's ``sample_forwards``, and
+``objective_model_units``, the base model's work for the objectives: ``N`` forwards for
+GRPO's KL reference, ``N`` forwards with graph plus ``N`` state VJPs, ``2N`` units, for
+adjoint matching's lean adjoint); and
 ``info`` (:func:`summarize_info` of the estimators' diagnostics, e.g. jagg's
 ``fallback_fraction``).
 

@@ -11,7 +11,9 @@
   (``noise_level=sqrt(2)``), the lean adjoint of ``-reward`` through the frozen initial
   model, one optimizer step on the regression loss per batch.
 
-A mode is asked for its sampler once and for the objectives of each batch; the loop in
+A mode is asked for its sampler once, for the objectives of each batch and for what
+building them cost in base-model calls (:meth:`objective_cost`, logged beside the
+estimator's cost); the loop in
 :mod:`gradest.workloads.finetune` does the rest the same way for all of them. ``base`` is
 a frozen copy of the model as it was when the run started (before a checkpoint is
 loaded), given to the modes that need one (:func:`needs_base`), and ``cond`` the rank's
@@ -29,6 +31,7 @@ from torch import Tensor
 
 from gradest.flow import Trajectory
 from gradest.objectives import Objective, TerminalObjective
+from gradest.protocol import Cost
 from gradest.rl.adjoint_matching import adjoint_matching_objective, memoryless_flow
 from gradest.rl.flow_grpo import group_advantages, grpo_objective, reference_velocities
 from gradest.samplers import AffineSampler, FlowSDE, RectifiedFlow
@@ -59,6 +62,10 @@ class RewardMode:
     ) -> list[Objective]:
         del sampler, trajectory, rewards, base, cond
         return [TerminalObjective(lambda images: -reward(images).mean())]
+
+    def objective_cost(self, config: FinetuneConfig) -> Cost:
+        del config
+        return Cost()
 
     def record_extras(self, losses: list[float | None], norms: list[float]) -> dict[str, Any]:
         del losses, norms
@@ -109,6 +116,10 @@ class GrpoMode:
         )
         return [surrogate] * config.inner_epochs
 
+    def objective_cost(self, config: FinetuneConfig) -> Cost:
+        # The frozen reference's velocities at the N recorded states (no graph).
+        return Cost(forwards_without_graph=config.sampler_steps if config.kl_weight else 0)
+
     def record_extras(self, losses: list[float | None], norms: list[float]) -> dict[str, Any]:
         return {"losses": losses, "grad_norms": norms}
 
@@ -145,6 +156,11 @@ class AdjointMatchingMode:
                 base, sampler, trajectory, lambda images: -reward(images), cond=cond
             )
         ]
+
+    def objective_cost(self, config: FinetuneConfig) -> Cost:
+        # The lean adjoint: N base forwards with a graph in the state, N state-only VJPs.
+        steps = config.sampler_steps
+        return Cost(forwards_with_graph=steps, state_vjps=steps)
 
     def record_extras(self, losses: list[float | None], norms: list[float]) -> dict[str, Any]:
         del losses, norms

@@ -51,7 +51,10 @@ def mean_or_none(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if len(present) == len(values) else None
 
 
-def cost_record(cost: Cost, sample_forwards: int) -> dict[str, Any]:
+def cost_record(cost: Cost, sample_forwards: int, objective_cost: Cost) -> dict[str, Any]:
+    """The estimators' counts and ``model_units``, the rollout's ``sample_forwards``, and
+    ``objective_model_units``: base-model work the objectives needed before any estimator
+    ran (GRPO's KL reference velocities, adjoint matching's lean adjoint)."""
     return {
         "forwards_with_graph": cost.forwards_with_graph,
         "forwards_without_graph": cost.forwards_without_graph,
@@ -59,4 +62,5 @@ def cost_record(cost: Cost, sample_forwards: int) -> dict[str, Any]:
         "state_vjps": cost.state_vjps,
         "model_units": cost.model_units(),
         "sample_forwards": sample_forwards,
+        "objective_model_units": objective_cost.model_units(),
     }

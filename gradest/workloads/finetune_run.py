@@ -308,7 +308,11 @@ class Run:
             "sample_seconds": sample_seconds,
             "backward_seconds": timings["backward"],
             "optimizer_seconds": timings["optimizer"],
-            "cost": cost_record(cost, sample_forwards=self.config.sampler_steps),
+            "cost": cost_record(
+                cost,
+                sample_forwards=self.config.sampler_steps,
+                objective_cost=mode.objective_cost(self.config),
+            ),
             "info": summarize_info(infos),
             **mode.record_extras(losses, norms),
         }

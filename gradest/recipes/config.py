@@ -109,6 +109,10 @@ class RecipeConfig:
     mixed_precision: str = attrs.field(
         default="no", metadata={"doc": "accelerate mixed precision: no, fp16, bf16"}
     )
+    fsdp: bool = attrs.field(
+        default=False,
+        metadata={"doc": "shard the denoiser with torch's FSDP2 fully_shard (2+ processes)"},
+    )
     gradient_checkpointing: bool = attrs.field(
         default=False, metadata={"doc": "diffusers enable_gradient_checkpointing()"}
     )

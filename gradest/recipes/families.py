@@ -41,7 +41,7 @@ from gradest.recipes.embeddings import (
 )
 from gradest.recipes.guidance import NEGATIVE_PREFIX, ClassifierFreeGuidance
 
-__all__ = ["Family", "build_family", "guided"]
+__all__ = ["Family", "build_family", "guided", "shard_denoiser"]
 
 
 def guided(family: str, config: RecipeConfig) -> bool:
@@ -383,6 +383,26 @@ def build_family(
         lora_prefix="unet" if family == "sd_unet" else "transformer",
         make_cond=make_cond,
     )
+
+
+def shard_denoiser(denoiser: nn.Module) -> nn.Module:
+    """Shard ``denoiser`` with torch's FSDP2 ``fully_shard``, in place: each transformer
+    block (SD3, Flux) or UNet block first, then the root, over the default process group
+    (every process must hold the same weights: they are built or loaded identically).
+
+    Its parameters become DTensors; the trainable ones (the LoRA matrices) must share one
+    dtype, as FSDP2 requires (they are float32; the frozen base weights may differ).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for name in ("transformer_blocks", "single_transformer_blocks", "down_blocks", "up_blocks"):
+        for block in getattr(denoiser, name, None) or ():
+            fully_shard(block)
+    mid = getattr(denoiser, "mid_block", None)
+    if isinstance(mid, nn.Module):
+        fully_shard(mid)
+    fully_shard(denoiser)
+    return denoiser
 
 
 def _cond_dtype(value: Tensor) -> torch.dtype:

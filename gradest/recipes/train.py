@@ -37,8 +37,10 @@ from torch import Tensor
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import JsonLog, atomic_write, atomic_write_text, check_output_dir
 from gradest.recipes.checkpoints import (
+    FullStateAdamW,
     export_lora,
     find_checkpoint,
+    lora_tensors,
     register_lora_hooks,
     save_checkpoint,
 )
@@ -50,7 +52,7 @@ from gradest.recipes.config import (
     to_toml,
 )
 from gradest.recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
-from gradest.recipes.families import Family, build_family, guided
+from gradest.recipes.families import Family, build_family, guided, shard_denoiser
 from gradest.recipes.rewards import Reward, decode_images, resolve_reward, reward_objective
 
 __all__ = ["main", "script_main", "train"]
@@ -86,6 +88,63 @@ def script_main(family: str, argv: Sequence[str] | None = None) -> int:
     except GradestError as err:
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _check_fsdp(config: RecipeConfig, accelerator: Any, world: int) -> None:
+    """Refuse FSDP settings that cannot work, naming the setting and the fix."""
+    from accelerate.utils import DistributedType
+
+    accelerate_fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if config.fsdp and world < 2:
+        raise RecipeConfigError(
+            "setting fsdp=True is invalid in 1 process: FSDP shards the model across "
+            "processes; launch 2 or more (accelerate launch --multi_gpu --num_processes 2, "
+            "or torchrun --nproc_per_node 2), or set fsdp = false"
+        )
+    if config.fsdp and accelerate_fsdp:
+        raise RecipeConfigError(
+            "setting fsdp=True is invalid under accelerate's own FSDP (accelerate launch "
+            "--use_fsdp or an FSDP accelerate config): the model would be sharded twice; "
+            "drop --fsdp, or launch with --multi_gpu instead of --use_fsdp"
+        )
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if asked and not accelerate_fsdp and not config.fsdp:
+        raise RecipeConfigError(
+            f"accelerate was asked for FSDP (--use_fsdp or an FSDP config) but set up "
+            f"{accelerator.distributed_type.value} (accelerate enables FSDP on GPUs only), so "
+            f"this run would not shard; on CPUs pass --fsdp to the recipe (setting fsdp = "
+            f"true: torch's fully_shard) and launch with --multi_gpu"
+        )
+
+
+def _autocast_forward(accelerator: Any, module: torch.nn.Module) -> None:
+    """Run ``module``'s forward under the run's mixed precision, outputs in float32: what
+    ``accelerator.prepare`` does to a model it prepares (the FSDP model is not prepared)."""
+    if not getattr(accelerator, "native_amp", False):
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = module.forward
+
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    module.forward = convert_outputs_to_fp32(autocast_forward)  # type: ignore[method-assign]
+
+
+def _parallel(model: torch.nn.Module) -> str:
+    """How ``model`` is data parallel: ``"fsdp2"`` (``fully_shard`` modules), ``"ddp"``,
+    ``"fsdp1"`` or ``"none"`` (written to ``done.json``)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "fsdp2"
+    if isinstance(model, FSDP1):
+        return "fsdp1"
+    return "ddp" if isinstance(model, DistributedDataParallel) else "none"
 
 
 def _check_resume(family: str, config: RecipeConfig, state: dict[str, Any]) -> None:
@@ -178,6 +237,7 @@ class _Run:
                 f"{accelerator.num_processes}; every process would write the same files. "
                 f"Launch with accelerate launch (or torchrun) on a supported backend"
             )
+        _check_fsdp(config, accelerator, world)
         self.out = Path(config.out)
         self.resume_from: tuple[Path, dict[str, Any]] | None = None
         if config.resume:
@@ -207,10 +267,21 @@ class _Run:
         )
         self.family.vae.to(accelerator.device)
         velocity = self.family.velocity
+        if config.fsdp:  # torch's FSDP2, applied here: accelerate prepares FSDP on GPUs only
+            shard_denoiser(self.family.denoiser)
         trainable = [p for p in velocity.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-        self.model, self.optimizer = accelerator.prepare(velocity, optimizer)
-        register_lora_hooks(accelerator)
+        optimizer_class = FullStateAdamW if config.fsdp else torch.optim.AdamW
+        optimizer = optimizer_class(trainable, lr=config.lr, weight_decay=config.weight_decay)
+        if config.fsdp:
+            # Not through accelerate.prepare, which would wrap the sharded model in DDP;
+            # accelerate still handles the optimizer, accumulation, clipping and state.
+            self.model, self.optimizer = velocity, accelerator.prepare(optimizer)
+            _autocast_forward(accelerator, velocity)
+            register_lora_hooks(accelerator, models=[velocity])
+        else:
+            self.model, self.optimizer = accelerator.prepare(velocity, optimizer)
+            register_lora_hooks(accelerator)
+        self.parallel = _parallel(self.model)
         self.log = JsonLog(self.out / "log.jsonl") if accelerator.is_main_process else None
         if accelerator.is_main_process:
             atomic_write_text(self.out / "config.toml", to_toml(config))
@@ -263,6 +334,8 @@ class _Run:
                     norm = accelerator.clip_grad_norm_(
                         parameters, config.max_grad_norm or float("inf")
                     )
+                    if norm is not None and hasattr(norm, "full_tensor"):
+                        norm = norm.full_tensor()  # FSDP: a DTensor
                     grad_norm = float(norm) if norm is not None else float("nan")
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -327,10 +400,12 @@ class _Run:
         save_checkpoint(self.accelerator, self.out, self.step, state, self.config.keep_checkpoints)
 
     def finish(self) -> None:
+        from accelerate.utils import DistributedType
+
         accelerator = self.accelerator
         accelerator.wait_for_everyone()
-        state = accelerator.get_state_dict(self.model)  # every process (FSDP gathers)
-        if accelerator.is_main_process:
+        if accelerator.distributed_type == DistributedType.FSDP:  # accelerate's own FSDP
+            state = accelerator.get_state_dict(self.model)  # every process (gathers)
             inner = next(
                 name
                 for name, module in self.family.velocity.named_modules()
@@ -342,6 +417,9 @@ class _Run:
                 for key, value in state.items()
                 if key.startswith(prefix) and "lora_" in key
             }
+        else:  # the denoiser's own names; every process (fsdp = true: gathers the shards)
+            tensors = lora_tensors(self.family.denoiser)
+        if accelerator.is_main_process:
             export_lora(
                 tensors,
                 self.family.lora_prefix,
@@ -379,6 +457,11 @@ def train(family: str, config: RecipeConfig) -> _Run:
             run.checkpoint()
     run.finish()
     if run.accelerator.is_main_process:
-        summary = {"step": run.step, "out": str(run.out)}
+        summary = {
+            "step": run.step,
+            "out": str(run.out),
+            "processes": run.accelerator.num_processes,
+            "parallel": run.parallel,
+        }
         atomic_write_text(run.out / "done.json", json.dumps(summary) + "\n")
     return run

@@ -297,6 +297,11 @@ def test_config_file_and_command_line_overrides_take_effect(tmp_path):
         (["--no-tiny"], r"setting pretrained=None .*--pretrained /path/to/model"),
         (["--estimator", "nope"], r"setting estimator='nope' is invalid: unknown estimator"),
         (["--estimator", "jagg:windw=2"], r"setting estimator='jagg:windw=2' is invalid"),
+        (
+            ["--estimator", "telescope:mean_depth=4"],
+            r"setting estimator='telescope:mean_depth=4' is invalid: .*mean_depth=4 exceeds "
+            r"the flow's N=3 steps",
+        ),
         (["--reward", "sparkle"], r"setting reward='sparkle' is invalid.*module:function"),
         (["--reward", "color:q=1"], r"setting reward='color:q=1'.*takes options r, g, b"),
         (["--reward", "no_such_module:f"], r"setting reward=.*cannot import 'no_such_module'"),

@@ -169,7 +169,10 @@ def _estimator(config: RecipeConfig) -> Any:
     import gradest
 
     try:
-        return gradest.estimator(config.estimator)
+        estimator = gradest.estimator(config.estimator)
+        # Options that need more steps than the sampler has fail now, not after loading.
+        estimator.check_steps(config.num_inference_steps)
+        return estimator
     except (GradestError, ValueError, TypeError) as err:
         raise RecipeConfigError(
             f"setting estimator={config.estimator!r} is invalid: {err}"

@@ -80,6 +80,15 @@ def supports(estimator: Any, kind: str) -> bool:
     return kind in getattr(estimator, "objectives", ("terminal", "stepwise"))
 
 
+def check_steps(estimator: Any, num_steps: int) -> None:
+    """Raise (``InvalidValue``, naming the option and the fix) if ``estimator``'s options
+    cannot run on an ``num_steps``-step sampler; its optional ``check_steps``, nothing
+    for a plugin without one. Call it before any work that knows ``N``."""
+    method = getattr(estimator, "check_steps", None)
+    if callable(method):
+        method(num_steps)
+
+
 def is_estimator(candidate: Any) -> bool:
     """Whether ``candidate`` can estimate (has a callable ``estimate``): the one duck check."""
     return callable(getattr(candidate, "estimate", None))

@@ -56,6 +56,7 @@ from gradest.protocol import (
     GradientEstimate,
     SamplingInputs,
     Surrogate,
+    check_steps,
     supports,
 )
 from gradest.ranks import RankAgreement
@@ -290,10 +291,8 @@ class Auto(EstimatorBase):
             est = estimator(spec)
             if not supports(est, kind):
                 continue
-            check_steps = getattr(est, "check_steps", None)
             try:
-                if callable(check_steps):
-                    check_steps(flow.num_steps)
+                check_steps(est, flow.num_steps)
             except InvalidValue:
                 continue
             eligible.append(spec)

@@ -167,11 +167,12 @@ def _check_resume(family: str, config: RecipeConfig, state: dict[str, Any]) -> N
 
 def _estimator(config: RecipeConfig) -> Any:
     import gradest
+    from gradest.protocol import check_steps
 
     try:
         estimator = gradest.estimator(config.estimator)
         # Options that need more steps than the sampler has fail now, not after loading.
-        estimator.check_steps(config.num_inference_steps)
+        check_steps(estimator, config.num_inference_steps)
         return estimator
     except (GradestError, ValueError, TypeError) as err:
         raise RecipeConfigError(

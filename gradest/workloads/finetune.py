@@ -79,7 +79,7 @@ from gradest.integrations.distributed import (
     process_group_from_env,
     replicas_in_sync,
 )
-from gradest.protocol import is_estimator, supports
+from gradest.protocol import check_steps, is_estimator, supports
 from gradest.registry import estimator as build_estimator
 from gradest.samplers import AffineSampler
 from gradest.workloads.finetune_config import FinetuneConfig, config_from
@@ -275,9 +275,7 @@ def _validated(
     """Everything about the model and the estimator checked before any model call:
     ``(bare model, estimator, sample shape, evaluation condition, config record)``."""
     est = resolve_estimator(config.estimator)
-    check_steps = getattr(est, "check_steps", None)
-    if callable(check_steps):
-        check_steps(config.sampler_steps)  # options that need more than N steps
+    check_steps(est, config.sampler_steps)  # options that need more than N steps
     kind = "terminal" if config.mode == "reward" else "stepwise"
     if not supports(est, kind):  # GRPO's per-step loss is stepwise: refl, draft_lv cannot
         raise InvalidValue(

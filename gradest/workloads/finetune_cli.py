@@ -24,6 +24,7 @@ from gradest.files import (
     check_output_file,
     remove_stale_temporaries,
 )
+from gradest.protocol import check_steps
 from gradest.workloads.finetune import finetune, resolve_estimator
 from gradest.workloads.finetune_config import add_config_arguments, config_from_args
 from gradest.workloads.finetune_tensorboard import use_tensorboard
@@ -133,7 +134,7 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     # Validate the cheap things before loading checkpoints.
     config = config_from_args(args)
     # Options that need more than --sampler-steps steps fail here, before --out exists.
-    resolve_estimator(config.estimator).check_steps(config.sampler_steps)
+    check_steps(resolve_estimator(config.estimator), config.sampler_steps)
     if not 0 <= args.target <= 9:
         raise InvalidValue(f"--target must be a digit 0..9, got {args.target}")
     device = resolve_device(args.device)

@@ -22,7 +22,9 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
-from accelerate_state import fresh_accelerate_state  # noqa: E402, F401
+from recipe_support import RECIPE_WARNINGS, fresh_accelerate_state  # noqa: E402, F401
+
+pytestmark = RECIPE_WARNINGS
 
 from gradest.recipes import load_config  # noqa: E402
 from gradest.recipes.train import train  # noqa: E402

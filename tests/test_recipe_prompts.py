@@ -28,7 +28,7 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
-from accelerate_state import fresh_accelerate_state  # noqa: E402, F401
+from recipe_support import RECIPE_WARNINGS, fresh_accelerate_state  # noqa: E402, F401
 from test_recipes import assert_run_outputs, script  # noqa: E402
 
 from gradest.recipes import prompts  # noqa: E402
@@ -36,8 +36,7 @@ from gradest.recipes.embeddings import TINY_POOLED_DIM, TINY_TEXT_DIM  # noqa: E
 from gradest.recipes.families import tiny_denoiser, tiny_scheduler, tiny_vae  # noqa: E402
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:There are modules in .* that should be kept in float32"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    *RECIPE_WARNINGS,
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 

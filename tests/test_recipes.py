@@ -31,12 +31,16 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
-from accelerate_state import fresh_accelerate_state, reset_accelerate  # noqa: E402, F401
+from recipe_support import (  # noqa: E402
+    ACCELERATE_TWO_CPU_PROCESSES,
+    LAUNCHER_ENV,
+    RECIPE_WARNINGS,
+    fresh_accelerate_state,  # noqa: F401 - an autouse fixture
+    launch,
+    reset_accelerate,
+)
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:There are modules in .* that should be kept in float32"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
+pytestmark = RECIPE_WARNINGS
 
 import gradest  # noqa: E402
 from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler  # noqa: E402
@@ -58,7 +62,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "examples" / "recipes"
 FAMILIES = ["sd3", "flux", "sd_unet"]
 SCRIPT_OF = {"sd3": "sd3_reward", "flux": "flux_reward", "sd_unet": "sd_unet_reward"}
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def script(family: str):
@@ -485,27 +488,6 @@ GLOO = pytest.mark.skipif(
 )
 
 
-def launch(command: list[str], tmp_path: Path) -> None:
-    """Run a launcher command line as CI does: none of the calling shell's launcher or
-    accelerate variables, no hub, one thread per process, CPUs only (also on a machine
-    with GPUs), and an empty HF_HOME, so no saved ``accelerate config`` file is read."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in LAUNCHER_ENV and not k.startswith("ACCELERATE_")
-    }
-    env.update(
-        HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        HF_HOME=str(tmp_path / "hf_home"),
-    )
-    done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 def assert_two_process_run(out: Path, family: str, tmp_path: Path, **overrides) -> None:
     """One DDP run of 2 processes: one log, one checkpoint with both processes' RNG
     states, and a logged reward that is not a single process's."""
@@ -532,15 +514,6 @@ def test_two_processes_under_torchrun_train_data_parallel(tmp_path):
         tmp_path,
     )  # fmt: skip
     assert_two_process_run(out, "sd3", tmp_path)
-
-
-# The command docs/recipes.md gives for 2 CPU processes. ``--multi_gpu`` selects
-# accelerate's torch.distributed launcher (``--cpu`` starts one process, for mpirun); with
-# no CUDA device the recipe asks accelerate for CPUs, so DDP runs over gloo.
-ACCELERATE_TWO_CPU_PROCESSES = [
-    "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,28 +29,23 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
-from accelerate_state import fresh_accelerate_state  # noqa: E402, F401
+from recipe_support import (  # noqa: E402
+    ACCELERATE_TWO_CPU_PROCESSES,
+    RECIPE_WARNINGS,
+    fresh_accelerate_state,  # noqa: F401 - an autouse fixture
+    launch,
+)
 
 from gradest.recipes import RecipeConfigError  # noqa: E402
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:There are modules in .* that should be kept in float32"),
-    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
-]
+pytestmark = RECIPE_WARNINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SD3 = ROOT / "examples" / "recipes" / "sd3_reward.py"
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 GLOO = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="torch.distributed with gloo is not available",
 )
-# The command docs/recipes.md gives: accelerate's torch.distributed launcher for 2 CPU
-# processes (every setting a flag, no config file) and the recipe's own --fsdp.
-ACCELERATE_TWO_CPU_PROCESSES = [
-    "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-]  # fmt: skip
 # A learning rate that moves the adapters, clipping that acts (step 1's gradient norm is
 # about 1e-5, later ones 1e-3), two micro-steps per step.
 SETTINGS = ["--tiny", "--lr", "1e-2", "--max-grad-norm", "1e-4", "--gradient-accumulation", "2"]
@@ -65,26 +59,11 @@ def sd3_main(argv: list[str]) -> int:
     return module.main(argv)
 
 
-def launch(args: list[str], tmp_path: Path) -> None:
-    """``accelerate launch`` with 2 CPU processes, as CI runs it: no launcher or accelerate
-    variables from the calling shell, no hub, one thread per process, CPUs only, and an
-    empty HF_HOME (no saved ``accelerate config``)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in LAUNCHER_ENV and not k.startswith("ACCELERATE_")
-    }
-    env.update(
-        HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        HF_HOME=str(tmp_path / "hf_home"),
-    )
+def launch_sd3(args: list[str], tmp_path: Path) -> None:
+    """The sd3 recipe under ``accelerate launch`` with 2 CPU processes (docs/recipes.md)."""
     command = [sys.executable, "-m", "accelerate.commands.launch",
                *ACCELERATE_TWO_CPU_PROCESSES, str(SD3), *args]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240,
-                          check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch(command, tmp_path)
 
 
 def records(out: Path) -> list[dict]:
@@ -110,9 +89,9 @@ EXPORT = Path("lora") / "pytorch_lora_weights.safetensors"
 @GLOO
 def test_fsdp_with_two_processes_equals_ddp_saves_whole_lora_and_resumes(tmp_path):
     fsdp, ddp, one = tmp_path / "fsdp", tmp_path / "ddp", tmp_path / "one"
-    launch([*SETTINGS, "--fsdp", "--out", str(fsdp), "--steps", "2"], tmp_path)
-    launch(["--resume", str(fsdp), "--steps", "3"], tmp_path)  # FSDP again (saved setting)
-    launch([*SETTINGS, "--out", str(ddp), "--steps", "3", "--save-every", "2"], tmp_path)
+    launch_sd3([*SETTINGS, "--fsdp", "--out", str(fsdp), "--steps", "2"], tmp_path)
+    launch_sd3(["--resume", str(fsdp), "--steps", "3"], tmp_path)  # FSDP again (saved setting)
+    launch_sd3([*SETTINGS, "--out", str(ddp), "--steps", "3", "--save-every", "2"], tmp_path)
 
     done = json.loads((fsdp / "done.json").read_text())
     assert (done["parallel"], done["processes"]) == ("fsdp2", 2)  # really sharded

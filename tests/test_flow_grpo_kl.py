@@ -7,13 +7,12 @@ import math
 
 import pytest
 import torch
+from definition_checks import definition_error
 from torch import Tensor
 
 import gradest
 from gradest import rl
-from gradest.protocol import supports
 from gradest.reference import dense_chain, exact_gradient, relative_error
-from gradest.reference.definitions import definition_gradient
 from gradest.reference.problems import seeded_normal, tiny_mlp
 from gradest.registry import BUILTINS
 from gradest.workloads import grpo as workloads_grpo
@@ -228,19 +227,10 @@ SPECS = (
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_builtin_matches_its_definition_with_the_kl(spec):
     _, model, flow, trajectory, old, advantages, reference = _setup()
-    est = gradest.estimator(spec)
-    if not supports(est, "stepwise"):
-        pytest.skip(f"{spec} is for terminal objectives only")
     objective = rl.grpo_objective(
         flow, trajectory, old, advantages, 0.05, kl_weight=0.5, reference=reference
     )
-    chain = dense_chain(model, flow, trajectory)
-    result = est.estimate(
-        model, flow, objective, trajectory=trajectory, generator=torch.Generator().manual_seed(2)
-    )
-    definition = definition_gradient(est, chain, objective, result)
-    assert definition is not None
-    assert relative_error(result.flat(), definition) <= 1e-10
+    assert definition_error(spec, model, flow, objective, trajectory) <= 1e-10
 
 
 def test_exact_with_the_kl_is_autograd_of_the_total_loss():

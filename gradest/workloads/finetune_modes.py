@@ -11,7 +11,7 @@
   (``noise_level=sqrt(2)``), the lean adjoint of ``-reward`` through the frozen initial
   model, one optimizer step on the regression loss per batch.
 
-A mode is asked for its sampler once, for the objectives of each batch and for what
+A mode is asked for its sampler once, for the objectives of each :class:`Batch` and for what
 building them cost in base-model calls (:meth:`objective_cost`, logged beside the
 estimator's cost); the loop in
 :mod:`gradest.workloads.finetune` does the rest the same way for all of them. ``base`` is
@@ -41,6 +41,29 @@ Reward = Callable[[Tensor], Tensor]
 
 
 @attrs.frozen
+class Batch:
+    """What a mode builds one batch's objectives from.
+
+    Attributes:
+        config: the run's settings.
+        sampler: the mode's sampler (:meth:`sampler`), which ``trajectory`` was drawn on.
+        trajectory: this rank's rollout of the current model.
+        rewards: ``[B]`` rewards of the trajectory's final samples (no graph).
+        reward: the reward function, differentiable (terminal objectives call it).
+        base: the frozen initial model, for the modes that need one (:func:`needs_base`).
+        cond: the rank's model keyword arguments (class labels), or None.
+    """
+
+    config: FinetuneConfig
+    sampler: AffineSampler
+    trajectory: Trajectory
+    rewards: Tensor
+    reward: Reward
+    base: torch.nn.Module | None = None
+    cond: dict[str, Tensor] | None = None
+
+
+@attrs.frozen
 class RewardMode:
     """Backpropagate ``-mean reward(z_N)`` through the ODE sampler."""
 
@@ -49,18 +72,8 @@ class RewardMode:
     def sampler(self, config: FinetuneConfig) -> AffineSampler:
         return RectifiedFlow(steps=config.sampler_steps)
 
-    def objectives(
-        self,
-        config: FinetuneConfig,
-        sampler: AffineSampler,
-        trajectory: Trajectory,
-        rewards: Tensor,
-        reward: Callable[[Tensor], Tensor],
-        *,
-        base: torch.nn.Module | None = None,
-        cond: dict[str, Tensor] | None = None,
-    ) -> list[Objective]:
-        del sampler, trajectory, rewards, base, cond
+    def objectives(self, batch: Batch) -> list[Objective]:
+        reward = batch.reward
         return [TerminalObjective(lambda images: -reward(images).mean())]
 
     def objective_cost(self, config: FinetuneConfig) -> Cost:
@@ -81,29 +94,19 @@ class GrpoMode:
     def sampler(self, config: FinetuneConfig) -> AffineSampler:
         return FlowSDE(config.sampler_steps, noise_level=config.noise_level)
 
-    def objectives(
-        self,
-        config: FinetuneConfig,
-        sampler: AffineSampler,
-        trajectory: Trajectory,
-        rewards: Tensor,
-        reward: Callable[[Tensor], Tensor],
-        *,
-        base: torch.nn.Module | None = None,
-        cond: dict[str, Tensor] | None = None,
-    ) -> list[Objective]:
-        del reward
+    def objectives(self, batch: Batch) -> list[Objective]:
+        config, sampler, trajectory = batch.config, batch.sampler, batch.trajectory
         assert isinstance(sampler, FlowSDE)
         # Groups lie within one rank's share (checked), so these are exactly the
         # advantages of the global batch.
-        advantages = group_advantages(rewards.to(torch.float64), config.group_size)
+        advantages = group_advantages(batch.rewards.to(torch.float64), config.group_size)
         old_log_probs = sampler.trajectory_log_probs(
             trajectory, reduction=config.log_prob_reduction
         )
         reference = None
         if config.kl_weight:
-            assert base is not None, "kl_weight > 0 needs the frozen initial model"
-            reference = reference_velocities(base, sampler, trajectory, cond)
+            assert batch.base is not None, "kl_weight > 0 needs the frozen initial model"
+            reference = reference_velocities(batch.base, sampler, trajectory, batch.cond)
         surrogate = grpo_objective(
             sampler,
             trajectory,
@@ -138,22 +141,16 @@ class AdjointMatchingMode:
     def sampler(self, config: FinetuneConfig) -> AffineSampler:
         return memoryless_flow(config.sampler_steps)
 
-    def objectives(
-        self,
-        config: FinetuneConfig,
-        sampler: AffineSampler,
-        trajectory: Trajectory,
-        rewards: Tensor,
-        reward: Callable[[Tensor], Tensor],
-        *,
-        base: torch.nn.Module | None = None,
-        cond: dict[str, Tensor] | None = None,
-    ) -> list[Objective]:
-        del config, rewards
-        assert base is not None, "adjoint matching needs the frozen initial model"
+    def objectives(self, batch: Batch) -> list[Objective]:
+        assert batch.base is not None, "adjoint matching needs the frozen initial model"
+        reward = batch.reward
         return [
             adjoint_matching_objective(
-                base, sampler, trajectory, lambda images: -reward(images), cond=cond
+                batch.base,
+                batch.sampler,
+                batch.trajectory,
+                lambda images: -reward(images),
+                cond=batch.cond,
             )
         ]
 

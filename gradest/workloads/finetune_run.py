@@ -29,7 +29,7 @@ from gradest.integrations.distributed import check_same_estimator, rank_generato
 from gradest.protocol import Cost, Surrogate
 from gradest.samplers import RectifiedFlow
 from gradest.workloads.finetune_config import FinetuneConfig
-from gradest.workloads.finetune_modes import mode_of, needs_base
+from gradest.workloads.finetune_modes import Batch, mode_of, needs_base
 from gradest.workloads.finetune_records import cost_record, mean_or_none, summarize_info
 from gradest.workloads.finetune_tensorboard import TensorBoardLog
 from gradest.workloads.run_state import save_checkpoint
@@ -275,13 +275,15 @@ class Run:
             require_finite(all_rewards)
         mode = mode_of(self.config)
         objectives = mode.objectives(
-            self.config,
-            sampler,
-            trajectory,
-            rewards,
-            lambda images: checked_rewards(self.reward, images),
-            base=self.base,
-            cond=self.cond,
+            Batch(
+                config=self.config,
+                sampler=sampler,
+                trajectory=trajectory,
+                rewards=rewards,
+                reward=lambda images: checked_rewards(self.reward, images),
+                base=self.base,
+                cond=self.cond,
+            )
         )
         sample_seconds = time.perf_counter() - started
 

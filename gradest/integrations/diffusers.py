@@ -53,6 +53,13 @@ __all__ = [
 NUM_TRAIN_TIMESTEPS = 1000
 
 
+def _check_num_inference_steps(num_inference_steps: Any) -> None:
+    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
+        raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
+    if num_inference_steps < 1:
+        raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+
+
 def flow_from_scheduler(
     scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
 ) -> RectifiedFlow | StochasticFlowMatchSampler:
@@ -91,10 +98,7 @@ def flow_from_scheduler(
             f"trained with flow matching, build FlowMatchEulerDiscreteScheduler(...) for it; "
             f"for a DDPM/DDIM model use ddim_from_scheduler (docs/integrations.md)"
         )
-    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
-        raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
-    if num_inference_steps < 1:
-        raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+    _check_num_inference_steps(num_inference_steps)
     # diffusers' config-registered attributes are invisible to type checkers.
     source: Any = scheduler
     config = source.config
@@ -189,10 +193,7 @@ def ddim_from_scheduler(
             f"flow_from_scheduler, for another DDPM-family scheduler build "
             f"DDIMScheduler.from_config(scheduler.config)"
         )
-    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
-        raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
-    if num_inference_steps < 1:
-        raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+    _check_num_inference_steps(num_inference_steps)
     name = type(scheduler).__name__
     source: Any = scheduler
     config = source.config

@@ -39,18 +39,19 @@ from gradest.workloads.metrics import fid_kid
 # The SDE whose path KL :func:`path_kl` reports: Flow-GRPO's sampler in ``gradest finetune``
 # (its default --noise-level), so GRPO's KL penalty acts on exactly this quantity.
 KL_NOISE_LEVEL = 0.7
-MODE_KEYS = {"kl": "--kl-weight", "lr": "--lr"}
+MODE_KEYS = {"kl": "--kl-weight", "lr": "--lr", "est": "--estimator"}
 
 
 def parse_mode(spec: str) -> tuple[str, dict[str, str]]:
-    """``"grpo:kl=0.1,lr=3e-4"`` -> ``("grpo", {"kl": "0.1", "lr": "3e-4"})``."""
+    """``"grpo:kl=0.1,lr=3e-4"`` -> ``("grpo", {"kl": "0.1", "lr": "3e-4"})``; an
+    ``est=`` estimator spec may hold ``:`` and ``=`` but no ``,``."""
     name, _, rest = spec.partition(":")
     items = [item.partition("=") for item in rest.split(",") if item]
     options = {key: value for key, _, value in items}
     if any(not value or key not in MODE_KEYS for key, value in options.items()):
         raise SystemExit(
             f"--modes {spec!r}: keys must be {', '.join(MODE_KEYS)} with values, "
-            f"e.g. grpo:kl=0.1,lr=3e-4"
+            f"e.g. grpo:kl=0.1,lr=3e-4,est=sdo"
         )
     return name, options
 
@@ -104,12 +105,14 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
         "--lr", options.get("lr", str(args.lr)), "--batch-size", str(args.batch_size),
         "--sampler-steps", str(args.sampler_steps), "--target", str(args.target),
     ]  # fmt: skip
-    if "kl" in options:
-        flags += [MODE_KEYS["kl"], options["kl"]]
+    for key in ("kl", "est"):
+        if key in options:
+            flags += [MODE_KEYS[key], options[key]]
     out = folder / f"{re.sub(r'[^A-Za-z0-9.]+', '_', mode)}_seed{seed}"
     command = ["gradest", "finetune", *flags, "--out", str(out), "--quiet"]
     subprocess.run([sys.executable, "-m", "gradest.cli", *command[1:]], check=True)
     result = json.loads((out / "result.json").read_text())
+    costs = [json.loads(line)["cost"] for line in (out / "log.jsonl").read_text().splitlines()]
     model = load_pretrained_dit()
     model.load_state_dict(torch.load(result["checkpoints"][-1], weights_only=True)["model"])
     shown = " ".join(shlex.quote(part) for part in [*command[:-3], "--out", "RUN_DIR", "--quiet"])
@@ -119,6 +122,10 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
         "command": shown,
         "initial_reward": result["initial_reward"],
         "final_reward": result["final_reward"],
+        # Model calls of the whole run in forward-equivalents (DESIGN.md's cost model):
+        # the estimator's backward work, and the base model's work for the objective.
+        "estimator_units": sum(cost["model_units"] for cost in costs),
+        "objective_units": sum(cost["objective_model_units"] for cost in costs),
         **score(model, args, args.reference),
     }
 
@@ -132,8 +139,9 @@ def to_markdown(args: argparse.Namespace, base: dict, rows: list[dict]) -> str:
         f"unconditional sampling (`--labels null`), {args.steps} outer steps, batch "
         f"{args.batch_size}, {args.sampler_steps} sampler steps, AdamW (lr {args.lr} unless "
         f"the mode says `lr=`), seeds {', '.join(map(str, args.seeds))}; estimator `exact` "
-        f"in every mode; other settings are `gradest finetune`'s defaults (GRPO: group 4, "
-        f"2 inner epochs, clip 0.2, FlowSDE noise level 0.7, log-prob reduction `sum`). CPU "
+        f"unless the mode says `est=`; other settings are `gradest finetune`'s defaults "
+        f"(GRPO: group 4, 2 inner epochs, clip 0.2, FlowSDE noise level 0.7, log-prob "
+        f"reduction `sum`). CPU "
         f"run, produced by `python -m benchmarks.digits_rl_objectives "
         f"{' '.join(sys.argv[1:])}`.",
         "",
@@ -145,7 +153,11 @@ def to_markdown(args: argparse.Namespace, base: dict, rows: list[dict]) -> str:
         f"`path KL`: `KL(p_theta || p_pretrained)` of FlowSDE paths (noise level "
         f"{KL_NOISE_LEVEL}, the sampler GRPO trains on), the sum of per-step Gaussian KLs "
         f"along {args.eval_samples} of the fine-tuned model's own rollouts; the quantity "
-        "GRPO's `kl=` penalises (at every step with weight `kl`).",
+        "GRPO's `kl=` penalises (at every step with weight `kl`). `units`: model calls of "
+        "the whole run in forward-equivalents (a parameter VJP counts 2, a state VJP 1): "
+        "the estimator's backward work, plus (after `+`) the base model's work for the "
+        "objective (GRPO's KL reference, adjoint matching's lean adjoint); the sampling "
+        f"rollouts ({args.sampler_steps} forwards per step) come on top in every mode.",
         "",
         "| mode | seed | final_reward (start) | eval_reward | target fraction | FID | KID "
         "| path KL |",
@@ -162,13 +174,18 @@ def to_markdown(args: argparse.Namespace, base: dict, rows: list[dict]) -> str:
         )
     columns = ("eval_reward", "target_fraction", "fid", "path_kl")
     lines += ["", "Means over seeds (min–max in brackets):", ""]
-    lines += ["| mode | eval_reward | target fraction | FID | path KL |", "|---|---|---|---|---|"]
+    lines += ["| mode | eval_reward | target fraction | FID | path KL | units |"]
+    lines += ["|---|---|---|---|---|---|"]
     for mode in args.modes:
         mine = [row for row in rows if row["mode"] == mode]
         cells = []
         for column in columns:
             values = [row[column] for row in mine]
             cells.append(f"{sum(values) / len(values):.3f} [{min(values):.3f}, {max(values):.3f}]")
+        # The same every seed: the work is fixed by the settings (sdo's draw aside).
+        units = sum(row["estimator_units"] for row in mine) / len(mine)
+        extra = sum(row["objective_units"] for row in mine) / len(mine)
+        cells.append(f"{units:g}" + (f" + {extra:g}" if extra else ""))
         lines.append(f"| {mode} | {' | '.join(cells)} |")
     lines += [
         "",

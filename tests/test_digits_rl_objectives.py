@@ -15,8 +15,12 @@ from gradest.workloads.assets import load_pretrained_dit
 def test_mode_specs_parse_and_bad_ones_are_refused():
     assert bench.parse_mode("reward") == ("reward", {})
     assert bench.parse_mode("grpo:kl=0.1,lr=3e-4") == ("grpo", {"kl": "0.1", "lr": "3e-4"})
+    assert bench.parse_mode("adjoint_matching:est=jagg:window=5") == (
+        "adjoint_matching",
+        {"est": "jagg:window=5"},
+    )
     for bad in ("grpo:beta=1", "grpo:kl=", "grpo:kl"):
-        with pytest.raises(SystemExit, match="keys must be kl, lr"):
+        with pytest.raises(SystemExit, match="keys must be kl, lr, est"):
             bench.parse_mode(bad)
 
 

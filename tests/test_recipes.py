@@ -151,6 +151,10 @@ def test_the_script_runs_as_a_subprocess(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert_run_outputs(out, steps=2)
+    # One closing line says where the results are (the progress bar hides off a terminal).
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("sd3: 2 steps done, last reward ")
+    assert str(out / "lora" / "pytorch_lora_weights.safetensors") in line
 
 
 def test_the_lora_export_loads_into_diffusers_and_reproduces_the_model(tmp_path):

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import JsonLog, atomic_write, atomic_write_text, check_output_dir
@@ -56,6 +57,9 @@ from gradest.recipes.families import Family, build_family, guided, shard_denoise
 from gradest.recipes.rewards import Reward, decode_images, resolve_reward, reward_objective
 
 __all__ = ["main", "script_main", "train"]
+
+# diffusers' file name for LoRA weights (``load_lora_weights`` finds it in a folder).
+LORA_FILE = "pytorch_lora_weights.safetensors"
 
 WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 NOISE, ESTIMATOR, SAMPLES = 0, 1, 2  # generator streams
@@ -427,7 +431,7 @@ class _Run:
             export_lora(
                 tensors,
                 self.family.lora_prefix,
-                self.out / "lora" / "pytorch_lora_weights.safetensors",
+                self.out / "lora" / LORA_FILE,
                 self.config.lora_rank,
                 self.config.lora_alpha,
             )
@@ -450,17 +454,29 @@ def train(family: str, config: RecipeConfig) -> _Run:
             f"setting steps={config.steps} is invalid: the resumed run is already at step "
             f"{run.step}; pass a larger --steps to continue it"
         )
-    while run.step < config.steps:
-        values = run.train_step()
-        last = run.step == config.steps
-        if run.step % config.log_every == 0 or last:
-            run.record(values)
-        if last or (config.sample_every and run.step % config.sample_every == 0):
-            run.sample_grid()
-        if last or (config.save_every and run.step % config.save_every == 0):
-            run.checkpoint()
+    main_process = run.accelerator.is_main_process
+    # On the main process only; tqdm hides itself when stderr is not a terminal (logs, CI).
+    progress = tqdm(
+        total=config.steps,
+        initial=run.step,
+        desc=f"{family} reward fine-tuning",
+        unit="step",
+        disable=None if main_process else True,
+    )
+    with progress:
+        while run.step < config.steps:
+            values = run.train_step()
+            progress.update(1)
+            progress.set_postfix(reward=f"{values['reward']:.4g}", refresh=False)
+            last = run.step == config.steps
+            if run.step % config.log_every == 0 or last:
+                run.record(values)
+            if last or (config.sample_every and run.step % config.sample_every == 0):
+                run.sample_grid()
+            if last or (config.save_every and run.step % config.save_every == 0):
+                run.checkpoint()
     run.finish()
-    if run.accelerator.is_main_process:
+    if main_process:
         summary = {
             "step": run.step,
             "out": str(run.out),
@@ -468,4 +484,8 @@ def train(family: str, config: RecipeConfig) -> _Run:
             "parallel": run.parallel,
         }
         atomic_write_text(run.out / "done.json", json.dumps(summary) + "\n")
+        print(
+            f"{family}: {run.step} steps done, last reward {values['reward']:.4g}; "
+            f"LoRA weights {run.out / 'lora' / LORA_FILE}, log {run.out / 'log.jsonl'}"
+        )
     return run

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from definition_checks import definition_error
+from test_sde_grpo import _perturbed
 from torch import Tensor
 
 import gradest
@@ -18,14 +19,6 @@ from gradest.registry import BUILTINS
 from gradest.workloads import grpo as workloads_grpo
 
 DIM, BATCH, STEPS, GROUP = 3, 4, 5, 2
-
-
-def _perturbed(model, scale=0.05, seed=3):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
-    return model
 
 
 def _setup(reduction="sum", tuned=True):

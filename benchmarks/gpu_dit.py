@@ -29,7 +29,8 @@ import torch
 import gradest
 from gradest.harness.cost import retained_activation_bytes
 from gradest.models.dit import DiT
-from gradest.reference import exact_gradient, problems, relative_error
+from gradest.reference import exact_gradient, relative_error
+from gradest.testing import problems
 
 ESTIMATORS = ("exact", "jagg:window=4", "jagg:window=4,shared_knots=true", "sdo", "truncated:k=1")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}

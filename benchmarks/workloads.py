@@ -120,7 +120,7 @@ class DiTWorkload:
     seed: int = 0
 
     def model(self) -> torch.nn.Module:
-        from gradest.reference.problems import perturbed_dit
+        from gradest.testing.problems import perturbed_dit
 
         return perturbed_dit("tiny", self.seed).float()
 

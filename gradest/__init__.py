@@ -12,7 +12,7 @@ from gradest import rl
 from gradest.conditioning import Shared
 from gradest.diffusion_samplers import DDIMSampler
 from gradest.errors import GradestError
-from gradest.flow import Trajectory, rollout
+from gradest.trajectory import Trajectory, rollout
 from gradest.harness.compare import compare
 from gradest.harness.report import Report
 from gradest.nonfinite import NonFiniteError

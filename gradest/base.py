@@ -1,11 +1,15 @@
-"""Shared ``estimate``/``surrogate``/``backward`` entry points; strategies implement two methods.
+"""The two verbs every estimator has, ``surrogate`` and ``estimate``; strategies implement two methods.
 
-A strategy subclasses :class:`EstimatorBase` as a frozen attrs class and implements
+``surrogate()`` is for training (a loss whose autograd gradient is the estimate),
+``estimate()`` for measuring (the gradients as a dict); both take the same arguments
+(``model, sampler, objective``, the sampling inputs and ``engine=``). A strategy
+subclasses :class:`EstimatorBase` as a frozen attrs class and implements
 ``_terminal(ctx)`` and ``_stepwise(ctx)``, combining the engine's parameter VJPs with
 :func:`gradest.vjp.add_grads` / :func:`gradest.vjp.scale_grads`. The same two methods
 then serve ``estimate()`` (the VJPs evaluated) and ``surrogate()`` (the VJPs left to the
-caller's autograd backward). Input validation, sampling, cost counting, the result
-records and gradient accumulation live here once.
+caller's autograd backward). Input validation, sampling, cost counting and the result
+records live here once. ``backward()`` is deprecated
+(``est.surrogate(...).loss.backward()``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, ClassVar, Unpack
 import torch
 from torch import Tensor
 
+from gradest._deprecation import sampler_keyword, warn_deprecated
 from gradest.context import EstimationContext
 from gradest.errors import InvalidType, InvalidValue
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError
@@ -38,6 +43,13 @@ from gradest.vjp import ENGINES, ParamGradient, SurrogateTerms, inner
 # the sequential chain); on the batched stepwise call the two were within noise. Only the
 # autograd path runs layer checkpointing, and it never swaps the module's parameters.
 DEFAULT_ENGINE = "autograd"
+
+
+def _check_engine(engine: Any) -> None:
+    if engine not in ENGINES:
+        raise InvalidValue(
+            f"engine must be one of {ENGINES} ('autograd' is the default), got {engine!r}"
+        )
 
 
 def _check_inputs(method: str, inputs: Mapping[str, Any], *, more: tuple[str, ...] = ()) -> None:
@@ -75,25 +87,33 @@ def surrogate_from_estimate(model: torch.nn.Module, result: GradientEstimate) ->
 
 
 class EstimatorBase:
-    """Base of the built-in estimators (plugins may use it or just follow the protocol)."""
+    """Base of the built-in estimators (plugins may use it or just follow the protocol).
+
+    Two verbs: :meth:`surrogate` for training, :meth:`estimate` for measuring.
+    """
 
     name: ClassVar[str] = "base"
 
+    @sampler_keyword
     def estimate(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
         *,
         engine: str = DEFAULT_ENGINE,
         **options: Unpack[EstimateOptions],
     ) -> GradientEstimate:
-        """Estimate ``grad_theta L`` for ``model`` sampled along ``flow``.
+        """Estimate ``grad_theta L`` for ``model`` sampled along ``sampler``, for measuring.
+
+        The gradients come back as a dict; ``.grad`` is never written. For training, use
+        :meth:`surrogate` (same arguments) and backpropagate its ``loss``.
 
         Args:
             model: ``nn.Module`` called as ``model(z, t, **cond)``; only parameters with
                 ``requires_grad=True`` are differentiated.
-            flow: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)``.
+            sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)`` (``flow=`` is
+                a deprecated spelling of this keyword).
             objective: ``TerminalObjective`` or ``StepwiseObjective``.
             noise, trajectory, cond, generator: where the path comes from
                 (:class:`~gradest.protocol.SamplingInputs`): ``noise=`` initial noise
@@ -116,7 +136,8 @@ class EstimatorBase:
                 same numbers (to float rounding); ``.grad`` is never written.
 
         Returns:
-            A :class:`~gradest.protocol.GradientEstimate`.
+            A :class:`~gradest.protocol.GradientEstimate` (``grads``, ``value``, ``cost``,
+            ``info``, ``decisions``, ``usable``).
         """
         _check_inputs("estimate", options, more=("noise_grad", "on_nonfinite", "engine"))
         inputs: dict[str, Any] = dict(options)
@@ -124,10 +145,8 @@ class EstimatorBase:
         on_nonfinite = inputs.pop("on_nonfinite", "raise")
         if on_nonfinite not in ON_NONFINITE:
             raise InvalidValue(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-        if engine not in ENGINES:
-            raise InvalidValue(
-                f"engine must be one of {ENGINES} ('autograd' is the default), got {engine!r}"
-            )
+        _check_engine(engine)
+        flow = sampler
         ctx = EstimationContext(
             model, flow, objective, noise_grad=noise_grad, engine=engine, **inputs
         )
@@ -155,11 +174,14 @@ class EstimatorBase:
             decisions=ctx.decisions,
         )
 
+    @sampler_keyword
     def surrogate(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
+        *,
+        engine: str = DEFAULT_ENGINE,
         **inputs: Unpack[SamplingInputs],
     ) -> Surrogate:
         """A loss whose autograd gradient is this estimator's estimate, for training loops.
@@ -168,7 +190,7 @@ class EstimatorBase:
         draws: the same decisions and numbers as :meth:`estimate` with the same inputs
         and generator state) and leaves every parameter VJP to the caller's backward::
 
-            sur = est.surrogate(model, flow, objective, noise=noise, generator=g)
+            sur = est.surrogate(model, sampler, objective, noise=noise, generator=g)
             sur.loss.backward()          # or accelerator.backward(sur.loss),
             optimizer.step()             #    scaler.scale(sur.loss).backward()
 
@@ -184,18 +206,27 @@ class EstimatorBase:
         backward (as for a hand-written loss); ``exact:checkpoint=true`` recomputes them in
         the backward instead.
 
-        Args: ``model``, ``flow``, ``objective`` and ``noise`` / ``trajectory`` / ``cond`` /
-            ``generator`` as for :meth:`estimate` (no ``noise_grad``: the loss is for the
-            parameters).
+        Args: ``model``, ``sampler``, ``objective``, ``noise`` / ``trajectory`` / ``cond`` /
+            ``generator`` and ``engine`` as for :meth:`estimate` (no ``noise_grad``: the
+            loss is for the parameters). ``engine`` is validated and accepted so that both
+            verbs take the same arguments, but it does not change the result: the
+            parameter VJPs run in the caller's backward through the module called as
+            itself, and the cotangent work here uses autograd (what ``engine="func"``
+            would give, to float rounding).
 
         Returns:
-            A :class:`~gradest.protocol.Surrogate` (``loss``, ``value``, ``cost``, ``info``).
+            A :class:`~gradest.protocol.Surrogate` (``loss``, ``value``, ``cost``, ``info``,
+            ``decisions``, ``usable``).
 
         Raises:
             NonFiniteError: a NaN/Inf in a velocity, cotangent or the loss's gradient.
         """
-        _check_inputs("surrogate", inputs)
-        ctx = EstimationContext(model, flow, objective, noise_grad=False, surrogate=True, **inputs)
+        _check_inputs("surrogate", inputs, more=("engine",))
+        _check_engine(engine)
+        flow = sampler
+        ctx = EstimationContext(
+            model, flow, objective, noise_grad=False, engine=engine, surrogate=True, **inputs
+        )
         try:
             # The loss is for a backward: build its graph even when called under no_grad.
             with torch.enable_grad():
@@ -230,20 +261,24 @@ class EstimatorBase:
         _refuse_unrelated_stepwise_loss(ctx)
         return grads, state_grad
 
+    @sampler_keyword
     def backward(
-        self, model: torch.nn.Module, flow: AffineSampler, objective: Objective, **inputs: Any
+        self, model: torch.nn.Module, sampler: AffineSampler, objective: Objective, **inputs: Any
     ) -> GradientEstimate:
-        """:meth:`estimate` (same arguments), then add the gradients into ``p.grad``.
+        """Deprecated: use ``est.surrogate(model, sampler, objective, ...).loss.backward()``.
 
-        A convenience for single-process loops; in training code prefer
-        ``est.surrogate(...).loss.backward()``, which DDP/FSDP, GradScaler and accelerate
-        understand.
-
-        Existing ``.grad`` values are accumulated into, so gradient accumulation and
-        ``optimizer.step()`` work as with plain autograd. With ``on_nonfinite="skip"`` an
-        unusable estimate leaves ``.grad`` untouched (check ``result.usable``).
+        :meth:`estimate` (same arguments), then add the gradients into ``p.grad`` (the
+        surrogate's backward writes the same gradients, through autograd, which DDP/FSDP,
+        GradScaler and accelerate understand). Existing ``.grad`` values are accumulated
+        into; with ``on_nonfinite="skip"`` an unusable estimate leaves ``.grad`` untouched
+        (check ``result.usable``).
         """
-        result = self.estimate(model, flow, objective, **inputs)
+        warn_deprecated(
+            f"{type(self).__name__}.backward() is deprecated; use "
+            f"est.surrogate(model, sampler, objective, ...).loss.backward()",
+            stacklevel=3,  # past the sampler_keyword wrapper, to the caller
+        )
+        result = self.estimate(model, sampler, objective, **inputs)
         if not result.usable:
             return result
         parameters = dict(model.named_parameters())

@@ -28,13 +28,13 @@ import torch
 from tqdm import tqdm
 
 from gradest.errors import InvalidValue
-from gradest.flow import rollout
+from gradest.trajectory import rollout
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Definition, supports
 from gradest.reference.decisions import decisions_mismatch
 from gradest.reference.definitions import definition_at, expected_decisions
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

@@ -3,8 +3,9 @@
 ``gradest list`` shows the registered estimators and their options; ``gradest check``
 checks every estimator against its dense definition on the embedded toy model;
 ``gradest compare`` (the main job) measures bias, variance and cost of estimators on an
-embedded model and writes a report with plots; ``gradest pretrain`` / ``gradest finetune``
-run the digits workload. gradest's own errors (:class:`gradest.errors.GradestError`: bad
+embedded model and writes a report with plots. Applications add their own subcommands
+through the ``gradest.commands`` entry points (:mod:`gradest.commands`; ``gradest-digits``
+adds ``pretrain`` and ``finetune``). gradest's own errors (:class:`gradest.errors.GradestError`: bad
 input, an output that cannot be written, a missing optional dependency) exit with status
 2 and one line; any other exception is a bug and shows its traceback.
 """
@@ -17,6 +18,7 @@ import warnings
 from collections.abc import Sequence
 
 from gradest import registry
+from gradest.commands import registered_commands
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import check_output_dir
 from gradest.protocol import supports
@@ -135,7 +137,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
     )
     if args.sweeps and any(registry.parse_spec(s)[0] == "jagg" for s in specs):
-        from gradest.flow import rollout
+        from gradest.trajectory import rollout
 
         cond = problem.cond_fn(0)
         trajectory = rollout(problem.model, problem.flow, problem.noise_fn(0), cond=cond)
@@ -159,27 +161,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print(f"wrote {out}/report.md, report.json" + (" and plots" if plots else ""))
     if missing is not None:
         print(f"plots skipped: {missing}")
-    return 0
-
-
-def _cmd_pretrain(args: argparse.Namespace) -> int:
-    from gradest.workloads.pretrain import run
-
-    for key, value in run(args).items():
-        print(f"{key}: {value}")
-    return 0
-
-
-def _cmd_finetune(args: argparse.Namespace) -> int:
-    from gradest.workloads.finetune_cli import run_finetune_from_args
-
-    result = run_finetune_from_args(args)
-    if result.get("rank", 0) != 0:  # under torchrun, rank 0 reports for everyone
-        return 0
-    print(
-        f"reward {result['initial_reward']:.4f} -> {result['final_reward']:.4f}; "
-        f"log {result['log_path']}"
-    )
     return 0
 
 
@@ -235,22 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--quiet", action="store_true", help="no progress bar")
     cmp.set_defaults(run=_cmd_compare)
 
-    from gradest.workloads.finetune_cli import add_finetune_arguments
-    from gradest.workloads.pretrain import add_arguments as add_pretrain_arguments
-
-    pre = sub.add_parser(
-        "pretrain",
-        help="regenerate the shipped digits DiT or digit classifier (a few CPU minutes)",
-    )
-    add_pretrain_arguments(pre)
-    pre.set_defaults(run=_cmd_pretrain)
-    fine = sub.add_parser(
-        "finetune",
-        help="reward fine-tuning of the pretrained digits DiT with any estimator",
-    )
-    add_finetune_arguments(fine)
-    # ``subparser``: where --config's settings become defaults (see gradest.config_file).
-    fine.set_defaults(run=_cmd_finetune, subparser=fine)
+    for name, command in sorted(registered_commands().items()):
+        if name in sub.choices:  # gradest's own subcommands are not replaceable
+            continue
+        app = sub.add_parser(name, help=command.help)
+        command.add_arguments(app)
+        # ``subparser``: where --config's settings become defaults (see gradest.config_file).
+        app.set_defaults(run=command.run, subparser=app if command.config_file else None)
     return parser
 
 
@@ -258,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "config", None) is not None:
+        if getattr(args, "config", None) is not None and getattr(args, "subparser", None):
             from gradest.config_file import parse_with_config
 
             args = parse_with_config(parser, args.subparser, argv, args)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
 from gradest.errors import InvalidType, InvalidValue
-from gradest.flow import (
+from gradest.trajectory import (
     SamplerSteps,
     Trajectory,
     check_sampler,

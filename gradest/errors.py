@@ -32,3 +32,12 @@ class MissingFile(GradestError, FileNotFoundError):
 
 class Diverged(GradestError, FloatingPointError):
     """A training run produced NaN or Inf (rewards, gradient norms)."""
+
+
+class GradestDeprecationWarning(DeprecationWarning, FutureWarning):
+    """A deprecated gradest name or argument was used; the message shows the replacement.
+
+    Both a ``DeprecationWarning`` (``pytest.deprecated_call`` catches it) and a
+    ``FutureWarning`` (shown to end users by default); ``import gradest`` shows it once
+    per calling location.
+    """

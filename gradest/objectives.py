@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradest._checks import check_scalar_loss
 from gradest.errors import InvalidType, InvalidValue
-from gradest.flow import Trajectory
+from gradest.trajectory import Trajectory
 from gradest.nonfinite import NonFiniteError
 from gradest.samplers import AffineSampler
 

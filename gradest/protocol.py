@@ -1,4 +1,9 @@
-"""The estimator protocol and what every estimator returns."""
+"""The estimator protocol and what its two verbs return.
+
+``surrogate()`` (training) returns a :class:`Surrogate`, ``estimate()`` (measuring) a
+:class:`GradientEstimate`; both results share ``value``, ``cost``, ``info``,
+``decisions`` and ``usable``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest.flow import Trajectory
+from gradest._deprecation import warn_deprecated
+from gradest.trajectory import Trajectory
 from gradest.objectives import Objective
 from gradest.samplers import AffineSampler
 
@@ -96,12 +102,14 @@ def is_estimator(candidate: Any) -> bool:
 
 @attrs.frozen(eq=False)
 class GradientEstimate:
-    """The result of one estimate.
+    """The result of one ``estimate()``.
 
     Attributes:
         grads: ``dict[name, Tensor]`` for every trainable parameter, keyed as in
             ``model.named_parameters()``.
         noise_grad: gradient with respect to the initial noise, or None when not requested.
+        value: (property) the objective's value on this batch, ``info["loss"]`` (NaN
+            where the estimator recorded none), as on :class:`Surrogate`.
         cost: the :class:`Cost` counts of this call.
         info: estimator diagnostics (loss, gate cosines, fallback fraction, and the
             decisions' fields for logs); ``info["nonfinite"]`` describes a dropped estimate
@@ -117,6 +125,11 @@ class GradientEstimate:
     decisions: Decisions | None = None
 
     @property
+    def value(self) -> float:
+        """The objective's value on this batch, as ``info["loss"]`` (for logging)."""
+        return float(self.info.get("loss", float("nan")))
+
+    @property
     def usable(self) -> bool:
         """False when a NaN/Inf was met and ``on_nonfinite="skip"`` dropped the estimate."""
         return "nonfinite" not in self.info
@@ -128,7 +141,8 @@ class GradientEstimate:
 
 @attrs.frozen(eq=False)
 class Surrogate:
-    """A loss for autograd whose parameter gradient is an estimator's estimate.
+    """The result of one ``surrogate()``: a loss for autograd whose parameter gradient is
+    an estimator's estimate.
 
     Every estimate is ``sum_j J_j^T G_j`` over the steps it evaluates, so its surrogate is
     ``sum_j <v_theta(z_j, t_j), G_j>`` with the states and cotangents ``G_j`` detached;
@@ -143,6 +157,9 @@ class Surrogate:
         cost: the :class:`Cost` counts, including the VJPs the caller's backward will run.
         info: estimator diagnostics, as on :class:`GradientEstimate`.
         decisions: the estimator's typed :class:`Decisions` record.
+        usable: (property) as on :class:`GradientEstimate`: False only when
+            ``info["nonfinite"]`` is set (``surrogate()`` raises on a NaN/Inf instead, so
+            a surrogate it returns is usable).
     """
 
     loss: Tensor
@@ -151,8 +168,16 @@ class Surrogate:
     info: dict[str, Any] = attrs.field(factory=dict)
     decisions: Decisions | None = None
 
+    @property
+    def usable(self) -> bool:
+        """False when ``info["nonfinite"]`` is set, as on :class:`GradientEstimate`."""
+        return "nonfinite" not in self.info
+
     def backward(self, **kwargs: Any) -> None:
-        """``self.loss.backward(**kwargs)``."""
+        """Deprecated: use ``sur.loss.backward()`` (``self.loss.backward(**kwargs)``)."""
+        warn_deprecated(
+            "Surrogate.backward() is deprecated; use sur.loss.backward()", stacklevel=2
+        )
         self.loss.backward(**kwargs)
 
 
@@ -162,7 +187,7 @@ class SamplingInputs(TypedDict, total=False):
     Attributes:
         noise: initial noise ``[B, ...]``; the estimator samples itself, the cheapest way
             for its strategy. Exclusive with ``trajectory``.
-        trajectory: a path recorded with ``gradest.rollout`` on the same flow.
+        trajectory: a path recorded with ``gradest.rollout`` on the same sampler.
         cond: keyword arguments for the model (class labels, text embeddings;
             :mod:`gradest.conditioning`).
         generator: the only source of randomness (sampled steps, truncation, SDE noise).
@@ -175,7 +200,8 @@ class SamplingInputs(TypedDict, total=False):
 
 
 class EstimateOptions(SamplingInputs, total=False):
-    """:meth:`~TrajectoryGradientEstimator.estimate`'s keyword arguments beyond the inputs.
+    """:meth:`~TrajectoryGradientEstimator.estimate`'s keyword arguments beyond the inputs
+    (both verbs also take ``engine=``).
 
     Attributes:
         noise_grad: also return the gradient w.r.t. the initial noise (terminal only).
@@ -190,9 +216,12 @@ class EstimateOptions(SamplingInputs, total=False):
 class TrajectoryGradientEstimator(Protocol):
     """One way of evaluating ``grad_theta L = sum_k J_k^T c_k`` for a sampling trajectory.
 
-    Implementations are frozen attrs classes whose fields are their options (a plugin
-    without attrs takes its options as constructor keyword arguments). Beyond the three
-    methods below, an estimator may define (``gradest.base.EstimatorBase`` does):
+    Two verbs: ``surrogate()`` for training (a loss whose autograd gradient is the
+    estimate) and ``estimate()`` for measuring (the gradients as a dict); both take
+    ``(model, sampler, objective)`` and the same keyword arguments. Implementations are
+    frozen attrs classes whose fields are their options (a plugin without attrs takes its
+    options as constructor keyword arguments). Beyond the two methods below, an estimator
+    may define (``gradest.base.EstimatorBase`` does):
 
     * ``check_steps(num_steps)``: raise if its options cannot run on an ``N``-step
       sampler (callers such as ``gradest finetune`` call it before any work);
@@ -206,7 +235,7 @@ class TrajectoryGradientEstimator(Protocol):
     def estimate(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
         **options: Unpack[EstimateOptions],
     ) -> GradientEstimate: ...
@@ -214,11 +243,7 @@ class TrajectoryGradientEstimator(Protocol):
     def surrogate(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
         **inputs: Unpack[SamplingInputs],
     ) -> Surrogate: ...
-
-    def backward(
-        self, model: torch.nn.Module, flow: AffineSampler, objective: Objective, **options: Any
-    ) -> GradientEstimate: ...

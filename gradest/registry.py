@@ -1,118 +1,69 @@
 """Estimators by name, discovered through the ``gradest.estimators`` entry-point group.
 
 Built-ins are registered in gradest's own ``pyproject.toml`` exactly like third-party
-plugins, so one mechanism serves both (and they load even without that metadata).
-Discovery is cached; a plugin that fails to load in any way (an exception, even
-``SystemExit``; only ``KeyboardInterrupt`` propagates) warns, naming the entry point and
-its distribution, and is skipped, never breaking ``import gradest``;
-``GRADEST_DISABLE_PLUGINS=1`` loads gradest's own estimators only.
+plugins, and read from there only: one mechanism, one list. Discovery is cached;
+loading and the rules for broken plugins are :mod:`gradest.entry_points`'
+(``GRADEST_DISABLE_PLUGINS=1`` loads gradest's own estimators only).
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
-import os
 import threading
-import warnings
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import attrs
 
+from gradest import entry_points
 from gradest.errors import GradestError, InvalidType, InvalidValue
 from gradest.options import describe_options, parse_bool, parse_option_text
 from gradest.protocol import TrajectoryGradientEstimator, is_estimator
 
 GROUP = "gradest.estimators"
-# gradest's own estimators, as pyproject.toml registers them (the fallback when its entry
-# points are not installed; tests/test_registry.py checks the two agree).
-BUILTINS = {
-    "exact": "gradest.strategies.exact:Exact",
-    "jagg": "gradest.strategies.jagg:Jagg",
-    "sdo": "gradest.strategies.sdo:ShortcutDiffusion",
-    "truncated": "gradest.strategies.truncated:Truncated",
-    "telescope": "gradest.strategies.telescope:Telescope",
-    "draft_lv": "gradest.strategies.draft_lv:DraftLV",
-    "refl": "gradest.strategies.refl:Refl",
-    "auto": "gradest.harness.auto:Auto",
-}
-DISABLE_ENV = "GRADEST_DISABLE_PLUGINS"
-_OWN_DISTRIBUTION = "gradest"
+DISABLE_ENV = entry_points.DISABLE_ENV
 _lock = threading.Lock()
+
+
+# Built-ins come from gradest's own entry points: none at all means gradest itself is not
+# installed (a bare source checkout on sys.path).
+_NOTHING_INSTALLED = "none; gradest is not installed, so its entry points are missing: pip install -e ."
 
 
 class UnknownEstimatorError(GradestError, ValueError):
     """An estimator name that no installed package registers."""
 
 
-def _distribution(entry: EntryPoint) -> str:
-    dist = getattr(entry, "dist", None)
-    return getattr(dist, "name", None) or "<unknown distribution>"
-
-
-def _plugins_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+def _estimator_problem(candidate: Any) -> str | None:
+    return None if is_estimator(candidate) else "has no estimate() method"
 
 
 @functools.cache
-def _load_registry(plugins_enabled: bool) -> dict[str, type]:
-    entries = list(entry_points(group=GROUP))
-    # Built-ins first, so a plugin cannot silently shadow them.
-    entries.sort(key=lambda e: _distribution(e) != _OWN_DISTRIBUTION)
-    registry: dict[str, type] = {}
-    sources: dict[str, str] = {}
-    for entry in entries:
-        source = _distribution(entry)
-        if not plugins_enabled and source != _OWN_DISTRIBUTION:
-            continue
-        if entry.name in registry:
-            warnings.warn(
-                f"gradest: estimator {entry.name!r} from {source} is a duplicate of the one "
-                f"from {sources[entry.name]}; keeping the first",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        try:
-            cls = entry.load()
-            usable = is_estimator(cls)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as err:  # a broken plugin (even sys.exit()) never breaks gradest
-            warnings.warn(
-                f"gradest: skipping estimator plugin {entry.name!r} from {source} "
-                f"({entry.value}): {type(err).__name__}: {err}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        if not usable:
-            warnings.warn(
-                f"gradest: skipping estimator plugin {entry.name!r} from {source}: "
-                f"{entry.value} has no estimate() method",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        registry[entry.name] = cls
-        sources[entry.name] = source
-    # Built-ins always load: without gradest's own entry points (a source checkout that
-    # is not pip-installed) they are imported directly.
-    for name, target in BUILTINS.items():
-        if name not in registry:
-            module, _, attribute = target.partition(":")
-            registry[name] = getattr(importlib.import_module(module), attribute)
-            sources[name] = _OWN_DISTRIBUTION
-    return registry
+def _load_registry(plugins_enabled: bool) -> entry_points.Loaded:
+    return entry_points.load_group(
+        GROUP, what="estimator plugin", check=_estimator_problem, plugins_enabled=plugins_enabled
+    )
+
+
+def _loaded() -> entry_points.Loaded:
+    with _lock:
+        return _load_registry(not entry_points.plugins_disabled())
 
 
 def available_estimators() -> dict[str, type]:
     """Name -> estimator class for the built-ins and every installed plugin."""
-    with _lock:
-        return dict(_load_registry(not _plugins_disabled()))
+    return dict(_loaded().objects)
+
+
+def builtin_estimators() -> dict[str, type]:
+    """Name -> class of gradest's own estimators (its entry points; no plugins)."""
+    loaded = _loaded()
+    return {
+        name: cls
+        for name, cls in loaded.objects.items()
+        if loaded.sources[name] == entry_points.OWN_DISTRIBUTION
+    }
 
 
 def clear_cache() -> None:
@@ -173,7 +124,7 @@ def estimator(spec: str, **options: Any) -> TrajectoryGradientEstimator:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UnknownEstimatorError(
             f"unknown estimator {name!r}; {hint}available: "
-            f"{', '.join(sorted(registry)) or 'none'} "
+            f"{', '.join(sorted(registry)) or _NOTHING_INSTALLED} "
             f"(plugins register under the {GROUP!r} entry-point group)"
         )
     cls = registry[name]

@@ -22,7 +22,7 @@ noise, ``t = 0`` data), which :meth:`TimeGrid.noised` and :meth:`TimeGrid.jump_t
 expose for the estimators that leave the recorded chain (``draft_lv``, ``refl``). DDIM /
 DDPM samplers (another interpolant) are in :mod:`gradest.diffusion_samplers`.
 
-The one sampling loop that runs any of them is :func:`gradest.flow.integrate`.
+The one sampling loop that runs any of them is :func:`gradest.trajectory.integrate`.
 """
 
 from __future__ import annotations

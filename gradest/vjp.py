@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from gradest._checks import check_model_output, first_model_call, trainable_parameters
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
-from gradest.flow import SamplerSteps, integrate
+from gradest.trajectory import SamplerSteps, integrate
 from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
 from gradest.nonfinite import check_finite
 from gradest.replay import StepRandomness

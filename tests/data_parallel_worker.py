@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import gradest
-from gradest.reference.problems import seeded_normal, tiny_mlp
+from gradest.testing.problems import seeded_normal, tiny_mlp
 
 DIM, BATCH, STEPS, CLASSES = 4, 4, 6, 3
 SPECS = [

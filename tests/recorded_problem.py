@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 import gradest
-from gradest.reference import dense_chain, problems
-from gradest.reference.problems import (
+from gradest.reference import dense_chain
+from gradest.testing import problems
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 import gradest
 from gradest import rl
 from gradest.reference import dense_chain, exact_gradient, relative_error
-from gradest.reference.problems import seeded_normal, tiny_mlp
+from gradest.testing.problems import seeded_normal, tiny_mlp
 from gradest.registry import BUILTINS
 
 DIM, BATCH, STEPS = 3, 4, 5

@@ -9,7 +9,7 @@ import gradest
 from gradest.errors import InvalidValue
 from gradest.harness.auto import Auto, AutoDecisions, clear_cache
 from gradest.reference import relative_error
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

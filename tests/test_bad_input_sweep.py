@@ -38,7 +38,7 @@ from torch import nn
 
 import gradest
 from gradest import cli
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     NoisyAffineSampler,
     random_stepwise_objective,
     seeded_normal,
@@ -118,7 +118,7 @@ def _malformed(**fields: Any) -> gradest.Trajectory:
 
 
 def _finetune(**overrides: Any) -> Any:
-    from gradest.workloads.finetune import finetune
+    from gradest_digits.finetune import finetune
 
     arguments = {
         "sample_shape": (DIM,),

@@ -24,7 +24,7 @@ from gradest.harness import (
     retained_activation_bytes,
     speedup,
 )
-from gradest.reference.problems import random_stepwise_objective, tiny_mlp
+from gradest.testing.problems import random_stepwise_objective, tiny_mlp
 from gradest.strategies.jagg_layout import distinct_nodes, layout_groups
 
 # Within this relative error FLOPs follow the DESIGN.md formulas with VJP = 2F exactly:

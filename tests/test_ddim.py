@@ -41,7 +41,7 @@ from gradest.protocol import supports  # noqa: E402
 from gradest.reference import dense_chain, exact_gradient, relative_error  # noqa: E402
 from gradest.reference.decisions import decisions_mismatch  # noqa: E402
 from gradest.reference.definitions import definition_at, expected_decisions  # noqa: E402
-from gradest.reference.problems import (  # noqa: E402
+from gradest.testing.problems import (  # noqa: E402
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

@@ -39,7 +39,7 @@ from gradest.integrations.diffusers import (  # noqa: E402
 )
 from gradest.objectives import TerminalObjective  # noqa: E402
 from gradest.reference import exact_gradient, relative_error  # noqa: E402
-from gradest.reference.problems import seeded_normal  # noqa: E402
+from gradest.testing.problems import seeded_normal  # noqa: E402
 
 BATCH, STEPS = 2, 3
 EXACTNESS = 1e-10  # float64 round-off through a few thousand parameters is ~1e-14

@@ -24,7 +24,7 @@ import gradest
 from gradest.integrations.distributed import check_same_estimator, rank_generator
 from gradest.objectives import TerminalObjective
 from gradest.reference import exact_gradient
-from gradest.reference.problems import seeded_normal, tiny_mlp
+from gradest.testing.problems import seeded_normal, tiny_mlp
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),

@@ -24,7 +24,7 @@ from gradest.models.dit import (
 )
 from gradest.objectives import TerminalObjective
 from gradest.reference import dense_chain, exact_gradient, relative_error
-from gradest.reference.problems import random_stepwise_objective, seeded_normal
+from gradest.testing.problems import random_stepwise_objective, seeded_normal
 
 BATCH, STEPS = 2, 4
 EXACTNESS = 1e-10  # float64 round-off through a few thousand parameters is ~1e-15

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradest
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,
@@ -187,7 +187,7 @@ CORE = [
     "gradest/context.py",
     "gradest/errors.py",
     "gradest/files.py",
-    "gradest/flow.py",
+    "gradest/trajectory.py",
     "gradest/model_lock.py",
     "gradest/nonfinite.py",
     "gradest/objectives.py",
@@ -201,7 +201,7 @@ CORE = [
     "gradest/strategies",
     "gradest/reference",
 ]
-OUTSIDE = ("gradest.workloads", "gradest.harness", "gradest.integrations", "gradest.cli")
+OUTSIDE = ("gradest_digits", "gradest.harness", "gradest.integrations", "gradest.cli")
 
 
 def test_the_core_imports_nothing_from_outside_it():

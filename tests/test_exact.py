@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import gradest
-from gradest.reference import exact_gradient, problems, relative_error
-from gradest.reference.problems import (
+from gradest.reference import exact_gradient, relative_error
+from gradest.testing import problems
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

@@ -14,9 +14,8 @@ from torch import Tensor
 import gradest
 from gradest import rl
 from gradest.reference import dense_chain, exact_gradient, relative_error
-from gradest.reference.problems import seeded_normal, tiny_mlp
+from gradest.testing.problems import seeded_normal, tiny_mlp
 from gradest.registry import BUILTINS
-from gradest.workloads import grpo as workloads_grpo
 
 DIM, BATCH, STEPS, GROUP = 3, 4, 5, 2
 
@@ -47,11 +46,9 @@ def _old_grpo_loss(flow, trajectory, old, advantages, clip, reduction, k, veloci
     return -surrogate.mean() / trajectory.num_steps
 
 
-def test_public_names_and_the_old_module_are_the_same_objects():
-    assert workloads_grpo.grpo_objective is rl.grpo_objective
-    assert workloads_grpo.group_advantages is rl.group_advantages
-    assert gradest.workloads.grpo_objective is rl.grpo_objective
-    assert workloads_grpo.ADVANTAGE_EPS == rl.ADVANTAGE_EPS == 1e-4
+def test_public_names_are_the_module_objects():
+    assert gradest.rl.flow_grpo_objective is rl.grpo_objective
+    assert rl.ADVANTAGE_EPS == 1e-4
 
 
 def test_reference_velocities_are_the_model_at_the_recorded_states():

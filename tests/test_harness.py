@@ -18,7 +18,7 @@ from gradest.harness.cost import COST_DRAWS, count_flops
 from gradest.harness.report import SCHEMA, Report
 from gradest.harness.statistics import trajectory_stats
 from gradest.options import option
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

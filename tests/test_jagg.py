@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 import gradest
-from gradest.reference import dense_chain, exact_gradient, problems, relative_error
+from gradest.reference import dense_chain, exact_gradient, relative_error
+from gradest.testing import problems
 from gradest.reference.jagg_definition import jagg_definition, jagg_gate_cosines
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     AffineVelocity,
     random_stepwise_objective,
     seeded_normal,

@@ -46,7 +46,7 @@ from torch import Tensor
 
 import gradest
 from gradest.models.dit import DiT
-from gradest.reference.problems import tiny_mlp
+from gradest.testing.problems import tiny_mlp
 from gradest.strategies.jagg_gate import group_cosine
 from gradest.strategies.jagg_layout import lagrange_weights, layout_groups
 

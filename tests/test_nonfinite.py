@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gradest
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

@@ -16,7 +16,7 @@ import gradest
 from gradest.models.dit import DiT
 from gradest.objectives import TerminalObjective
 from gradest.reference import definition_gradient, dense_chain, exact_gradient, relative_error
-from gradest.reference.problems import random_stepwise_objective, seeded_normal
+from gradest.testing.problems import random_stepwise_objective, seeded_normal
 
 pytest.importorskip("peft")
 

@@ -75,7 +75,7 @@ import gradest
 from gradest import registry
 from gradest.cli import main
 from gradest.reference import definition_gradient, dense_chain, relative_error
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective, seeded_normal, smooth_terminal_objective, tiny_mlp,
 )
 

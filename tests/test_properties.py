@@ -48,7 +48,7 @@ from gradest.reference import (
     exact_gradient,
     jagg_gate_cosines,
 )
-from gradest.reference.problems import seeded_normal, tiny_mlp
+from gradest.testing.problems import seeded_normal, tiny_mlp
 
 FLOAT64_TOLERANCE = 1e-9
 FLOAT32_TOLERANCE = 2e-4

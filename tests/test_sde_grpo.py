@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 import gradest
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
+from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 from gradest.samplers import FlowSDE
-from gradest.workloads.grpo import ADVANTAGE_EPS, group_advantages, grpo_objective
+from gradest.rl.flow_grpo import ADVANTAGE_EPS, group_advantages, grpo_objective
 
 DIM, BATCH, STEPS, GROUP = 3, 4, 5, 2
 SEED = 7

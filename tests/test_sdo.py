@@ -30,7 +30,7 @@ from torch import Tensor
 
 import gradest
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     AffineVelocity,
     random_stepwise_objective,
     seeded_normal,

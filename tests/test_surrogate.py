@@ -24,7 +24,7 @@ import torch
 import gradest
 from gradest.base import surrogate_from_estimate
 from gradest.reference import relative_error
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     NoisyAffineSampler,
     random_stepwise_objective,
     seeded_normal,

@@ -12,7 +12,7 @@ from recorded_problem import BATCH, DIM, STEPS, objective_of, problem, run, surr
 import gradest
 from gradest.errors import InvalidValue
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
+from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 from gradest.reference.telescope_definition import (
     reference_survival,
     telescope_definition,

@@ -25,7 +25,7 @@ from gradest.harness.tensor_metrics import (
     worst_tensors,
 )
 from gradest.options import option
-from gradest.reference.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
+from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 
 DIM, BATCH, STEPS = 3, 4, 6
 

@@ -30,7 +30,7 @@ import torch
 
 import gradest
 from gradest import registry
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradest
 from gradest.reference import relative_error
-from gradest.reference.problems import seeded_normal, tiny_mlp
+from gradest.testing.problems import seeded_normal, tiny_mlp
 
 DIM, BATCH, STEPS, CLASSES = 4, 4, 5, 3
 EXACTNESS = 1e-12
@@ -230,7 +230,7 @@ def test_torch_utils_checkpoint_inside_the_model(spec, objective_kind):
     if objective_kind == "terminal":
         obj, kwargs = objective(), {"noise": noise}
     else:
-        from gradest.reference.problems import random_stepwise_objective
+        from gradest.testing.problems import random_stepwise_objective
 
         obj = random_stepwise_objective(STEPS, (BATCH, DIM))
         kwargs = {"trajectory": gradest.rollout(plain, flow, noise)}

@@ -27,7 +27,7 @@ from torch import Tensor
 import gradest
 from gradest.errors import InvalidValue
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,

@@ -20,7 +20,7 @@ from torch import nn
 
 import gradest
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     NoisyAffineSampler,
     seeded_normal,
     smooth_terminal_objective,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from gradest.recipes.train import main as run_recipe
-from gradest.recipes.train import script_main
+from gradest_recipes.train import main as run_recipe
+from gradest_recipes.train import script_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,9 +41,10 @@ from typing import Any, ClassVar, Unpack
 import attrs
 import torch
 
+from gradest.axes import EstimatorAxes
 from gradest.base import DEFAULT_ENGINE, EstimatorBase
 from gradest.errors import InvalidValue
-from gradest.flow import Trajectory, rollout
+from gradest.trajectory import Trajectory, rollout
 from gradest.harness.statistics import trajectory_stats
 from gradest.harness.tensor_metrics import TensorLayout, adam_cosine, mean_of, second_moment
 from gradest.objectives import Objective, TerminalObjective
@@ -155,6 +156,13 @@ class Auto(EstimatorBase):
     """
 
     name: ClassVar[str] = "auto"
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="those of the chosen candidate (a probe call: exact adjoint)",
+        evaluation="chooses among candidates, measured against exact on probe calls; then "
+        "the chosen candidate's",
+        memory="the chosen candidate's; a probe call holds exact's, then each candidate's "
+        "in turn",
+    )
 
     candidates: tuple[str, ...] = option(
         DEFAULT_CANDIDATES,

@@ -21,7 +21,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from gradest.errors import InvalidType, InvalidValue
-from gradest.flow import Trajectory, rollout
+from gradest.trajectory import Trajectory, rollout
 from gradest.harness.cost import (
     COST_DRAWS,
     count_flops,

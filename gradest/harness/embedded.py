@@ -4,11 +4,12 @@
 * ``dit``: the tiny DiT config on 8x8 single-channel images. adaLN-Zero makes a fresh DiT
   the zero map (its gradients would be degenerate), so the zero-initialised modulation
   and output layers are re-drawn with small random weights: a generic non-trivial DiT.
-* ``digits``: the shipped DiT pretrained on real 8x8 digits, sampled unconditionally;
-  the terminal objective is the frozen digit classifier's ``-log p(3 | x)`` (the reward
-  fine-tuning objective), the stepwise one a per-step loss on the velocities.
 
-Both are seeded, so every run compares estimators on the same model.
+Both are seeded, so every run compares estimators on the same model. Applications add
+named problems through the ``gradest.problems`` entry-point group (``gradest-digits``
+registers ``digits``: its DiT pretrained on real 8x8 digits with a classifier reward): an
+entry point names a function with :func:`embedded_problem`'s keyword arguments (less
+``name``) that returns a :class:`Problem`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest import entry_points
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
-from gradest.reference.problems import (
+from gradest.testing.problems import (
     perturbed_dit,
     random_stepwise_objective,
     smooth_terminal_objective,
@@ -30,7 +32,8 @@ from gradest.reference.problems import (
 )
 from gradest.samplers import RectifiedFlow
 
-MODELS = ("mlp", "dit", "digits")
+MODELS = ("mlp", "dit")
+PROBLEMS_GROUP = "gradest.problems"
 NUM_CLASSES = 4
 
 
@@ -59,14 +62,21 @@ def embedded_problem(
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> Problem:
-    """Build one of :data:`MODELS` with a terminal or stepwise objective."""
-    if name not in MODELS:
-        raise InvalidValue(f"--model {name!r} is not embedded; choose one of {', '.join(MODELS)}")
+    """Build one of :data:`MODELS` (or a registered problem) with a terminal or stepwise
+    objective."""
+    registered = registered_problems()
+    if name not in MODELS and name not in registered:
+        known = ", ".join((*MODELS, *sorted(registered)))
+        raise InvalidValue(
+            f"--model {name!r} is not embedded; choose one of {known} (applications add "
+            f"problems through the {PROBLEMS_GROUP!r} entry points, e.g. pip install "
+            f"./apps/digits for 'digits')"
+        )
     if objective not in ("terminal", "stepwise"):
         raise InvalidValue(f"--objective must be 'terminal' or 'stepwise', got {objective!r}")
-    if name == "digits":
-        return _digits_problem(
-            steps=steps, objective=objective, batch=batch, dtype=dtype, device=device
+    if name in registered and name not in MODELS:
+        return registered[name](  # type: ignore[no-any-return]
+            steps=steps, objective=objective, batch=batch, dtype=dtype, device=device, seed=seed
         )
     if name == "mlp":
         model: nn.Module = tiny_mlp(8, hidden=64, depth=3, num_classes=NUM_CLASSES, seed=seed)
@@ -93,24 +103,15 @@ def embedded_problem(
     return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, cond_fn)
 
 
-def _digits_problem(
-    *, steps: int, objective: str, batch: int, dtype: torch.dtype, device: str | torch.device
-) -> Problem:
-    from gradest.workloads.assets import load_digit_classifier, load_pretrained_dit
-    from gradest.workloads.rewards import ClassifierReward
-
-    model = load_pretrained_dit(device=device, dtype=dtype)
-    if objective == "terminal":
-        reward = ClassifierReward(load_digit_classifier(device=device, dtype=dtype), 3)
-        objective_value: Objective = TerminalObjective(lambda z: -reward(z).mean())
-    else:
-        objective_value = random_stepwise_objective(steps, (batch, 1, 8, 8), seed=2)
-
-    def noise_fn(s: int) -> Tensor:
-        gen = torch.Generator().manual_seed(10_000 + s)
-        return torch.randn((batch, 1, 8, 8), generator=gen, dtype=dtype).to(device)
-
-    return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, lambda s: {})
+def registered_problems() -> dict[str, Callable[..., Problem]]:
+    """Problems that installed applications register under ``gradest.problems``."""
+    loaded = entry_points.load_group(
+        PROBLEMS_GROUP,
+        what="problem",
+        check=lambda obj: None if callable(obj) else "is not callable",
+        plugins_enabled=not entry_points.plugins_disabled(),
+    )
+    return loaded.objects
 
 
 def _flattened_terminal(objective: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gradest.flow import Trajectory
+from gradest.trajectory import Trajectory
 from gradest.harness.statistics import trajectory_stats
 from gradest.objectives import Objective
 from gradest.registry import estimator
@@ -65,7 +65,7 @@ def jagg_span_sweep(
     slope is fitted over ``span <= fit_below``. Larger spans show where the asymptotic
     regime ends, which is the regime a 50-step sampler (step 0.02) actually runs in.
     """
-    from gradest.flow import rollout
+    from gradest.trajectory import rollout
     from gradest.samplers import RectifiedFlow
 
     exact = estimator("exact")

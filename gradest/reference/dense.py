@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.func import functional_call, jacrev
 
 from gradest.conditioning import model_kwargs
-from gradest.flow import Trajectory
+from gradest.trajectory import Trajectory
 from gradest.model_lock import tensors_restored
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.samplers import AffineSampler

@@ -11,7 +11,7 @@ from torch import Tensor
 from gradest._checks import check_cond, check_model
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidValue
-from gradest.flow import Trajectory, check_sampler, check_trajectory_matches, model_time
+from gradest.trajectory import Trajectory, check_sampler, check_trajectory_matches, model_time
 from gradest.samplers import AffineSampler
 
 

@@ -87,7 +87,7 @@ from torch import Tensor
 from gradest._checks import check_cond, check_model
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
-from gradest.flow import Trajectory, model_time
+from gradest.trajectory import Trajectory, model_time
 from gradest.objectives import StepwiseObjective
 from gradest.rl._common import check_recorded, checked_path
 from gradest.samplers import AffineSampler, FlowSDE

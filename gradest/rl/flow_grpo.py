@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from gradest.errors import InvalidType, InvalidValue
-from gradest.flow import Trajectory, check_trajectory_matches
+from gradest.trajectory import Trajectory, check_trajectory_matches
 from gradest.objectives import StepwiseObjective
 from gradest.rl._common import check_recorded, model_velocities
 from gradest.samplers import LOG_PROB_REDUCTIONS, AffineSampler, FlowSDE

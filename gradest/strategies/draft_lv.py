@@ -31,6 +31,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective, TerminalObjective
@@ -64,6 +65,11 @@ class DraftLV(EstimatorBase):
     """
 
     name: ClassVar[str] = "draft_lv"
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="last step only, on n re-noised copies of the final sample",
+        evaluation="one batched VJP over the n copies, averaged",
+        memory="no-graph sampling; the last step's graph for the n copies (one batched call)",
+    )
     objectives: ClassVar[tuple[str, ...]] = ("terminal",)
 
     copies: int = int_option(2, minimum=1, doc="re-noised copies of the final sample (n)")

@@ -1,7 +1,8 @@
 """``exact``: backpropagation through the whole chain, ``sum_k J_k^T c_k`` with exact ``c_k``.
 
 Cotangents: the exact adjoint (terminal) or ``c_k = d l_k / d v_k`` (stepwise).
-VJP evaluation: one VJP per step.
+VJP evaluation: one VJP per step. Memory: the graph of every step, or ``checkpoint=True``.
+(The record: ``Exact.axes``, :class:`gradest.axes.EstimatorAxes`.)
 
 Cost (DESIGN.md section 4, ``F`` = one forward):
 
@@ -30,6 +31,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective
@@ -52,6 +54,12 @@ class Exact(EstimatorBase):
 
     name: ClassVar[str] = "exact"
     always_exact: ClassVar[bool] = True
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="exact adjoint (stepwise: c_k = d l_k / d v_k)",
+        evaluation="one VJP per step (terminal from noise: one fused VJP through the chain)",
+        memory="graph of every step (checkpoint=True: sample without a graph, recompute "
+        "each step in reverse, one step's graph at a time)",
+    )
 
     checkpoint: bool = bool_option(
         False,

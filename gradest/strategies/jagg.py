@@ -8,7 +8,9 @@ steps; inside a group the parameter Jacobian is interpolated in time from a few 
     sum_{k in group} J_k^T c_k  ~=  sum_j J_{t_j}^T G_j,   G_j = sum_{k in group} L_j(t_k) c_k,
 
 and only the nodes need a parameter VJP, all of them in one batched call. The layout of
-groups and nodes is in :mod:`gradest.strategies.jagg_layout`.
+groups and nodes is in :mod:`gradest.strategies.jagg_layout`. Memory: terminal keeps every
+step's graph from sampling, or recomputes each step with ``checkpoint=True``. (The record:
+``Jagg.axes``, :class:`gradest.axes.EstimatorAxes`.)
 
 Gate (:mod:`gradest.strategies.jagg_gate`): the same interpolation predicts each group's
 velocities; the cosine between actual and predicted velocities, aggregated with ``min``
@@ -43,7 +45,7 @@ Cost (DESIGN.md section 4, ``F`` = one forward, a parameter VJP ``~2F``, a state
   every step's activations after sampling, as ``exact`` does. The noise gradient is the
   sweep's exact ``a_0``. On a recorded trajectory the graphs are those of one forward per
   recorded state.
-* terminal with ``low_memory=True`` (or ``engine="func"``): a no-graph rollout (``NF``
+* terminal with ``checkpoint=True`` (or ``engine="func"``): a no-graph rollout (``NF``
   from ``noise``), a sweep recomputing each step (``N(F + F)``) and a batched node VJP
   (``n(F + 2F)``): ``(3N + 3n)F``, holding one step's graph during the sweep and the
   ``n`` node graphs at the end.
@@ -63,11 +65,19 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective
-from gradest.options import at_most_steps, bool_option, choice_option, int_option, option
+from gradest.options import (
+    accept_deprecated_options,
+    at_most_steps,
+    bool_option,
+    choice_option,
+    int_option,
+    option,
+)
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import jagg_fallbacks, jagg_layout, replay_subset
 from gradest.reference.dense import DenseChain, exact_noise_grad
@@ -150,6 +160,7 @@ class _Plan:
         return totals
 
 
+@accept_deprecated_options
 @attrs.frozen
 class Jagg(EstimatorBase):
     """Endpoint-Jacobian aggregation: parameter VJPs at a few nodes per group of steps.
@@ -167,11 +178,22 @@ class Jagg(EstimatorBase):
             node VJPs at order 1 instead of ``2N/window``).
         debias: ``m >= 1`` draws ``m`` steps per call and adds their interpolation error,
             scaled by ``N/m``: unbiased for the exact gradient (0: off).
-        low_memory: terminal objectives recompute each step in the adjoint sweep instead
+        checkpoint: terminal objectives recompute each step in the adjoint sweep instead
             of keeping every step's graph from sampling (more forwards, one step's graph).
+            Formerly ``low_memory`` (still accepted, with a deprecation warning).
     """
 
     name: ClassVar[str] = "jagg"
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="exact adjoint (terminal: a sweep of state-only VJPs; stepwise: c_k)",
+        evaluation="Jacobians interpolated in time from a few nodes per window of steps, one "
+        "batched VJP at the nodes; a cosine gate falls back to one VJP per step; debias=m "
+        "adds m uniformly drawn steps' corrections, scaled N/m",
+        memory="terminal: graph of every step kept from sampling (checkpoint=True: recompute "
+        "each step in the sweep, one step's graph, then the node graphs); stepwise: the "
+        "node graphs",
+    )
+    deprecated_options: ClassVar[dict[str, str]] = {"low_memory": "checkpoint"}
 
     window: int = int_option(
         4, minimum=2, doc="steps per group; Jacobians in a group are interpolated from its nodes"
@@ -202,7 +224,7 @@ class Jagg(EstimatorBase):
         doc="steps drawn per call to correct the interpolation (unbiased; 0: off)",
         expect="an int >= 0 (and at most the number of sampler steps N)",
     )
-    low_memory: bool = bool_option(
+    checkpoint: bool = bool_option(
         False, doc="terminal: recompute steps in the sweep instead of keeping their graphs"
     )
 
@@ -218,7 +240,7 @@ class Jagg(EstimatorBase):
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         debias_steps = self._draw_debias(ctx)
-        if self.low_memory or ctx.field.engine == "func":
+        if self.checkpoint or ctx.field.engine == "func":
             return self._terminal_recomputing(ctx, debias_steps)
         chain = ctx.retained_chain()
         plan = self._plan(ctx, list(chain.velocities), debias_steps)

@@ -34,6 +34,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective, TerminalObjective
@@ -75,6 +76,12 @@ class Refl(EstimatorBase):
     """
 
     name: ClassVar[str] = "refl"
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="one-step prediction of the end from a random late step s (chain cut "
+        "before s)",
+        evaluation="one VJP at the drawn step s",
+        memory="no-graph sampling to step s; the graph of one step",
+    )
     objectives: ClassVar[tuple[str, ...]] = ("terminal",)
 
     last_steps: int | None = optional_int_option(

@@ -53,6 +53,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective
@@ -98,6 +99,11 @@ class ShortcutDiffusion(EstimatorBase):
     """
 
     name: ClassVar[str] = "sdo"
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="one-step (model-detached chain; stepwise: c_k itself)",
+        evaluation="m uniformly drawn steps in one batched VJP, scaled N/m (full_sum: all N)",
+        memory="no-graph rollout; graphs of the m drawn steps only (full_sum: all N at once)",
+    )
 
     samples: int = int_option(
         1,

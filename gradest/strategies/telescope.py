@@ -41,6 +41,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
@@ -107,6 +108,12 @@ class Telescope(EstimatorBase):
     """
 
     name: ClassVar[str] = "telescope"
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="exact adjoint, survival-weighted random depth K (Russian roulette)",
+        evaluation="the last K steps, term j reweighted by 1/q_j, one batched parameter VJP",
+        memory="no-graph rollout of the first N - K steps; graphs of the last K steps "
+        "(engine='func': recompute each step in the sweep)",
+    )
 
     mean_depth: float = option(
         4.0,

@@ -43,6 +43,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.errors import InvalidType, InvalidValue
@@ -139,6 +140,11 @@ class Truncated(EstimatorBase):
     """
 
     name: ClassVar[str] = "truncated"
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="exact adjoint, last k steps (zero before; random: k drawn once per call)",
+        evaluation="one VJP per kept step (from noise: one fused VJP through the last k)",
+        memory="no-graph rollout of the first N - k steps; graphs of the last k steps",
+    )
 
     k: int | None = optional_int_option(
         minimum=1,

@@ -1,0 +1,354 @@
+"""Pretraining of the digits workload: a class-conditional rectified-flow DiT and the classifier.
+
+The DiT learns the velocity of the rectified flow between the digits and noise by flow
+matching (DESIGN.md section 1's interpolation)::
+
+    z_t = (1 - t) x + t eps,    target u = eps - x,    loss = |v_theta(z_t, t, y) - u|^2
+
+with ``t`` drawn logit-normally (``sigmoid(N(0, 1))``, as in Stable Diffusion 3: the
+middle of the path, where the velocity is hardest to predict, gets the most samples)
+and the label replaced by the null class ``num_classes`` with probability 10%, so one
+model samples both conditionally (``y = label``) and unconditionally (``y = None``).
+An exponential moving average of the weights is what gets evaluated and shipped: it
+smooths the last few hundred steps' noise out of the weights at no training cost.
+
+``python -m gradest_digits.pretrain --what dit --out apps/digits/gradest_digits/assets/digits_dit.pt``
+regenerates the shipped checkpoint (``--what classifier`` the classifier); see
+``apps/digits/gradest_digits/assets/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from gradest.errors import GradestError, InvalidValue
+from gradest.files import atomic_save, check_output_file
+from gradest.trajectory import rollout
+from gradest.models.dit import DiT
+from gradest.samplers import RectifiedFlow
+from gradest_digits.assets import classifier_checkpoint, dit_checkpoint, load_digit_classifier
+from gradest_digits.classifier import accuracy, train_classifier
+from gradest_digits.digits import IMAGE_SHAPE, NUM_CLASSES, load_digits_dataset
+
+TIME_SAMPLINGS = ("logit_normal", "uniform")
+# The shipped DiT: the "tiny" configuration (hidden 32, depth 2, 2x2 patches on 8x8).
+DEFAULT_DIT_CONFIG = "tiny"
+
+
+def _sample_times(
+    batch: int, time_sampling: str, generator: torch.Generator, dtype: torch.dtype
+) -> Tensor:
+    normal = torch.randn(batch, generator=generator, dtype=dtype)
+    if time_sampling == "logit_normal":
+        return torch.sigmoid(normal)
+    return torch.rand(batch, generator=generator, dtype=dtype)
+
+
+def pretrain_dit(
+    steps: int = 3000,
+    batch_size: int = 128,
+    lr: float = 2e-3,
+    seed: int = 0,
+    *,
+    config: str = DEFAULT_DIT_CONFIG,
+    overrides: Mapping[str, Any] | None = None,
+    label_dropout: float = 0.1,
+    time_sampling: str = "logit_normal",
+    ema_decay: float = 0.999,
+    warmup: int = 200,
+    weight_decay: float = 0.0,
+    threads: int = 1,
+    progress: bool = True,
+) -> tuple[DiT, dict[str, Any]]:
+    """Train a class-conditional DiT on the train digits by rectified-flow matching.
+
+    Args:
+        steps: optimiser steps (each on ``batch_size`` digits drawn with replacement).
+        batch_size: digits per step.
+        lr: peak AdamW learning rate (linear warm-up over ``warmup`` steps, then cosine
+            decay to 10% of the peak).
+        seed: seeds the initialisation, batches, times, noise and label dropout.
+        config: a name in :data:`gradest.models.dit.DIT_CONFIGS`; ``overrides`` change
+            its fields (``num_classes`` is always 10, ``input_size`` 8, ``in_channels`` 1).
+        label_dropout: probability of training on the null label (unconditional).
+        time_sampling: ``"logit_normal"`` (``t = sigmoid(N(0, 1))``) or ``"uniform"``.
+        ema_decay: decay of the weight average that is returned (0 returns the raw weights).
+        warmup: warm-up steps of the learning rate and of the EMA.
+        weight_decay: AdamW weight decay.
+        threads: ``torch.set_num_threads`` during training (restored afterwards);
+            one thread is fastest for a model this small on a shared CPU.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        ``(model, info)``: the EMA model in eval mode, and ``info`` with the settings,
+        the parameter count, the final training loss and the seconds taken.
+    """
+    if steps < 1 or batch_size < 1:
+        raise InvalidValue(
+            f"pretrain_dit needs steps >= 1 and batch_size >= 1, got steps={steps}, "
+            f"batch_size={batch_size}"
+        )
+    if time_sampling not in TIME_SAMPLINGS:
+        raise InvalidValue(
+            f"time_sampling={time_sampling!r} is not one of {', '.join(TIME_SAMPLINGS)}"
+        )
+    if not 0.0 <= label_dropout < 1.0:
+        raise InvalidValue(f"label_dropout must be in [0, 1), got {label_dropout}")
+    if not 0.0 <= ema_decay < 1.0:
+        raise InvalidValue(f"ema_decay must be in [0, 1) (0: no averaging), got {ema_decay}")
+    fixed = {"num_classes": NUM_CLASSES, "input_size": IMAGE_SHAPE[1], "in_channels": 1}
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        start = time.perf_counter()
+        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+        model = DiT.from_config(config, **{**dict(overrides or {}), **fixed})
+        ema = copy.deepcopy(model).requires_grad_(False)
+        images, labels = load_digits_dataset("train")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+        def learning_rate_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress_fraction = (step - warmup) / max(1, steps - warmup)
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress_fraction))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_factor)
+        model.train()
+        running = 0.0
+        bar = tqdm(range(steps), desc="DiT flow matching", unit="step", disable=not progress)
+        for step in bar:
+            index = torch.randint(0, len(images), (batch_size,), generator=generator)
+            x, y = images[index], labels[index]
+            drop = torch.rand(batch_size, generator=generator) < label_dropout
+            y = torch.where(drop, torch.full_like(y, NUM_CLASSES), y)
+            t = _sample_times(batch_size, time_sampling, generator, x.dtype)
+            eps = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+            tb = t[:, None, None, None]
+            z_t = (1 - tb) * x + tb * eps
+            loss = F.mse_loss(model(z_t, t, y), eps - x)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            # EMA with a warm-up (decay grows from 0): early averages are not dominated
+            # by the zero-output initialisation.
+            decay = min(ema_decay, step / (step + 10.0))
+            with torch.no_grad():
+                for averaged, current in zip(ema.parameters(), model.parameters(), strict=True):
+                    averaged.lerp_(current, 1.0 - decay)
+            running = loss.item() if step == 0 else 0.98 * running + 0.02 * loss.item()
+            if step % 50 == 0 or step == steps - 1:
+                bar.set_postfix(loss=f"{running:.4f}")
+        result = ema if ema_decay > 0 else model
+        result.eval()
+        info = {
+            "config": config,
+            "overrides": dict(overrides or {}),
+            "parameters": sum(p.numel() for p in result.parameters()),
+            "steps": steps,
+            "batch_size": batch_size,
+            "lr": lr,
+            "seed": seed,
+            "label_dropout": label_dropout,
+            "time_sampling": time_sampling,
+            "ema_decay": ema_decay,
+            "warmup": warmup,
+            "weight_decay": weight_decay,
+            "final_loss": running,
+            "seconds": time.perf_counter() - start,
+        }
+    finally:
+        torch.set_num_threads(previous_threads)
+    return result, info
+
+
+@torch.no_grad()
+def sample_digits(
+    model: nn.Module,
+    labels: Tensor | None,
+    *,
+    num_samples: int | None = None,
+    steps: int = 20,
+    seed: int = 0,
+) -> Tensor:
+    """Sample digits with the Euler sampler ``gradest.RectifiedFlow(steps)``.
+
+    Args:
+        model: a class-conditional DiT (e.g. :func:`gradest_digits.assets.load_pretrained_dit`).
+        labels: ``[B]`` class labels to condition on, or None for unconditional samples
+            (then give ``num_samples``).
+        num_samples: the batch size when ``labels`` is None.
+        steps: Euler steps from noise (t=1) to data (t=0).
+        seed: seeds the initial noise.
+
+    Returns:
+        ``[B, 1, 8, 8]`` samples (roughly in [-1, 1]; not clipped).
+    """
+    parameter = next(model.parameters())
+    if labels is None:
+        if num_samples is None or num_samples < 1:
+            raise InvalidValue("sample_digits needs labels=... or num_samples >= 1")
+        batch, cond = num_samples, None
+    else:
+        batch, cond = labels.shape[0], {"y": labels.to(parameter.device)}
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn((batch, *IMAGE_SHAPE), generator=generator, dtype=parameter.dtype)
+    trajectory = rollout(model, RectifiedFlow(steps=steps), noise.to(parameter.device), cond=cond)
+    return trajectory.states[-1]
+
+
+def evaluate_dit(
+    model: nn.Module,
+    classifier: nn.Module,
+    *,
+    samples_per_class: int = 20,
+    steps: int = 20,
+    seed: int = 0,
+) -> dict[str, float]:
+    """How recognisable and how realistic the DiT's conditional samples are.
+
+    Draws ``samples_per_class`` samples of every digit and reports the classifier's
+    accuracy on them (``accuracy``: the label it was conditioned on; chance is 0.1), and
+    FID/KID (classifier features) against the held-out digits, next to the same metrics
+    for pure Gaussian noise clipped to the image range (``noise_fid``, ``noise_kid_mean``).
+    """
+    # torch-fidelity is an optional dependency (the "workload" extra): training alone
+    # does not need it.
+    from gradest_digits.metrics import fid_kid
+
+    labels = torch.arange(NUM_CLASSES).repeat_interleave(samples_per_class)
+    samples = sample_digits(model, labels, steps=steps, seed=seed)
+    reference = next(classifier.parameters())
+    samples = samples.to(device=reference.device, dtype=reference.dtype)
+    heldout, _ = load_digits_dataset("heldout")
+    generated = fid_kid(samples, heldout, classifier=classifier, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    noise = torch.randn(samples.shape, generator=generator, dtype=samples.dtype).to(samples.device)
+    baseline = fid_kid(noise, heldout, classifier=classifier, seed=seed)
+    return {
+        "accuracy": accuracy(classifier, samples, labels),
+        "samples": float(samples.shape[0]),
+        "sampler_steps": float(steps),
+        "fid": generated["fid"],
+        "kid_mean": generated["kid_mean"],
+        "kid_std": generated["kid_std"],
+        "noise_fid": baseline["fid"],
+        "noise_kid_mean": baseline["kid_mean"],
+    }
+
+
+WHATS = ("dit", "classifier")
+
+
+def pretrain(
+    what: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    steps: int | None = None,
+    epochs: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    evaluate: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train ``what`` (``"dit"`` or ``"classifier"``) and save its checkpoint to ``out``.
+
+    The DiT's evaluation (``evaluate=True``) needs the digit classifier: the shipped one,
+    so regenerate the classifier first if both are rebuilt.
+
+    Returns:
+        The checkpoint's ``info`` dict (settings, timings, accuracy; for the DiT also
+        the :func:`evaluate_dit` numbers under ``"evaluation"``) plus ``"out"`` and ``"bytes"``.
+    """
+    if what not in WHATS:
+        raise InvalidValue(f"what={what!r} is not one of {', '.join(WHATS)}")
+    # Checked before training, so a bad path costs seconds, not the trained model.
+    out = check_output_file(out, what="out")
+    # Options left as None keep the training function's own defaults.
+    settings: dict[str, Any] = {
+        key: value for key, value in (("batch_size", batch_size), ("lr", lr)) if value is not None
+    }
+    if what == "classifier":
+        if steps is not None:
+            raise InvalidValue("the classifier trains for --epochs, not --steps")
+        if epochs is not None:
+            settings["epochs"] = epochs
+        classifier, info = train_classifier(seed=seed, progress=progress, **settings)
+        checkpoint = classifier_checkpoint(classifier, info)
+    else:
+        if epochs is not None:
+            raise InvalidValue("the DiT trains for --steps, not --epochs")
+        if steps is not None:
+            settings["steps"] = steps
+        model, info = pretrain_dit(seed=seed, progress=progress, **settings)
+        if evaluate:
+            info["evaluation"] = evaluate_dit(model, load_digit_classifier(), seed=seed)
+        checkpoint = dit_checkpoint(model, info)
+    atomic_save(checkpoint, out)
+    return {**info, "out": str(out), "bytes": out.stat().st_size}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of :func:`pretrain` (for ``python -m`` and the ``gradest`` CLI)."""
+    parser.add_argument("--what", choices=WHATS, required=True, help="model to train")
+    parser.add_argument("--out", required=True, help="checkpoint path to write (.pt)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument("--steps", type=int, default=None, help="DiT optimiser steps")
+    parser.add_argument("--epochs", type=int, default=None, help="classifier epochs")
+    parser.add_argument("--batch-size", type=int, default=None, help="batch size")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    parser.add_argument(
+        "--no-evaluate", dest="evaluate", action="store_false", help="skip the DiT evaluation"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`pretrain` from parsed :func:`add_arguments` options."""
+    return pretrain(
+        args.what,
+        args.out,
+        seed=args.seed,
+        steps=args.steps,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        evaluate=args.evaluate,
+        progress=not args.quiet,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gradest_digits.pretrain",
+        description="Pretrain the digits workload's DiT or classifier and save a checkpoint.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except GradestError as err:
+        print(f"pretrain: error: {err}", file=sys.stderr)
+        return 2
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

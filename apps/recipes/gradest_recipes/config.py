@@ -1,0 +1,456 @@
+"""A recipe's settings: one frozen attrs class, a TOML file, command-line overrides.
+
+Every setting is a field of :class:`RecipeConfig`. Where a value comes from, lowest first:
+
+1. the field's default, then the family's default (``FAMILY_DEFAULTS``: SD3 samples 28
+   steps at 1024 px, SD 1.x/2.x 50 DDIM steps at 512 px, ...), then with ``tiny = true``
+   the tiny defaults (16 px, 3 steps);
+2. a resumed run's saved settings (``--resume DIR``);
+3. the TOML file of ``--config FILE`` (keys are the field names; stdlib ``tomllib``);
+4. the command line: one option per field (``--lr 1e-4``, ``--lora-rank 8``,
+   ``--estimator jagg:window=4``, ``--tiny`` / ``--no-tiny``), or ``--set key=value``
+   (the value read as a TOML value, else as a string).
+
+Every value is validated when the config is built; a bad one raises
+:class:`RecipeConfigError` naming the setting, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from gradest.errors import InvalidValue
+
+__all__ = [
+    "FAMILIES",
+    "FAMILY_DEFAULTS",
+    "MIXED_PRECISION",
+    "RecipeConfig",
+    "RecipeConfigError",
+    "build_parser",
+    "config_from_argv",
+    "load_config",
+    "to_toml",
+]
+
+FAMILIES = ("sd3", "flux", "sd_unet")
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+class RecipeConfigError(InvalidValue):
+    """A recipe setting has a value the recipe cannot use (the message names it)."""
+
+
+def _fail(key: str, value: Any, need: str, fix: str = "") -> RecipeConfigError:
+    message = f"setting {key}={value!r} is invalid: {need}"
+    if fix:
+        message += f"; {fix}"
+    return RecipeConfigError(message)
+
+
+@attrs.frozen(kw_only=True)
+class RecipeConfig:
+    """Every setting of a reward fine-tuning recipe (docs/recipes.md lists them).
+
+    ``None`` for ``pretrained`` / ``embeddings`` is only valid with ``tiny = true``.
+    """
+
+    tiny: bool = attrs.field(default=False, metadata={"doc": "tiny random model, VAE, prompts"})
+    pretrained: str | None = attrs.field(
+        default=None, metadata={"doc": "local diffusers model folder (from_pretrained)"}
+    )
+    variant: str | None = attrs.field(
+        default=None, metadata={"doc": "weight file variant, e.g. fp16 (from_pretrained)"}
+    )
+    embeddings: str | None = attrs.field(
+        default=None, metadata={"doc": ".pt file of precomputed prompt embeddings"}
+    )
+    out: str = attrs.field(default="runs/recipe", metadata={"doc": "output folder"})
+    resume: str | None = attrs.field(
+        default=None, metadata={"doc": "run or checkpoint folder to continue from"}
+    )
+    seed: int = attrs.field(default=0, metadata={"doc": "seed of the noise, prompts, LoRA init"})
+    steps: int = attrs.field(default=100, metadata={"doc": "optimizer steps in all"})
+    batch_size: int = attrs.field(default=1, metadata={"doc": "samples per process per micro-step"})
+    gradient_accumulation: int = attrs.field(default=1, metadata={"doc": "micro-steps per step"})
+    lr: float = attrs.field(default=1e-4, metadata={"doc": "AdamW learning rate"})
+    weight_decay: float = attrs.field(default=0.0, metadata={"doc": "AdamW weight decay"})
+    max_grad_norm: float = attrs.field(
+        default=1.0, metadata={"doc": "gradient clipping norm (0: no clipping)"}
+    )
+    lora_rank: int = attrs.field(default=8, metadata={"doc": "LoRA rank"})
+    lora_alpha: float | None = attrs.field(
+        default=None, metadata={"doc": "LoRA alpha (default: the rank, scale 1)"}
+    )
+    lora_targets: tuple[str, ...] = attrs.field(
+        default=("to_q", "to_k", "to_v", "to_out.0"),
+        converter=lambda value: tuple(value) if isinstance(value, list | tuple) else value,
+        metadata={"doc": "module names that get adapters (comma-separated on the CLI)"},
+    )
+    estimator: str = attrs.field(
+        default="sdo", metadata={"doc": "gradest estimator spec, e.g. jagg:window=4"}
+    )
+    num_inference_steps: int = attrs.field(default=28, metadata={"doc": "sampling steps N"})
+    guidance_scale: float = attrs.field(
+        default=7.0, metadata={"doc": "CFG scale (Flux: the guidance embedding's value)"}
+    )
+    eta: float = attrs.field(default=0.0, metadata={"doc": "DDIM noise (sd_unet only)"})
+    resolution: int = attrs.field(default=1024, metadata={"doc": "image side in pixels"})
+    mixed_precision: str = attrs.field(
+        default="no", metadata={"doc": "accelerate mixed precision: no, fp16, bf16"}
+    )
+    fsdp: bool = attrs.field(
+        default=False,
+        metadata={"doc": "shard the denoiser with torch's FSDP2 fully_shard (2+ processes)"},
+    )
+    gradient_checkpointing: bool = attrs.field(
+        default=False, metadata={"doc": "diffusers enable_gradient_checkpointing()"}
+    )
+    reward: str = attrs.field(
+        default="brightness",
+        metadata={"doc": "brightness, contrast, color:r=..,g=..,b=.., or module:function"},
+    )
+    log_every: int = attrs.field(default=1, metadata={"doc": "steps between log records"})
+    sample_every: int = attrs.field(
+        default=50, metadata={"doc": "steps between PNG sample grids (0: at the end only)"}
+    )
+    sample_count: int = attrs.field(default=4, metadata={"doc": "images per sample grid"})
+    save_every: int = attrs.field(
+        default=50, metadata={"doc": "steps between checkpoints (0: at the end only)"}
+    )
+    keep_checkpoints: int = attrs.field(
+        default=2, metadata={"doc": "newest checkpoints kept (0: keep all)"}
+    )
+
+    def __attrs_post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in attrs.fields(RecipeConfig)
+        }
+
+
+#: Settings that differ between families (the field defaults are SD3's).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sd3": {"num_inference_steps": 28, "guidance_scale": 7.0, "resolution": 1024},
+    # FLUX.1-dev: guidance-distilled, guidance_scale is the guidance embedding (no CFG).
+    "flux": {
+        "num_inference_steps": 28,
+        "guidance_scale": 3.5,
+        "resolution": 1024,
+    },
+    "sd_unet": {"num_inference_steps": 50, "guidance_scale": 7.5, "resolution": 512},
+}
+#: With ``tiny = true``: sizes a CPU runs in a few seconds.
+TINY_DEFAULTS: dict[str, Any] = {
+    "resolution": 16,
+    "num_inference_steps": 3,
+    "batch_size": 2,
+    "steps": 2,
+    "lora_rank": 2,
+    "sample_every": 0,
+    "save_every": 0,
+    "sample_count": 2,
+}
+
+#: Settings a resumed run may change (how far it goes and what it writes, not the math).
+MAY_CHANGE_ON_RESUME = frozenset(
+    {"steps", "out", "resume", "log_every", "sample_every", "sample_count", "save_every",
+     "keep_checkpoints"}
+)  # fmt: skip
+
+
+def _positive_int(config: RecipeConfig, key: str, minimum: int = 1) -> None:
+    value = getattr(config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _fail(key, value, f"must be an integer >= {minimum}")
+
+
+def _finite(config: RecipeConfig, key: str, minimum: float, strict: bool = False) -> None:
+    value = getattr(config, key)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum or (strict and value == minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise _fail(key, value, f"must be a finite number {bound}")
+
+
+def validate(config: RecipeConfig) -> None:
+    """Raise :class:`RecipeConfigError` for the first value the recipe cannot use."""
+    for field in attrs.fields(RecipeConfig):
+        value = getattr(config, field.name)
+        expected = _base_type(field.type)
+        if value is None and _optional(field.type):
+            continue
+        if expected is bool and not isinstance(value, bool):
+            raise _fail(field.name, value, "must be true or false")
+        if expected is str and not isinstance(value, str):
+            raise _fail(field.name, value, "must be a string")
+    for key in ("steps", "batch_size", "gradient_accumulation", "lora_rank",
+                "num_inference_steps", "log_every", "sample_count"):  # fmt: skip
+        _positive_int(config, key)
+    for key in ("sample_every", "save_every", "keep_checkpoints"):
+        _positive_int(config, key, minimum=0)
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
+        raise _fail("seed", config.seed, "must be an integer >= 0")
+    _finite(config, "lr", 0.0, strict=True)
+    _finite(config, "weight_decay", 0.0)
+    _finite(config, "max_grad_norm", 0.0)
+    _finite(config, "guidance_scale", 0.0)
+    _finite(config, "eta", 0.0)
+    if config.eta > 1:
+        raise _fail("eta", config.eta, "DDIM's eta must be in [0, 1]")
+    if config.lora_alpha is not None:
+        _finite(config, "lora_alpha", 0.0, strict=True)
+    targets = config.lora_targets
+    if (
+        not isinstance(targets, tuple)
+        or not targets
+        or not all(isinstance(t, str) and t.strip() for t in targets)
+    ):
+        raise _fail(
+            "lora_targets", targets, "must be a non-empty list of module names",
+            'e.g. lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]',
+        )  # fmt: skip
+    _positive_int(config, "resolution", minimum=8)
+    if config.resolution % 8:
+        raise _fail(
+            "resolution", config.resolution, "must be a multiple of 8 (the VAE's 8x "
+            "downsampling times the transformer's 2x2 patches need it)",
+            f"use {max(8, config.resolution // 8 * 8)}",
+        )  # fmt: skip
+    if config.mixed_precision not in MIXED_PRECISION:
+        raise _fail(
+            "mixed_precision", config.mixed_precision, f"must be one of {list(MIXED_PRECISION)}"
+        )
+    if not config.estimator.strip():
+        raise _fail("estimator", config.estimator, "must name a gradest estimator, e.g. 'sdo'")
+    if not config.reward.strip():
+        raise _fail("reward", config.reward, "must name a reward, e.g. 'brightness'")
+    if not config.tiny and config.pretrained is None:
+        raise _fail(
+            "pretrained", None, "a local diffusers model folder is needed",
+            "pass --pretrained /path/to/model (or --tiny for a tiny random model)",
+        )  # fmt: skip
+    if not config.tiny and config.embeddings is None:
+        raise _fail(
+            "embeddings", None, "a .pt file of precomputed prompt embeddings is needed",
+            "pass --embeddings prompts.pt (gradest_recipes.prompts writes one; --tiny makes "
+            "random ones)",
+        )  # fmt: skip
+
+
+def _optional(kind: Any) -> bool:
+    return isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind)
+
+
+def _base_type(kind: Any) -> Any:
+    if _optional(kind):
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return typing.get_origin(kind) or kind
+
+
+attrs.resolve_types(RecipeConfig)  # the annotations as types, not strings
+FIELDS = {f.name: f for f in attrs.fields(RecipeConfig)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """A TOML or command-line value as the field's type (type errors name the key)."""
+    field = FIELDS[key]
+    kind = _base_type(field.type)
+    if value is None or (isinstance(value, str) and value.lower() == "none" and kind is not str):
+        if _optional(field.type):
+            return None
+        raise _fail(key, value, f"must be set (a {kind.__name__})")
+    if isinstance(value, str) and value.lower() == "none" and _optional(field.type):
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise _fail(key, value, "must be true or false")
+    if kind is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise _fail(key, value, "must be an integer") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(key, value, "must be an integer")
+        return value
+    if kind is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise _fail(key, value, "must be a number") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _fail(key, value, "must be a number")
+        return float(value)
+    if kind is tuple:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        if isinstance(value, list | tuple):
+            return tuple(value)
+        raise _fail(key, value, "must be a list of strings (comma-separated on the CLI)")
+    if not isinstance(value, str):
+        raise _fail(key, value, "must be a string")
+    return value
+
+
+def _check_keys(values: Mapping[str, Any], source: str) -> None:
+    for key in values:
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, list(FIELDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RecipeConfigError(
+                f"unknown setting {key!r} in {source}{hint} (settings: {', '.join(FIELDS)})"
+            )
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The settings of a TOML config file (top-level keys, or a ``[recipe]`` table)."""
+    file = Path(path)
+    try:
+        data = tomllib.loads(file.read_text("utf-8"))
+    except FileNotFoundError:
+        raise RecipeConfigError(f"config file {str(file)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise RecipeConfigError(f"config file {str(file)!r} is not valid TOML: {err}") from None
+    if set(data) == {"recipe"} and isinstance(data["recipe"], dict):
+        data = data["recipe"]
+    _check_keys(data, f"config file {str(file)!r}")
+    return data
+
+
+def load_config(
+    family: str,
+    *,
+    file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    saved: Mapping[str, Any] | None = None,
+) -> RecipeConfig:
+    """The config of ``family``: defaults < ``saved`` (a resumed run) < ``file`` < overrides."""
+    if family not in FAMILIES:
+        raise RecipeConfigError(f"unknown recipe family {family!r}; one of {list(FAMILIES)}")
+    user: dict[str, Any] = {}
+    if file is not None:
+        user.update(read_toml(file))
+    if overrides:
+        _check_keys(overrides, "the overrides")
+        user.update(overrides)
+    user = {key: _coerce(key, value) for key, value in user.items()}
+    base: dict[str, Any] = dict(saved or {})
+    _check_keys(base, "the resumed run's saved settings")
+    tiny = user.get("tiny", base.get("tiny", False))
+    values: dict[str, Any] = {**FAMILY_DEFAULTS[family]}
+    if tiny:
+        values.update(TINY_DEFAULTS)
+    values.update({key: _coerce(key, value) for key, value in base.items()})
+    values.update(user)
+    return RecipeConfig(**values)
+
+
+def _parse_set(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise RecipeConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set lr=1e-4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def build_parser(family: str, description: str = "") -> argparse.ArgumentParser:
+    """The command line of a recipe: ``--config``, ``--set`` and one option per field."""
+    parser = argparse.ArgumentParser(
+        description=description or f"gradest {family} reward fine-tuning recipe",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file of settings")
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        dest="set_values",
+        help="override any setting (value read as TOML, else as a string); repeatable",
+    )
+    for field in attrs.fields(RecipeConfig):
+        names = [f"--{field.name.replace('_', '-')}"]
+        is_bool = _base_type(field.type) is bool
+        if "_" in field.name and not is_bool:  # --lora_rank too; flags keep one spelling
+            names.append(f"--{field.name}")
+        doc = field.metadata.get("doc", "")
+        default = FAMILY_DEFAULTS[family].get(field.name, field.default)
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        help_text = f"{doc} (default: {default})"
+        if is_bool:
+            parser.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction,
+                                help=help_text)  # fmt: skip
+        else:
+            parser.add_argument(*names, dest=field.name, metavar="VALUE", help=help_text)
+    return parser
+
+
+def config_from_argv(
+    family: str, argv: Sequence[str] | None, saved_from: Any = None
+) -> tuple[RecipeConfig, dict[str, Any]]:
+    """Parse ``argv``; returns the config and the user's own settings (file + CLI).
+
+    ``saved_from(resume_dir) -> dict`` supplies a resumed run's saved settings.
+    """
+    parser = build_parser(family)
+    args = vars(parser.parse_args(argv))
+    file = args.pop("config", None)
+    overrides: dict[str, Any] = {}
+    for text in args.pop("set_values", None) or []:
+        key, value = _parse_set(text)
+        overrides[key] = value
+    overrides.update(args)
+    user: dict[str, Any] = {}
+    if file is not None:
+        user.update(read_toml(file))
+    _check_keys(overrides, "the command line")
+    user.update(overrides)
+    resume = user.get("resume")
+    saved = saved_from(resume) if (saved_from is not None and resume) else None
+    config = load_config(family, overrides=user, saved=saved)
+    return config, user
+
+
+def to_toml(config: RecipeConfig) -> str:
+    """``config`` as a TOML file that :func:`load_config` reads back (``None`` is left out)."""
+    lines = []
+    for key, value in config.to_dict().items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        elif isinstance(value, list):
+            text = "[" + ", ".join(_toml_string(v) for v in value) + "]"
+        else:
+            text = _toml_string(value)
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_string(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

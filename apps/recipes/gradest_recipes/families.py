@@ -1,0 +1,418 @@
+"""Model families: the denoiser, VAE, scheduler, sampler and conditioning of each recipe.
+
+* ``sd3``: ``SD3Transformer2DModel`` + ``FlowMatchEulerDiscreteScheduler`` (through
+  :func:`~gradest.integrations.diffusers.flow_from_scheduler`, dynamic shifting as the
+  SD3 pipeline computes it), conditioning ``encoder_hidden_states`` +
+  ``pooled_projections``, classifier-free guidance.
+* ``flux``: ``FluxTransformer2DModel`` on packed latents ``[B, (H/2)(W/2), 4C]`` with
+  ``img_ids`` / ``txt_ids``, ``pooled_projections``, the sigmas and ``mu`` FluxPipeline
+  uses; a guidance-distilled model (``guidance_embeds``, FLUX.1-dev) gets
+  ``guidance_scale`` through its guidance embedding instead of CFG.
+* ``sd_unet``: ``UNet2DConditionModel`` + ``DDIMScheduler`` (through
+  :func:`~gradest.integrations.diffusers.ddim_from_scheduler`, ``eta`` from the config),
+  ``encoder_hidden_states``, classifier-free guidance.
+
+With ``tiny = true`` every piece is a tiny random model built here (seeded); otherwise
+each is loaded from the local folder ``pretrained`` with ``from_pretrained(subfolder=...)``
+(``transformer`` or ``unet``, ``vae``, ``scheduler``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from gradest.errors import InvalidValue, MissingDependency
+from gradest.integrations.diffusers import (
+    DiffusersVelocity,
+    ddim_from_scheduler,
+    flow_from_scheduler,
+)
+from gradest.integrations.peft import add_lora
+from gradest_recipes.config import RecipeConfig, RecipeConfigError
+from gradest_recipes.embeddings import (
+    TINY_POOLED_DIM,
+    TINY_TEXT_DIM,
+    PromptEmbeddings,
+)
+from gradest_recipes.guidance import NEGATIVE_PREFIX, ClassifierFreeGuidance
+
+__all__ = ["Family", "build_family", "guided", "shard_denoiser"]
+
+
+def guided(family: str, config: RecipeConfig) -> bool:
+    """Whether ``family`` runs classifier-free guidance (Flux never: guidance embedding)."""
+    return family != "flux" and config.guidance_scale != 1.0
+
+
+@attrs.define(eq=False)
+class Family:
+    """Everything family-specific a recipe's loop needs.
+
+    Attributes:
+        name: ``"sd3"``, ``"flux"`` or ``"sd_unet"``.
+        denoiser: the diffusers transformer / UNet, LoRA injected (the trainable part).
+        velocity: the gradest model ``model(z, t, **cond)`` around it (CFG included).
+        vae: the frozen ``AutoencoderKL``.
+        sampler: the gradest sampler taking the scheduler's steps.
+        latent_shape: one sample's state ``z`` (Flux: packed ``[tokens, 4C]``).
+        to_vae_latents: ``z [B, *latent_shape] -> [B, C, h, w]`` (Flux unpacks).
+        lora_prefix: the pipeline's name for the denoiser (``"transformer"`` / ``"unet"``).
+        make_cond: ``(embeddings, index [B], device) -> cond`` for ``model(z, t, **cond)``.
+    """
+
+    name: str
+    denoiser: nn.Module
+    velocity: nn.Module
+    vae: nn.Module
+    sampler: Any
+    latent_shape: tuple[int, ...]
+    to_vae_latents: Callable[[Tensor], Tensor]
+    lora_prefix: str
+    make_cond: Callable[[PromptEmbeddings, Tensor, torch.device], dict[str, Any]]
+
+
+def _diffusers() -> Any:
+    try:
+        import diffusers
+    except ImportError as err:
+        raise MissingDependency(
+            "the recipes need diffusers, peft and accelerate: pip install 'gradest[integrations]'"
+        ) from err
+    return diffusers
+
+
+# -- tiny random models (tests, --tiny) ------------------------------------------------------
+
+
+def tiny_vae() -> nn.Module:
+    """A seeded micro ``AutoencoderKL``: 3 -> 4 latent channels, 2x downsampling."""
+    diffusers = _diffusers()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return diffusers.AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=16,
+            scaling_factor=1.5,
+            shift_factor=0.1,
+        )
+
+
+def tiny_denoiser(family: str) -> nn.Module:
+    """A seeded micro denoiser matching :func:`tiny_vae` and the tiny embeddings."""
+    diffusers = _diffusers()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        if family == "sd3":
+            return diffusers.SD3Transformer2DModel(
+                sample_size=8,
+                patch_size=2,
+                in_channels=4,
+                out_channels=4,
+                num_layers=1,
+                attention_head_dim=8,
+                num_attention_heads=2,
+                joint_attention_dim=TINY_TEXT_DIM,
+                caption_projection_dim=16,
+                pooled_projection_dim=TINY_POOLED_DIM,
+                pos_embed_max_size=8,
+            )
+        if family == "flux":
+            return diffusers.FluxTransformer2DModel(
+                patch_size=1,
+                in_channels=16,
+                num_layers=1,
+                num_single_layers=1,
+                attention_head_dim=8,
+                num_attention_heads=2,
+                joint_attention_dim=TINY_TEXT_DIM,
+                pooled_projection_dim=TINY_POOLED_DIM,
+                guidance_embeds=True,
+                axes_dims_rope=(2, 2, 4),
+            )
+        return diffusers.UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(8, 16),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=TINY_TEXT_DIM,
+            attention_head_dim=2,
+            norm_num_groups=4,
+        )
+
+
+def tiny_scheduler(family: str) -> Any:
+    """The scheduler configuration the real family ships with (SD3, FLUX.1, SD 1.5)."""
+    diffusers = _diffusers()
+    if family == "sd3":
+        return diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    if family == "flux":
+        return diffusers.FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+    return diffusers.DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+
+
+# -- loading real weights ----------------------------------------------------------------------
+
+
+def _load(cls: Any, config: RecipeConfig, subfolder: str, **kwargs: Any) -> Any:
+    try:
+        return cls.from_pretrained(
+            config.pretrained, subfolder=subfolder, variant=config.variant, **kwargs
+        )
+    except (OSError, ValueError) as err:
+        raise InvalidValue(
+            f"setting pretrained={config.pretrained!r}: cannot load {cls.__name__} from its "
+            f"{subfolder!r} subfolder ({err}); pass the local folder of a diffusers model "
+            f"(it holds {subfolder}/config.json)"
+        ) from err
+
+
+def load_parts(family: str, config: RecipeConfig, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+    """``(denoiser, vae, scheduler)``: tiny random ones, or from ``config.pretrained``."""
+    diffusers = _diffusers()
+    if config.tiny:
+        denoiser, vae = tiny_denoiser(family), tiny_vae()
+        if dtype != torch.float32:  # built in float32
+            denoiser, vae = denoiser.to(dtype), vae.to(dtype)
+        return denoiser, vae, tiny_scheduler(family)
+    denoiser_cls, subfolder = {
+        "sd3": (diffusers.SD3Transformer2DModel, "transformer"),
+        "flux": (diffusers.FluxTransformer2DModel, "transformer"),
+        "sd_unet": (diffusers.UNet2DConditionModel, "unet"),
+    }[family]
+    denoiser = _load(denoiser_cls, config, subfolder, torch_dtype=dtype)
+    vae = _load(diffusers.AutoencoderKL, config, "vae", torch_dtype=dtype)
+    scheduler_cls = (
+        diffusers.DDIMScheduler
+        if family == "sd_unet"
+        else diffusers.FlowMatchEulerDiscreteScheduler
+    )
+    try:
+        scheduler = scheduler_cls.from_pretrained(config.pretrained, subfolder="scheduler")
+    except (OSError, ValueError) as err:
+        raise InvalidValue(
+            f"setting pretrained={config.pretrained!r}: cannot load its scheduler ({err})"
+        ) from err
+    return denoiser, vae, scheduler
+
+
+# -- latents -------------------------------------------------------------------------------------
+
+
+def pack_latents(latents: Tensor) -> Tensor:
+    """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]``: FluxPipeline._pack_latents."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: Tensor, height: int, width: int) -> Tensor:
+    """The inverse of :func:`pack_latents` for ``[B, C, height, width]`` latents."""
+    b, _, channels = packed.shape
+    latents = packed.view(b, height // 2, width // 2, channels // 4, 2, 2)
+    return latents.permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, height, width)
+
+
+def flux_image_ids(height: int, width: int) -> Tensor:
+    """FluxPipeline._prepare_latent_image_ids for ``[*, *, height, width]`` latents."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def dynamic_shift_mu(scheduler: Any, image_seq_len: int) -> float:
+    """``mu`` for a scheduler with dynamic shifting, as the SD3 and Flux pipelines compute it."""
+    c = scheduler.config
+    slope = (c.max_shift - c.base_shift) / (c.max_image_seq_len - c.base_image_seq_len)
+    return image_seq_len * slope + c.base_shift - slope * c.base_image_seq_len
+
+
+# -- the family -----------------------------------------------------------------------------------
+
+
+def build_family(
+    family: str,
+    config: RecipeConfig,
+    embeddings: PromptEmbeddings,
+    *,
+    weight_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Family:
+    """Load (or build tiny) the denoiser, VAE and scheduler; add LoRA; wrap for gradest.
+
+    The base weights and the VAE are frozen in ``weight_dtype`` (the mixed-precision dtype,
+    as diffusers' training scripts keep them); LoRA matrices are float32 and the only
+    trainable parameters.
+    """
+    denoiser, vae, scheduler = load_parts(family, config, weight_dtype)
+    denoiser.requires_grad_(False)
+    vae.requires_grad_(False)
+    vae.eval()
+    denoiser_config: Any = denoiser.config
+    vae_config: Any = vae.config
+    vae_factor = 2 ** (len(vae_config.block_out_channels) - 1)
+    if family == "sd_unet":
+        grid = 2 ** (len(denoiser_config.block_out_channels) - 1)
+    else:
+        grid = 2 if family == "flux" else int(denoiser_config.patch_size)
+    if config.resolution % (vae_factor * grid):
+        raise RecipeConfigError(
+            f"setting resolution={config.resolution} is invalid: this model needs a multiple "
+            f"of {vae_factor * grid} (the VAE downsamples {vae_factor}x, the "
+            f"{'UNet' if family == 'sd_unet' else 'transformer'} {grid}x more); use "
+            f"{max(1, config.resolution // (vae_factor * grid)) * vae_factor * grid}"
+        )
+    side = config.resolution // vae_factor
+    channels = int(vae_config.latent_channels)
+    from gradest_recipes.embeddings import check_fits
+
+    check_fits(embeddings, denoiser_config, config.embeddings or "<tiny>")
+    if config.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    add_lora(
+        denoiser, config.lora_rank, target_modules=config.lora_targets, alpha=config.lora_alpha
+    )
+    for name, parameter in denoiser.named_parameters():
+        if "lora_" in name:
+            parameter.data = parameter.data.float()
+            parameter.requires_grad_(True)
+    denoiser.train()
+
+    fixed: dict[str, Any] = {}
+    sampler: Any
+    if family == "sd_unet":
+        sampler = ddim_from_scheduler(scheduler, config.num_inference_steps, eta=config.eta)
+        inner: nn.Module = DiffusersVelocity.for_sampler(denoiser, sampler)
+    else:
+        if config.eta:
+            raise RecipeConfigError(
+                f"setting eta={config.eta!r} is invalid for the {family} recipe: eta is DDIM's "
+                f"noise (sd_unet); flow-matching Euler sampling is deterministic. Set eta = 0"
+            )
+        options: dict[str, Any] = {}
+        if family == "flux":
+            import numpy as np
+
+            n = config.num_inference_steps
+            if not getattr(scheduler.config, "use_flow_sigmas", False):
+                options["sigmas"] = np.linspace(1.0, 1 / n, n)
+            seq_len = (side // 2) ** 2
+        else:
+            seq_len = (side // int(denoiser_config.patch_size)) ** 2
+        if getattr(scheduler.config, "use_dynamic_shifting", False):
+            options["mu"] = dynamic_shift_mu(scheduler, seq_len)
+        sampler = flow_from_scheduler(scheduler, config.num_inference_steps, **options)
+        if family == "flux":
+            fixed = {
+                "img_ids": flux_image_ids(side, side).to(device),
+                "txt_ids": _text_ids(embeddings).to(device),
+            }
+        inner = DiffusersVelocity(denoiser, fixed_kwargs=fixed)
+    velocity = (
+        ClassifierFreeGuidance(inner, config.guidance_scale) if guided(family, config) else inner
+    )
+    if family == "flux":
+        if not denoiser_config.guidance_embeds and config.guidance_scale != 1.0:
+            raise RecipeConfigError(
+                f"setting guidance_scale={config.guidance_scale!r} is invalid for this Flux "
+                f"model: it has no guidance embedding (config.guidance_embeds=False, e.g. "
+                f"FLUX.1-schnell) and the Flux recipe runs no CFG; set guidance_scale = 1"
+            )
+        latent_shape: tuple[int, ...] = ((side // 2) ** 2, channels * 4)
+
+        def to_vae_latents(z: Tensor) -> Tensor:
+            return unpack_latents(z, side, side)
+    else:
+        latent_shape = (channels, side, side)
+
+        def to_vae_latents(z: Tensor) -> Tensor:
+            return z
+
+    def make_cond(emb: PromptEmbeddings, index: Tensor, device: torch.device) -> dict[str, Any]:
+        batch = index.shape[0]
+        cond: dict[str, Any] = {"encoder_hidden_states": emb.rows("prompt_embeds", index)}
+        if family in ("sd3", "flux"):
+            cond["pooled_projections"] = emb.rows("pooled_prompt_embeds", index)
+        if guided(family, config):
+            cond[NEGATIVE_PREFIX + "encoder_hidden_states"] = emb.negative("prompt_embeds", batch)
+            if family == "sd3":
+                cond[NEGATIVE_PREFIX + "pooled_projections"] = emb.negative(
+                    "pooled_prompt_embeds", batch
+                )
+        if family == "flux" and denoiser_config.guidance_embeds:
+            cond["guidance"] = torch.full((batch,), config.guidance_scale)
+        return {k: v.to(device=device, dtype=_cond_dtype(v)) for k, v in cond.items()}
+
+    return Family(
+        name=family,
+        denoiser=denoiser,
+        velocity=velocity,
+        vae=vae,
+        sampler=sampler,
+        latent_shape=latent_shape,
+        to_vae_latents=to_vae_latents,
+        lora_prefix="unet" if family == "sd_unet" else "transformer",
+        make_cond=make_cond,
+    )
+
+
+def shard_denoiser(denoiser: nn.Module) -> nn.Module:
+    """Shard ``denoiser`` with torch's FSDP2 ``fully_shard``, in place: each transformer
+    block (SD3, Flux) or UNet block first, then the root, over the default process group
+    (every process must hold the same weights: they are built or loaded identically).
+
+    Its parameters become DTensors; the trainable ones (the LoRA matrices) must share one
+    dtype, as FSDP2 requires (they are float32; the frozen base weights may differ).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for name in ("transformer_blocks", "single_transformer_blocks", "down_blocks", "up_blocks"):
+        for block in getattr(denoiser, name, None) or ():
+            fully_shard(block)
+    mid = getattr(denoiser, "mid_block", None)
+    if isinstance(mid, nn.Module):
+        fully_shard(mid)
+    fully_shard(denoiser)
+    return denoiser
+
+
+def _cond_dtype(value: Tensor) -> torch.dtype:
+    # Embeddings enter in float32; autocast (mixed precision) lowers them inside the model.
+    return torch.float32 if value.is_floating_point() else value.dtype
+
+
+def _text_ids(embeddings: PromptEmbeddings) -> Tensor:
+    ids = embeddings.tensors.get("text_ids")
+    tokens = embeddings.tensors["prompt_embeds"].shape[1]
+    if ids is None:
+        return torch.zeros(tokens, 3)
+    return ids.reshape(-1, 3).float()

@@ -1,0 +1,164 @@
+"""Rewards on VAE-decoded images: the decode runs inside the reward, differentiably.
+
+A reward maps images ``[B, 3, H, W]`` in ``[0, 1]`` to one number per image ``[B]``;
+:func:`reward_objective` turns it into gradest's terminal objective on the final latents:
+``loss(z) = -mean(reward(decode(z)))`` with ``decode(z) = (vae.decode(z / scaling_factor
++ shift_factor) + 1) / 2`` clamped to ``[0, 1]`` (as diffusers' image processor does),
+so every estimator's gradient runs back through the VAE decoder into the sampling chain.
+
+Built in (no downloads; ``reward = "name"`` or ``"name:key=value,..."``):
+
+* ``brightness``: the mean pixel value.
+* ``contrast``: the standard deviation of the grey level over the image.
+* ``color:r=1,g=0,b=0``: ``-mean((pixel - target)^2)`` towards the target colour
+  (defaults red).
+
+Your own reward model: ``reward = "package.module:function"`` (or ``"path/to/file.py:
+function"``) names a callable ``function(images) -> [B]`` (differentiable in ``images``;
+load your model once at import). If it takes a ``prompts`` parameter, it also gets the
+batch's prompt strings (a list of ``B`` str), for text-image rewards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradest.errors import InvalidValue
+from gradest.objectives import TerminalObjective
+from gradest_recipes.config import RecipeConfigError
+
+__all__ = ["BUILTIN_REWARDS", "Reward", "decode_images", "reward_objective", "resolve_reward"]
+
+Reward = Callable[..., Tensor]
+
+
+def brightness(images: Tensor) -> Tensor:
+    return images.mean(dim=(1, 2, 3))
+
+
+def contrast(images: Tensor) -> Tensor:
+    return images.mean(dim=1).flatten(1).std(dim=1)
+
+
+def color(r: float = 1.0, g: float = 0.0, b: float = 0.0) -> Reward:
+    target = torch.tensor([r, g, b])
+
+    def reward(images: Tensor) -> Tensor:
+        goal = target.to(images)[None, :, None, None]
+        return -(images - goal).pow(2).mean(dim=(1, 2, 3))
+
+    return reward
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., Reward]] = {
+    "brightness": lambda: brightness,
+    "contrast": lambda: contrast,
+    "color": color,
+}
+_OPTIONS = {"brightness": (), "contrast": (), "color": ("r", "g", "b")}
+
+
+def _bad(spec: str, why: str) -> RecipeConfigError:
+    return RecipeConfigError(
+        f"setting reward={spec!r} is invalid: {why}; use one of {sorted(BUILTIN_REWARDS)} "
+        f"(e.g. 'color:r=1,g=0.5,b=0') or 'package.module:function' naming your own "
+        f"reward(images [B,3,H,W] in [0,1]) -> [B]"
+    )
+
+
+def resolve_reward(spec: str) -> Reward:
+    """The reward callable for a ``reward`` setting (built-in name or ``module:function``)."""
+    name, _, options = spec.strip().partition(":")
+    if name in BUILTIN_REWARDS:
+        kwargs: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in options.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in _OPTIONS[name]:
+                allowed = ", ".join(_OPTIONS[name]) or "none"
+                raise _bad(spec, f"{name!r} takes options {allowed}, got {item!r}")
+            try:
+                kwargs[key] = float(value)
+            except ValueError:
+                raise _bad(spec, f"option {key}={value!r} is not a number") from None
+        return BUILTIN_REWARDS[name](**kwargs)
+    if not options:
+        raise _bad(spec, "not a built-in reward and not of the form module:function")
+    module_name, attribute = name, options
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if loader_spec is None or loader_spec.loader is None or not path.is_file():
+                raise ImportError(f"no file {str(path)!r}")
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise _bad(spec, f"cannot import {module_name!r} ({err})") from err
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise _bad(spec, f"{module_name!r} has no callable {attribute!r}")
+    return function
+
+
+def _takes_prompts(function: Reward) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return "prompts" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
+def decode_images(vae: nn.Module, latents: Tensor) -> Tensor:
+    """``latents [B, C, h, w] -> images [B, 3, H, W]`` in ``[0, 1]``, differentiably."""
+    config: Any = vae.config
+    scaled = latents / config.scaling_factor
+    if getattr(config, "shift_factor", None):
+        scaled = scaled + config.shift_factor
+    parameter = next(vae.parameters())
+    decoded = vae.decode(scaled.to(parameter.dtype), return_dict=False)[0]  # type: ignore[operator]
+    return (decoded.float() / 2 + 0.5).clamp(0, 1)
+
+
+def reward_objective(
+    reward: Reward,
+    vae: nn.Module,
+    to_vae_latents: Callable[[Tensor], Tensor],
+    prompts: Sequence[str],
+    *,
+    autocast: Callable[[], Any] | None = None,
+) -> TerminalObjective:
+    """``TerminalObjective(z -> -mean(reward(decode(z))))`` for one batch of ``prompts``.
+
+    ``autocast`` (e.g. ``accelerator.autocast``) is entered around the decode and the
+    reward, so they run in the training's mixed precision.
+    """
+    pass_prompts = _takes_prompts(reward)
+
+    def loss_fn(z: Tensor) -> Tensor:
+        context = autocast() if autocast is not None else contextlib.nullcontext()
+        with context:
+            images = decode_images(vae, to_vae_latents(z))
+            values = reward(images, prompts=list(prompts)) if pass_prompts else reward(images)
+        if not isinstance(values, Tensor) or values.ndim > 1:
+            raise InvalidValue(
+                f"the reward returned {type(values).__name__} of shape "
+                f"{tuple(getattr(values, 'shape', ()))}; a reward returns a tensor [B] (one "
+                f"value per image) or a scalar"
+            )
+        return -values.float().mean()
+
+    return TerminalObjective(loss_fn)

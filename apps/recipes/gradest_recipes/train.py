@@ -1,0 +1,491 @@
+"""The recipe loop: LoRA reward fine-tuning of a diffusers model with any gradest estimator.
+
+Each optimizer step, on every process: draw ``batch_size`` prompts and initial noise
+(from a generator seeded by ``(seed, step, micro-step, process)``, so a resumed run draws
+what the uninterrupted run drew), build the terminal objective ``-reward(decode(z_N))``
+and call ``est.surrogate(model, sampler, objective, noise=..., cond=...)``; then
+``accelerator.backward(sur.loss)``, gradient clipping and ``optimizer.step()``.
+
+Outputs in ``out``: ``config.toml`` (every setting), ``log.jsonl`` (one record per
+``log_every`` steps), ``tensorboard/`` (the same scalars and the sample grids),
+``samples/step_XXXXXX.png`` (a grid every ``sample_every`` steps and at the end),
+``checkpoints/step_XXXXXX/`` (every ``save_every`` steps and at the end; see
+:mod:`gradest_recipes.checkpoints`) and ``lora/pytorch_lora_weights.safetensors`` (the
+final adapters in diffusers' format).
+
+Entry point: :func:`main` ``(argv, family=...)``; ``examples/recipes/*_reward.py`` are
+thin scripts around it.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from gradest.errors import GradestError, InvalidValue
+from gradest.files import JsonLog, atomic_write, atomic_write_text, check_output_dir
+from gradest_recipes.checkpoints import (
+    FullStateAdamW,
+    export_lora,
+    find_checkpoint,
+    lora_tensors,
+    register_lora_hooks,
+    save_checkpoint,
+)
+from gradest_recipes.config import (
+    MAY_CHANGE_ON_RESUME,
+    RecipeConfig,
+    RecipeConfigError,
+    config_from_argv,
+    to_toml,
+)
+from gradest_recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
+from gradest_recipes.families import Family, build_family, guided, shard_denoiser
+from gradest_recipes.rewards import Reward, decode_images, resolve_reward, reward_objective
+
+__all__ = ["main", "script_main", "train"]
+
+# diffusers' file name for LoRA weights (``load_lora_weights`` finds it in a folder).
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+NOISE, ESTIMATOR, SAMPLES = 0, 1, 2  # generator streams
+
+
+def generator_for(seed: int, *keys: int) -> torch.Generator:
+    """A CPU generator seeded from ``(seed, *keys)`` (independent streams per key tuple)."""
+    words = np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed((int(words[0]) << 31) ^ int(words[1]))
+
+
+def saved_settings(resume: str) -> dict[str, Any]:
+    """The settings a run saved in its newest checkpoint (for ``--resume``)."""
+    _, state = find_checkpoint(resume)
+    return dict(state["config"])
+
+
+def main(argv: Sequence[str] | None = None, *, family: str) -> int:
+    """Run the ``family`` recipe with command-line ``argv``; returns the exit status."""
+    config, _ = config_from_argv(family, argv, saved_from=saved_settings)
+    train(family, config)
+    return 0
+
+
+def script_main(family: str, argv: Sequence[str] | None = None) -> int:
+    """:func:`main` for a script's ``__main__``: a documented error (a bad setting, a
+    missing file) is printed as one line and exits 2; anything else keeps its traceback."""
+    try:
+        return main(argv, family=family)
+    except GradestError as err:
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _check_fsdp(config: RecipeConfig, accelerator: Any, world: int) -> None:
+    """Refuse FSDP settings that cannot work, naming the setting and the fix."""
+    from accelerate.utils import DistributedType
+
+    accelerate_fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if config.fsdp and world < 2:
+        raise RecipeConfigError(
+            "setting fsdp=True is invalid in 1 process: FSDP shards the model across "
+            "processes; launch 2 or more (accelerate launch --multi_gpu --num_processes 2, "
+            "or torchrun --nproc_per_node 2), or set fsdp = false"
+        )
+    if config.fsdp and accelerate_fsdp:
+        raise RecipeConfigError(
+            "setting fsdp=True is invalid under accelerate's own FSDP (accelerate launch "
+            "--use_fsdp or an FSDP accelerate config): the model would be sharded twice; "
+            "drop --fsdp, or launch with --multi_gpu instead of --use_fsdp"
+        )
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if asked and not accelerate_fsdp and not config.fsdp:
+        raise RecipeConfigError(
+            f"accelerate was asked for FSDP (--use_fsdp or an FSDP config) but set up "
+            f"{accelerator.distributed_type.value} (accelerate enables FSDP on GPUs only), so "
+            f"this run would not shard; on CPUs pass --fsdp to the recipe (setting fsdp = "
+            f"true: torch's fully_shard) and launch with --multi_gpu"
+        )
+
+
+def _autocast_forward(accelerator: Any, module: torch.nn.Module) -> None:
+    """Run ``module``'s forward under the run's mixed precision, outputs in float32: what
+    ``accelerator.prepare`` does to a model it prepares (the FSDP model is not prepared)."""
+    if not getattr(accelerator, "native_amp", False):
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = module.forward
+
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    module.forward = convert_outputs_to_fp32(autocast_forward)  # type: ignore[method-assign]
+
+
+def _parallel(model: torch.nn.Module) -> str:
+    """How ``model`` is data parallel: ``"fsdp2"`` (``fully_shard`` modules), ``"ddp"``,
+    ``"fsdp1"`` or ``"none"`` (written to ``done.json``)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "fsdp2"
+    if isinstance(model, FSDP1):
+        return "fsdp1"
+    return "ddp" if isinstance(model, DistributedDataParallel) else "none"
+
+
+def _check_resume(family: str, config: RecipeConfig, state: dict[str, Any]) -> None:
+    if state.get("family") != family:
+        raise RecipeConfigError(
+            f"setting resume={config.resume!r}: that run is the {state.get('family')!r} "
+            f"recipe, this is {family!r}"
+        )
+    now = config.to_dict()
+    for key, value in state["config"].items():
+        if key in MAY_CHANGE_ON_RESUME:
+            continue
+        if now.get(key) != value:
+            raise RecipeConfigError(
+                f"setting {key}={now.get(key)!r} differs from the resumed run's {value!r}; a "
+                f"resumed run may change only {sorted(MAY_CHANGE_ON_RESUME - {'resume'})} "
+                f"(start a new run in another out folder to change {key})"
+            )
+
+
+def _estimator(config: RecipeConfig) -> Any:
+    import gradest
+    from gradest.protocol import check_steps
+
+    try:
+        estimator = gradest.estimator(config.estimator)
+        # Options that need more steps than the sampler has fail now, not after loading.
+        check_steps(estimator, config.num_inference_steps)
+        return estimator
+    except (GradestError, ValueError, TypeError) as err:
+        raise RecipeConfigError(
+            f"setting estimator={config.estimator!r} is invalid: {err}"
+        ) from None
+
+
+def _save_grid(images: Tensor, path: Path) -> Tensor:
+    """Write ``images [n, 3, H, W]`` in ``[0, 1]`` as one PNG grid (atomically)."""
+    from PIL import Image
+
+    n, channels, height, width = images.shape
+    columns = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / columns)
+    pad = 2
+    grid = torch.ones(channels, rows * (height + pad) + pad, columns * (width + pad) + pad)
+    for i, image in enumerate(images.float().cpu()):
+        r, c = divmod(i, columns)
+        top, left = pad + r * (height + pad), pad + c * (width + pad)
+        grid[:, top : top + height, left : left + width] = image
+    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda file: file.write(buffer.getbuffer()))
+    return grid
+
+
+def _has_fp16_device() -> bool:
+    xpu = getattr(torch, "xpu", None)
+    mps = getattr(torch.backends, "mps", None)
+    return bool(
+        torch.cuda.is_available()
+        or (xpu is not None and xpu.is_available())
+        or (mps is not None and mps.is_available())
+    )
+
+
+class _Run:
+    """One run's state (kept in one place so the loop reads top to bottom)."""
+
+    def __init__(self, family_name: str, config: RecipeConfig):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.config = config
+        self.family_name = family_name
+        self.estimator = _estimator(config)  # fail on a bad spec before loading weights
+        self.reward: Reward = resolve_reward(config.reward)
+        if config.mixed_precision == "fp16" and not _has_fp16_device():
+            raise RecipeConfigError(
+                "setting mixed_precision='fp16' is invalid on a CPU (torch autocasts CPUs to "
+                "bf16 only); use 'bf16' or 'no' there, 'fp16' on a GPU"
+            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.accelerator = accelerator = Accelerator(
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_steps=config.gradient_accumulation,
+            # Several processes on a machine without CUDA: data parallel on CPUs (gloo),
+            # which accelerate enables only with cpu=True.
+            cpu=world > 1 and not torch.cuda.is_available(),
+        )
+        if world > 1 and accelerator.num_processes != world:
+            raise RecipeConfigError(
+                f"launched as {world} processes but accelerate set up "
+                f"{accelerator.num_processes}; every process would write the same files. "
+                f"Launch with accelerate launch (or torchrun) on a supported backend"
+            )
+        _check_fsdp(config, accelerator, world)
+        self.out = Path(config.out)
+        self.resume_from: tuple[Path, dict[str, Any]] | None = None
+        if config.resume:
+            self.resume_from = find_checkpoint(config.resume)
+            _check_resume(family_name, config, self.resume_from[1])
+        if accelerator.is_main_process:
+            check_output_dir(self.out, what="the recipe's out folder")
+            if not config.resume and (self.out / "log.jsonl").exists():
+                raise RecipeConfigError(
+                    f"setting out={config.out!r}: that folder already holds a run "
+                    f"(log.jsonl); pass --resume {config.out} to continue it, or another out"
+                )
+        set_seed(config.seed)  # LoRA's random init
+        self.embeddings: PromptEmbeddings = (
+            tiny_embeddings(family_name)
+            if config.tiny
+            else load_embeddings(
+                config.embeddings or "", family_name, guided=guided(family_name, config)
+            )
+        )
+        self.family: Family = build_family(
+            family_name,
+            config,
+            self.embeddings,
+            weight_dtype=WEIGHT_DTYPES[config.mixed_precision],
+            device=accelerator.device,
+        )
+        self.family.vae.to(accelerator.device)
+        velocity = self.family.velocity
+        if config.fsdp:  # torch's FSDP2, applied here: accelerate prepares FSDP on GPUs only
+            shard_denoiser(self.family.denoiser)
+        trainable = [p for p in velocity.parameters() if p.requires_grad]
+        optimizer_class = FullStateAdamW if config.fsdp else torch.optim.AdamW
+        optimizer = optimizer_class(trainable, lr=config.lr, weight_decay=config.weight_decay)
+        if config.fsdp:
+            # Not through accelerate.prepare, which would wrap the sharded model in DDP;
+            # accelerate still handles the optimizer, accumulation, clipping and state.
+            self.model, self.optimizer = velocity, accelerator.prepare(optimizer)
+            _autocast_forward(accelerator, velocity)
+            register_lora_hooks(accelerator, models=[velocity])
+        else:
+            self.model, self.optimizer = accelerator.prepare(velocity, optimizer)
+            register_lora_hooks(accelerator)
+        self.parallel = _parallel(self.model)
+        self.log = JsonLog(self.out / "log.jsonl") if accelerator.is_main_process else None
+        if accelerator.is_main_process:
+            atomic_write_text(self.out / "config.toml", to_toml(config))
+        self.step = 0
+        if self.resume_from is not None:
+            folder, state = self.resume_from
+            accelerator.load_state(str(folder))
+            self.step = int(state["step"])
+            if self.log is not None:
+                self.log.keep(lambda record: record.get("step", 0) <= self.step)
+        self.writer: Any = None
+        if accelerator.is_main_process:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A resumed run redoes the steps after its checkpoint: purge_step hides the
+            # earlier run's events from the first redone step on, so none appears twice.
+            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def batch(self, micro: int) -> tuple[Tensor, Tensor]:
+        g = generator_for(self.config.seed, NOISE, self.step, micro, self.accelerator.process_index)
+        index = torch.randint(self.embeddings.count, (self.config.batch_size,), generator=g)
+        noise = torch.randn((self.config.batch_size, *self.family.latent_shape), generator=g)
+        return index, noise.to(self.accelerator.device)
+
+    def train_step(self) -> dict[str, Any]:
+        accelerator, config, family = self.accelerator, self.config, self.family
+        started = time.perf_counter()
+        values, losses, units, grad_norm = [], [], 0.0, float("nan")
+        for micro in range(config.gradient_accumulation):
+            index, noise = self.batch(micro)
+            prompts = [self.embeddings.prompts[int(i)] for i in index]
+            objective = reward_objective(
+                self.reward, family.vae, family.to_vae_latents, prompts,
+                autocast=accelerator.autocast,
+            )  # fmt: skip
+            cond = family.make_cond(self.embeddings, index, accelerator.device)
+            generator = generator_for(
+                config.seed, ESTIMATOR, self.step, micro, accelerator.process_index
+            )
+            with accelerator.accumulate(self.model):
+                sur = self.estimator.surrogate(
+                    self.model, family.sampler, objective,
+                    noise=noise, cond=cond, generator=generator,
+                )  # fmt: skip
+                accelerator.backward(sur.loss)
+                if accelerator.sync_gradients:
+                    parameters = [p for p in self.model.parameters() if p.requires_grad]
+                    norm = accelerator.clip_grad_norm_(
+                        parameters, config.max_grad_norm or float("inf")
+                    )
+                    if norm is not None and hasattr(norm, "full_tensor"):
+                        norm = norm.full_tensor()  # FSDP: a DTensor
+                    grad_norm = float(norm) if norm is not None else float("nan")
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            # The reward of this step's samples. An estimator that takes its loss on other
+            # points (draft_lv: on re-noised copies of the sample) reports the sample's own
+            # loss as info["sample_loss"]; its objective value goes to "loss".
+            values.append(-sur.info.get("sample_loss", sur.value))
+            losses.append(sur.value)
+            units += sur.cost.model_units()
+        self.step += 1
+        local = torch.tensor([float(np.mean(values)), float(np.mean(losses))])
+        reward, loss = (
+            float(x) for x in accelerator.gather(local.to(accelerator.device)).view(-1, 2).mean(0)
+        )
+        if not math.isfinite(reward):
+            from gradest.errors import Diverged
+
+            raise Diverged(f"the reward is {reward} at step {self.step}; lower lr")
+        return {
+            "step": self.step,
+            "reward": reward,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": config.lr,
+            "model_forwards": units,
+            "seconds": time.perf_counter() - started,
+        }
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def record(self, values: dict[str, Any]) -> None:
+        if self.log is None:
+            return
+        self.log.append(values)
+        for key, value in values.items():
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                self.writer.add_scalar(f"train/{key}", value, values["step"])
+        self.writer.flush()
+
+    @torch.no_grad()
+    def sample_grid(self) -> None:
+        """Sample ``sample_count`` images on fixed noise and prompts; main writes the PNG."""
+        import gradest
+
+        accelerator, config, family = self.accelerator, self.config, self.family
+        g = generator_for(config.seed, SAMPLES)
+        count = config.sample_count
+        index = torch.arange(count) % self.embeddings.count
+        noise = torch.randn((count, *family.latent_shape), generator=g).to(accelerator.device)
+        cond = family.make_cond(self.embeddings, index, accelerator.device)
+        with accelerator.autocast():
+            trajectory = gradest.rollout(self.model, family.sampler, noise, cond=cond)
+            images = decode_images(family.vae, family.to_vae_latents(trajectory.states[-1]))
+        if accelerator.is_main_process:
+            path = self.out / "samples" / f"step_{self.step:06d}.png"
+            grid = _save_grid(images, path)
+            self.writer.add_image("samples", grid, self.step)
+            self.writer.flush()
+
+    def checkpoint(self) -> None:
+        state = {"family": self.family_name, "config": self.config.to_dict()}
+        save_checkpoint(self.accelerator, self.out, self.step, state, self.config.keep_checkpoints)
+
+    def finish(self) -> None:
+        from accelerate.utils import DistributedType
+
+        accelerator = self.accelerator
+        accelerator.wait_for_everyone()
+        if accelerator.distributed_type == DistributedType.FSDP:  # accelerate's own FSDP
+            state = accelerator.get_state_dict(self.model)  # every process (gathers)
+            inner = next(
+                name
+                for name, module in self.family.velocity.named_modules()
+                if module is self.family.denoiser
+            )
+            prefix = f"{inner}." if inner else ""
+            tensors = {
+                key[len(prefix) :]: value
+                for key, value in state.items()
+                if key.startswith(prefix) and "lora_" in key
+            }
+        else:  # the denoiser's own names; every process (fsdp = true: gathers the shards)
+            tensors = lora_tensors(self.family.denoiser)
+        if accelerator.is_main_process:
+            export_lora(
+                tensors,
+                self.family.lora_prefix,
+                self.out / "lora" / LORA_FILE,
+                self.config.lora_rank,
+                self.config.lora_alpha,
+            )
+            self.writer.close()
+        # A DDP wrapper must not outlive its process group (end_training destroys it): with
+        # gloo that aborted processes at exit (docs/distributed.md). Keep the bare module.
+        self.model = accelerator.unwrap_model(self.model)
+        accelerator._models.clear()
+        gc.collect()
+        accelerator.end_training()
+
+
+def train(family: str, config: RecipeConfig) -> _Run:
+    """Run the recipe for ``family`` with ``config``; returns the finished run (its
+    ``family.denoiser``, ``out``, ``step``)."""
+    run = _Run(family, config)
+    config = run.config
+    if run.step >= config.steps:
+        raise InvalidValue(
+            f"setting steps={config.steps} is invalid: the resumed run is already at step "
+            f"{run.step}; pass a larger --steps to continue it"
+        )
+    main_process = run.accelerator.is_main_process
+    # On the main process only; tqdm hides itself when stderr is not a terminal (logs, CI).
+    progress = tqdm(
+        total=config.steps,
+        initial=run.step,
+        desc=f"{family} reward fine-tuning",
+        unit="step",
+        disable=None if main_process else True,
+    )
+    with progress:
+        while run.step < config.steps:
+            values = run.train_step()
+            progress.update(1)
+            progress.set_postfix(reward=f"{values['reward']:.4g}", refresh=False)
+            last = run.step == config.steps
+            if run.step % config.log_every == 0 or last:
+                run.record(values)
+            if last or (config.sample_every and run.step % config.sample_every == 0):
+                run.sample_grid()
+            if last or (config.save_every and run.step % config.save_every == 0):
+                run.checkpoint()
+    run.finish()
+    if main_process:
+        summary = {
+            "step": run.step,
+            "out": str(run.out),
+            "processes": run.accelerator.num_processes,
+            "parallel": run.parallel,
+        }
+        atomic_write_text(run.out / "done.json", json.dumps(summary) + "\n")
+        print(
+            f"{family}: {run.step} steps done, last reward {values['reward']:.4g}; "
+            f"LoRA weights {run.out / 'lora' / LORA_FILE}, log {run.out / 'log.jsonl'}"
+        )
+    return run

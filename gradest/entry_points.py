@@ -1,0 +1,105 @@
+"""Loading what installed packages register under gradest's entry-point groups.
+
+Three groups, one loader:
+
+* ``gradest.estimators``: estimator classes (gradest's own built-ins are registered in its
+  ``pyproject.toml`` exactly like third-party plugins; :mod:`gradest.registry`);
+* ``gradest.commands``: subcommands of the ``gradest`` command line that belong to an
+  application (``gradest finetune`` from ``gradest-digits``; :mod:`gradest.cli`);
+* ``gradest.problems``: named problems for ``gradest compare --model NAME``
+  (:mod:`gradest.harness.embedded`).
+
+gradest's own distribution is loaded first, so a plugin cannot silently shadow a
+built-in. A plugin that fails to load in any way (an exception, even ``SystemExit``;
+only ``KeyboardInterrupt`` propagates) or that is not what the group expects warns,
+naming the entry point and its distribution, and is skipped: a broken plugin never
+breaks ``import gradest`` or the command line. ``GRADEST_DISABLE_PLUGINS=1`` loads
+gradest's own entries only.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import attrs
+
+DISABLE_ENV = "GRADEST_DISABLE_PLUGINS"
+OWN_DISTRIBUTION = "gradest"
+
+
+@attrs.frozen
+class Loaded:
+    """What one group holds: name -> object, and name -> the distribution that gave it."""
+
+    objects: dict[str, Any]
+    sources: dict[str, str]
+
+
+def distribution_of(entry: EntryPoint) -> str:
+    """The name of the distribution that registers ``entry``."""
+    dist = getattr(entry, "dist", None)
+    return getattr(dist, "name", None) or "<unknown distribution>"
+
+
+def plugins_disabled() -> bool:
+    """Whether ``GRADEST_DISABLE_PLUGINS`` asks for gradest's own entries only."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def load_group(
+    group: str,
+    *,
+    what: str,
+    check: Callable[[Any], str | None],
+    plugins_enabled: bool = True,
+) -> Loaded:
+    """Load every entry point of ``group``, skipping (with a warning) the unusable ones.
+
+    Args:
+        group: the entry-point group, e.g. ``"gradest.estimators"``.
+        what: how a warning names one entry (``"estimator plugin"``).
+        check: returns None when a loaded object is usable, else why it is not.
+        plugins_enabled: False keeps gradest's own entries only.
+    """
+    entries = sorted(entry_points(group=group), key=lambda e: distribution_of(e) != OWN_DISTRIBUTION)
+    objects: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for entry in entries:
+        source = distribution_of(entry)
+        if not plugins_enabled and source != OWN_DISTRIBUTION:
+            continue
+        if entry.name in objects:
+            warnings.warn(
+                f"gradest: {what} {entry.name!r} from {source} is a duplicate of the one "
+                f"from {sources[entry.name]}; keeping the first",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
+        try:
+            loaded = entry.load()
+            problem = check(loaded)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # a broken plugin (even sys.exit()) never breaks gradest
+            warnings.warn(
+                f"gradest: skipping {what} {entry.name!r} from {source} "
+                f"({entry.value}): {type(err).__name__}: {err}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
+        if problem is not None:
+            warnings.warn(
+                f"gradest: skipping {what} {entry.name!r} from {source}: {entry.value} {problem}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
+        objects[entry.name] = loaded
+        sources[entry.name] = source
+    return Loaded(objects, sources)

@@ -213,9 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             "--device cuda requested but CUDA is not available; use --device cpu --config tiny"
         )
-    from gradest.cli import split_specs
+    from gradest.specs import split_spec_list
 
-    specs = split_specs(args.estimators)
+    specs = split_spec_list(args.estimators, what="--estimators")
     if specs[0] != "exact":
         specs = ["exact", *[s for s in specs if s != "exact"]]
     reference = reference_check(args.device)

@@ -2,7 +2,8 @@
 
 These are the baselines for gradest's overhead: same model, same objective, same
 sampler grid, nothing but ``model(z, t)`` and ``loss.backward()``. Both accumulate into
-``p.grad`` like ``est.backward(...)`` does; zero the gradients between calls.
+``p.grad`` like ``est.surrogate(...).loss.backward()`` does; zero the gradients between
+calls.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Estimators against gradest ``exact`` on the same workload (DESIGN.md section 4).
+"""Estimators against gradest ``exact`` on the same workload (docs/design.md#measuring-cost).
 
 Targets of the issue (wall time, reported in the summary table, never asserted):
 stepwise ``N=16``: jagg window 4 >= 1.45x, window 8 >= 1.9x, shared knots window 4 >= 1.9x;

@@ -3,7 +3,7 @@
 Shared by the pytest-benchmark suite and ``python -m benchmarks.report`` so both
 measure the same thing. The model is an MLP velocity field whose forward is dominated by
 its ``hidden x hidden`` matmuls (a few milliseconds on one CPU thread), so FLOPs, wall
-time and the DESIGN.md section 4 cost model all speak about the same work.
+time and the cost model (docs/design.md#cost-model) all speak about the same work.
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ class Bench:
     """The workload's model, noise, grids and recorded path, and the calls to measure.
 
     Every call zeroes the parameter gradients and then accumulates into ``p.grad``
-    (``est.surrogate(...).loss.backward()``, ``est.backward`` or the hand-written
-    ``loss.backward()``), so gradest and the hand-written loops do the same work including
+    (``est.surrogate(...).loss.backward()``, ``est.estimate`` written into ``.grad``, or
+    the hand-written ``loss.backward()``), so gradest and the hand-written loops do the same
+    work including
     the gradient write.
     """
 
@@ -180,15 +181,21 @@ class Bench:
         self, est: object, path: str, flow: gradest.AffineSampler, objective: object, **inputs
     ) -> object:
         """One gradient into ``p.grad`` by ``path``: the surrogate loss's backward, or
-        ``est.backward`` with the autograd or torch.func engine."""
+        ``est.estimate`` with the autograd or torch.func engine, its gradients written into
+        ``p.grad`` (as the hand-written loop's backward writes them)."""
         self._zero_grad()
         if path == "surrogate":
             sur = est.surrogate(self.model, flow, objective, generator=fresh_generator(), **inputs)
             sur.loss.backward()
             return sur
-        return est.backward(
+        result = est.estimate(
             self.model, flow, objective, generator=fresh_generator(), engine=path, **inputs
         )
+        parameters = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, grad in result.grads.items():
+                parameters[name].grad = grad.to(parameters[name].dtype).clone()
+        return result
 
     def gradest_stepwise(self, spec: str, path: str = "surrogate") -> Callable[[], object]:
         """A gradient on the recorded ``STEPWISE_STEPS``-step path (``path``: see ``_run``)."""

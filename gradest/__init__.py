@@ -7,12 +7,40 @@ Swap estimators by name; train with the surrogate loss::
     sur.loss.backward()   # .grad now holds the estimate; or est.estimate(...) for a dict
 """
 
+import warnings as _warnings
+
+# -- estimators: pick one by name, or write one ----------------------------------------------
+# estimator("jagg:window=4") builds one from a spec; available_estimators() lists the
+# registered classes; UnknownEstimatorError is raised for a name nobody registered.
+# TrajectoryGradientEstimator is the protocol (two verbs: surrogate() to train, estimate()
+# to measure); EstimatorBase is the base class that gives a plugin both verbs from its
+# _terminal(ctx) / _stepwise(ctx); EstimationContext is the ctx those receive;
+# Decisions (the record of an estimate's random and gate choices) and Definition (the
+# estimator's formula evaluated densely) are what a plugin returns for ``gradest check``;
+# EstimatorAxes is an estimator's two design axes and memory policy (gradest list --verbose).
+# -- results of the two verbs -----------------------------------------------------------------
+# Surrogate (surrogate(): a loss to backpropagate) and GradientEstimate (estimate(): the
+# gradients as a dict) share value, cost (a Cost of model calls), info, decisions, usable.
+# -- samplers: a time grid and an affine step -------------------------------------------------
+# RectifiedFlow (Euler), FlowSDE (Flow-GRPO's SDE) and DDIM (DDIM / DDPM) are built as
+# Cls(steps=N) or Cls(times=...); AffineSampler is the protocol a sampler of your own meets.
+# -- paths, objectives and conditioning -------------------------------------------------------
+# rollout(model, sampler, noise) records a Trajectory; TerminalObjective / StepwiseObjective
+# are what is differentiated; flow_matching_objective / flow_matching_trajectory build the
+# flow-matching loss; SharedCondition marks a cond value that must not be repeated per row.
+# -- measuring and errors ---------------------------------------------------------------------
+# compare() measures estimators against exact into a Report; GradestError is the base of
+# every error gradest raises on purpose, NonFiniteError the one for NaN/Inf;
+# GradestDeprecationWarning is what deprecated names and arguments warn with.
 # RL objectives (Flow-GRPO, adjoint matching) as a namespace: ``gradest.rl.grpo_objective``.
 from gradest import rl
-from gradest.conditioning import Shared
-from gradest.diffusion_samplers import DDIMSampler
-from gradest.errors import GradestError
-from gradest.trajectory import Trajectory, rollout
+from gradest._deprecation import module_aliases as _module_aliases
+from gradest.axes import EstimatorAxes
+from gradest.base import EstimatorBase
+from gradest.conditioning import SharedCondition
+from gradest.context import EstimationContext
+from gradest.diffusion_samplers import DDIM
+from gradest.errors import GradestDeprecationWarning, GradestError
 from gradest.harness.compare import compare
 from gradest.harness.report import Report
 from gradest.nonfinite import NonFiniteError
@@ -22,23 +50,49 @@ from gradest.objectives import (
     flow_matching_objective,
     flow_matching_trajectory,
 )
-from gradest.protocol import Cost, GradientEstimate, Surrogate, TrajectoryGradientEstimator
+from gradest.protocol import (
+    Cost,
+    Decisions,
+    Definition,
+    GradientEstimate,
+    Surrogate,
+    TrajectoryGradientEstimator,
+)
 from gradest.registry import UnknownEstimatorError, available_estimators, estimator
 from gradest.samplers import AffineSampler, FlowSDE, RectifiedFlow
+from gradest.trajectory import Trajectory, rollout
+
+# Deprecated names and arguments warn once per calling location (not only under -W).
+_warnings.filterwarnings("default", category=GradestDeprecationWarning)
+
+# Deprecated top-level names, served with a warning that names the replacement.
+__getattr__ = _module_aliases(
+    __name__,
+    {
+        "DDIMSampler": (lambda: DDIM, "gradest.DDIM"),
+        "Shared": (lambda: SharedCondition, "gradest.SharedCondition"),
+    },
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AffineSampler",
     "Cost",
-    "DDIMSampler",
+    "DDIM",
+    "Decisions",
+    "Definition",
+    "EstimationContext",
+    "EstimatorAxes",
+    "EstimatorBase",
     "FlowSDE",
+    "GradestDeprecationWarning",
     "GradestError",
     "GradientEstimate",
     "NonFiniteError",
     "RectifiedFlow",
     "Report",
-    "Shared",
+    "SharedCondition",
     "StepwiseObjective",
     "Surrogate",
     "TerminalObjective",

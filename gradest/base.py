@@ -1,4 +1,4 @@
-"""The two verbs every estimator has, ``surrogate`` and ``estimate``; strategies implement two methods.
+"""Every estimator's two verbs, ``surrogate`` and ``estimate``; strategies implement two methods.
 
 ``surrogate()`` is for training (a loss whose autograd gradient is the estimate),
 ``estimate()`` for measuring (the gradients as a dict); both take the same arguments

@@ -28,27 +28,27 @@ import torch
 from tqdm import tqdm
 
 from gradest.errors import InvalidValue
-from gradest.trajectory import rollout
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Definition, supports
-from gradest.reference.decisions import decisions_mismatch
-from gradest.reference.definitions import definition_at, expected_decisions
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
+from gradest.registry import available_estimators, estimator
+from gradest.samplers import RectifiedFlow
+from gradest.specs import as_spec_list
+from gradest.testing.checks import noise_grad_error, surrogate_gradient, verify_decisions
 from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,
     tiny_mlp,
 )
-from gradest.registry import available_estimators, estimator
-from gradest.samplers import RectifiedFlow
+from gradest.trajectory import rollout
 
 DEFINITION_TOLERANCE = 1e-8
 # Generator seeds per estimator whose decisions and definition are checked.
 DRAW_SEEDS = 4
 
-# Configurations DESIGN.md pins as known truths, checked in addition to the defaults, and
-# the non-default options of the newer estimators.
+# Configurations pinned as known truths (docs/design.md#known-truths), checked in addition
+# to the defaults, and the non-default options of the newer estimators.
 PINNED = (
     "exact:checkpoint=true",
     "jagg:window=2,order=1",
@@ -94,16 +94,25 @@ class _Verdict:
 
 
 def run_check(
-    specs: Sequence[str] | None = None,
+    specs: str | Sequence[Any] | None = None,
     *,
     steps: int = 8,
     seed: int = 0,
     show_progress: bool = True,
 ) -> bool:
-    """Print the check table; True when every estimator matches its definition."""
+    """Print the check table; True when every estimator matches its definition.
+
+    ``specs``: a spec list in the one list syntax (``"exact,jagg:window=4,tau=0.9,sdo"``,
+    :mod:`gradest.specs`) or a sequence of spec strings and estimator objects; None (or
+    empty): every registered estimator and the known truths.
+    """
     if steps < 1:
         raise InvalidValue(f"--steps must be >= 1, got {steps}")
-    estimators = [estimator(spec) for spec in (specs or default_specs(steps))]
+    listed = as_spec_list(specs, what="specs") if specs is not None else []
+    estimators = [
+        estimator(spec) if isinstance(spec, str) else spec
+        for spec in (listed or default_specs(steps))
+    ]
     dim, batch, classes = 4, 4, 3
     model = tiny_mlp(dim, hidden=12, num_classes=classes, seed=seed)
     flow = RectifiedFlow(steps=steps)
@@ -164,7 +173,7 @@ def run_check(
             vs_definition = max([relative_error(flat, definition.grad), *later_errors])
             from_noise = relative_error(sampled.flat(), definition.grad)
             if terminal and definition.noise_grad is not None and sampled.noise_grad is not None:
-                noise_grad = _noise_grad_error(sampled.noise_grad, definition.noise_grad)
+                noise_grad = noise_grad_error(sampled.noise_grad, definition.noise_grad)
         surrogate = _surrogate_error(est, model, flow, objective, trajectory, cond, seed, flat)
         exact = truth[kind]
         cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
@@ -216,44 +225,18 @@ def _verified(
 ) -> tuple[list[str] | None, Definition | None]:
     """The decision mismatches of ``result`` (None if the estimator does not re-derive
     them) and the definition at the re-derived decisions (at its own without them)."""
-    expected = expected_decisions(est, chain, objective, torch.Generator().manual_seed(seed))
-    if expected is None:
-        return None, definition_at(est, chain, objective, result.decisions)
-    return decisions_mismatch(result.decisions, expected), definition_at(
-        est, chain, objective, expected
-    )
-
-
-def _noise_grad_error(estimate: torch.Tensor, truth: torch.Tensor) -> float:
-    """Relative error, or the absolute one where the truth is zero (a cut chain)."""
-    if float(truth.norm()) == 0.0:
-        return float(estimate.to(torch.float64).norm())
-    return relative_error(estimate, truth)
+    return verify_decisions(est, chain, objective, result, torch.Generator().manual_seed(seed))
 
 
 def _surrogate_error(
     est, model, flow, objective, trajectory, cond, seed: int, estimate: torch.Tensor
 ) -> float | None:
     """Relative error of ``autograd.grad(est.surrogate(...).loss)`` to the estimate."""
-    if not callable(getattr(est, "surrogate", None)):
-        return None
-    sur = est.surrogate(
-        model,
-        flow,
-        objective,
-        trajectory=trajectory,
-        cond=cond,
+    flat = surrogate_gradient(
+        est, model, flow, objective, trajectory=trajectory, cond=cond,
         generator=torch.Generator().manual_seed(seed),
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(sur.loss, params, allow_unused=True)
-    flat = torch.cat(
-        [
-            (torch.zeros_like(p) if g is None else g).reshape(-1)
-            for p, g in zip(params, grads, strict=True)
-        ]
-    )
-    return relative_error(flat, estimate)
+    )  # fmt: skip
+    return None if flat is None else relative_error(flat, estimate)
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -17,11 +17,12 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from gradest import registry
+from gradest import entry_points, registry
 from gradest.commands import registered_commands
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import check_output_dir
 from gradest.protocol import supports
+from gradest.specs import SPEC_LIST_EXAMPLE, spec_list_text, split_spec_list
 
 # The main job's line-up: every built-in estimator in its recommended form, the new
 # unbiased ones beside the biased ones they correct.
@@ -30,12 +31,24 @@ COMPARE_DEFAULT = (
     "truncated:k=1,truncated:random=uniform,k_min=2,telescope,draft_lv,refl"
 )
 
+# Both commands' --estimators help: the one list syntax (gradest.specs), one example.
+SPEC_LIST_HELP = (
+    "estimator specs separated by ',' (options continue their spec; a list-valued option "
+    f"in parentheses), e.g. --estimators '{SPEC_LIST_EXAMPLE}'"
+)
+
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    del args
+    from gradest.axes import describe_axes
+
+    verbose = getattr(args, "verbose", False)
     for name, cls in sorted(registry.available_estimators().items()):
         doc = (cls.__doc__ or "").strip().splitlines()
         print(f"{name}: {doc[0] if doc else cls.__name__}")
+        if verbose:
+            for field, text in describe_axes(cls):
+                print(f"  {field}: {text}")
+            print("  options:")
         for option, default, text in registry.describe(name):
             print(f"    {option}={default!r}  {text}")
     return 0
@@ -44,26 +57,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from gradest.check import run_check
 
-    specs = [s for s in (args.estimators.split(";") if args.estimators else []) if s.strip()]
+    # The one list syntax (gradest.specs); the old ';' separator warns for a transition.
+    specs = split_spec_list(args.estimators, what="--estimators", legacy_separator=";")
     ok = run_check(specs or None, steps=args.steps, seed=args.seed, show_progress=not args.quiet)
     return 0 if ok else 1
-
-
-def split_specs(text: str) -> list[str]:
-    """``"exact,jagg:window=4,tau=0.9,sdo"`` -> ``["exact", "jagg:window=4,tau=0.9", "sdo"]``.
-
-    Commas separate estimators and also options inside one spec; a piece with ``=`` but
-    no ``:`` continues the previous spec's options.
-    """
-    specs: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        if "=" in piece and ":" not in piece and specs:
-            specs[-1] += "," + piece
-        else:
-            specs.append(piece)
-    return specs
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -74,12 +71,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from gradest.harness.plots import plots_unavailable
     from gradest.harness.sweeps import jagg_debias_sweep, jagg_span_sweep, jagg_tau_sweep
 
-    specs = split_specs(args.estimators)
+    specs = split_spec_list(args.estimators, what="--estimators")
     if not specs:
         raise InvalidValue("--estimators is empty; e.g. --estimators exact,jagg:window=4,sdo")
     for spec in specs:  # fail on a bad spec before any work starts
         registry.estimator(spec)
-    if args.estimators == COMPARE_DEFAULT:
+    if specs == split_spec_list(COMPARE_DEFAULT):
         # The default line-up holds terminal-only estimators; a stepwise run leaves them
         # out and says so (an explicit --estimators list is checked by compare itself).
         kept = [s for s in specs if supports(registry.estimator(s), args.objective)]
@@ -164,13 +161,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# The library's own subcommands (applications add theirs through gradest.commands).
+_OWN_COMMANDS = ("list", "check", "compare")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradest",
         description="Gradients through diffusion / flow-model sampling chains.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list estimators and their options").set_defaults(run=_cmd_list)
+    listing = sub.add_parser("list", help="list estimators and their options")
+    listing.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print each estimator's design axes (cotangents, evaluation), memory "
+        "policy and where its cost formula is",
+    )
+    listing.set_defaults(run=_cmd_list)
     check = sub.add_parser(
         "check",
         help="check every estimator against the dense reference on the embedded toy model",
@@ -178,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--estimators",
         default="",
-        help="';'-separated estimator specs (default: every registered estimator with "
-        "its defaults and the configurations DESIGN.md pins), e.g. 'jagg:window=4;sdo'",
+        type=spec_list_text,
+        help=f"{SPEC_LIST_HELP} (default: every registered estimator with its defaults and "
+        "the known truths of docs/design.md#known-truths)",
     )
     check.add_argument("--steps", type=int, default=8, help="sampling steps N (default 8)")
     check.add_argument("--seed", type=int, default=0, help="seed of model, noise and draws")
@@ -197,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--estimators",
         default=COMPARE_DEFAULT,
-        help="comma-separated estimator specs (options continue a spec: jagg:window=4,tau=0.9)",
+        type=spec_list_text,
+        help=f"{SPEC_LIST_HELP} (default: every built-in estimator in its recommended form)",
     )
     cmp.add_argument("--seeds", type=int, default=16, help="trajectories (default 16)")
     cmp.add_argument(
@@ -226,8 +237,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands that this repository's applications contribute (gradest.commands entry
+# points): named here only so that calling one without its application says what to install.
+# gradest imports nothing from them.
+APPLICATION_COMMANDS = {
+    "finetune": ("gradest-digits", "pip install ./apps/digits"),
+    "pretrain": ("gradest-digits", "pip install ./apps/digits"),
+}
+
+
+def _missing_application(argv: Sequence[str], known: Sequence[str]) -> str | None:
+    """The one-line error for an application command whose application is not installed."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is None or command in known or command not in APPLICATION_COMMANDS:
+        return None
+    distribution, install = APPLICATION_COMMANDS[command]
+    return (
+        f"gradest {command}: error: the {command!r} command belongs to the {distribution} "
+        f"application, which is not installed (or {entry_points.DISABLE_ENV} is set); install "
+        f"it from the repository root with `{install}`"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    missing = _missing_application(argv, tuple(registered_commands()) + _OWN_COMMANDS)
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         if getattr(args, "config", None) is not None and getattr(args, "subparser", None):

@@ -9,6 +9,13 @@ types::
     lr = 1e-4
     labels = "null"
 
+A setting that is a list of estimator specs (a flag with ``type=gradest.specs.spec_list_text``)
+takes either one string in the list syntax of :mod:`gradest.specs` or an array of spec
+strings: ``estimators = "exact,jagg:window=4,tau=0.9,sdo"`` and ``estimators = ["exact",
+"jagg:window=4,tau=0.9", "sdo"]`` are the same list. A single-estimator setting takes one
+spec, whose list-valued options use the same syntax (``estimator =
+"auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)"``).
+
 Each value is checked against its flag (type and choices) before anything runs, and an
 unknown key is refused with the list of known ones, so a typo never silently keeps a
 default. The file becomes the parser's defaults and the command line is parsed again, so
@@ -24,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gradest.errors import InvalidType, InvalidValue, MissingFile
+from gradest.specs import SPEC_LIST_EXAMPLE, format_spec_list, spec_list_text, split_spec_list
 
 # Flags that are about the invocation rather than the run's settings.
 NOT_IN_FILE = frozenset({"help", "config", "resume", "command", "run"})
@@ -56,6 +64,20 @@ def _checked(key: str, value: Any, action: argparse.Action, path: Path) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidType(f"{where}: expected a number (e.g. {key} = 0.5)")
         value = float(value)
+    elif kind is spec_list_text:
+        # A list of estimator specs: one string in the list syntax or an array of spec
+        # strings, both read by gradest.specs (the file's text is checked here).
+        try:
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                value = format_spec_list(value)
+            elif not isinstance(value, str):
+                raise InvalidType(
+                    f'{where}: expected a spec list, e.g. {key} = "{SPEC_LIST_EXAMPLE}" or '
+                    f'{key} = ["exact", "jagg:window=4,tau=0.9"]'
+                )
+            split_spec_list(value, what=f"{key} in {path}")
+        except InvalidValue as err:
+            raise InvalidValue(f"{where}: {err}") from err
     elif not isinstance(value, str):
         raise InvalidType(f'{where}: expected a string (e.g. {key} = "...")')
     elif callable(kind):

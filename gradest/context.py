@@ -18,6 +18,11 @@ from torch import Tensor
 
 from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
 from gradest.errors import InvalidType, InvalidValue
+from gradest.nonfinite import NonFiniteError, check_finite
+from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
+from gradest.protocol import Decisions
+from gradest.ranks import RankAgreement
+from gradest.samplers import AffineSampler
 from gradest.trajectory import (
     SamplerSteps,
     Trajectory,
@@ -26,11 +31,6 @@ from gradest.trajectory import (
     draw_step_noise,
     integrate,
 )
-from gradest.nonfinite import NonFiniteError, check_finite
-from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
-from gradest.protocol import Decisions
-from gradest.ranks import RankAgreement
-from gradest.samplers import AffineSampler
 from gradest.vjp import CostMeter, ParamGradient, RetainedChain, VelocityField, add_grads
 
 

@@ -20,7 +20,7 @@ model's raw output (:func:`ddim_coefficients`). ``eta = 0`` is deterministic DDI
 ``eta = 1`` is DDPM ancestral sampling with the posterior variance ``"fixed_small"``
 (diffusers' ``DDPMScheduler.step``; ``tests/test_ddim.py`` checks the identity against it).
 
-The grid: :class:`DDIMSampler` keeps gradest's time grid (``[N+1]`` in ``[0, 1]``,
+The grid: :class:`DDIM` keeps gradest's time grid (``[N+1]`` in ``[0, 1]``,
 strictly decreasing; the model is called at ``t_k``) and stores ``alphas_cumprod`` per
 grid point explicitly, because the last point's ``a`` is a scheduler setting
 (``final_alpha_cumprod``: 1 with ``set_alpha_to_one=True``, else ``alphas_cumprod[0]``)
@@ -28,7 +28,8 @@ rather than a function of its time. How a discrete-time model is called at ``t``
 recorded with the sampler (``timestep = t * num_train_timesteps + timestep_shift``) for
 adapters such as :meth:`gradest.integrations.diffusers.DiffusersVelocity.for_sampler`;
 it does not enter the step's math. Build one from a diffusers scheduler with
-:func:`gradest.integrations.diffusers.ddim_from_scheduler`.
+:meth:`DDIM.from_scheduler`. (``DDIMSampler`` and
+``gradest.integrations.diffusers.ddim_from_scheduler`` are the deprecated old names.)
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ import torch
 from torch import Tensor
 
 from gradest._checks import require
+from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
-from gradest.samplers import TimeGrid, as_time_grid
+from gradest.samplers import TimeGrid
 
 PREDICTIONS = ("epsilon", "v_prediction", "sample")
 # Round-off allowed in 1 - a' - s^2 before it counts as negative (eta too large).
@@ -121,7 +123,7 @@ def as_alphas_cumprod(alphas_cumprod: Any, points: int, prediction: str = "epsil
 
 
 @attrs.frozen(eq=False, repr=False, init=False)
-class DDIMSampler(TimeGrid):  # type: ignore[override]  # attrs' generated init gains fields
+class DDIM(TimeGrid):  # type: ignore[override]  # attrs' generated init gains fields
     """DDIM with ``eta`` (``eta = 1``: DDPM ancestral) as gradest's affine step.
 
     Step ``k`` goes from ``a = alphas_cumprod[k]`` to ``a' = alphas_cumprod[k+1]``::
@@ -138,7 +140,13 @@ class DDIMSampler(TimeGrid):  # type: ignore[override]  # attrs' generated init 
     ``set_alpha_to_one=False``, as DDPO does with Stable Diffusion, for a stochastic last
     step).
 
+    Constructed like every gradest sampler: ``DDIM(steps=N, alphas_cumprod=...)`` (a
+    uniform grid) or ``DDIM(times=..., alphas_cumprod=...)``, plus the keyword options
+    below; :meth:`from_scheduler` builds it from a diffusers ``DDIMScheduler`` /
+    ``DDPMScheduler``. (Formerly ``DDIMSampler``, a deprecated alias.)
+
     Args:
+        steps: ``N``, a uniform grid from 1 to 0 (exclusive with ``times``).
         times: ``[N+1]`` grid, strictly decreasing in ``[0, 1]``; the model is called at
             ``t_0 .. t_{N-1}``.
         alphas_cumprod: ``[N+1]`` the level at every grid point, non-decreasing (an equal
@@ -160,15 +168,16 @@ class DDIMSampler(TimeGrid):  # type: ignore[override]  # attrs' generated init 
 
     def __init__(
         self,
+        steps: int | None = None,
         *,
-        times: Sequence[float] | Tensor,
+        times: Sequence[float] | Tensor | None = None,
         alphas_cumprod: Sequence[float] | Tensor,
         prediction: str = "epsilon",
         eta: float = 0.0,
         num_train_timesteps: int = 1000,
         timestep_shift: float = 0.0,
     ):
-        grid = as_time_grid(times)
+        grid = self.make_grid("DDIM", steps, times)
         if prediction not in PREDICTIONS:
             raise InvalidValue(
                 f"prediction must be one of {', '.join(map(repr, PREDICTIONS))} (what the "
@@ -214,6 +223,52 @@ class DDIMSampler(TimeGrid):  # type: ignore[override]  # attrs' generated init 
                 f"s^2 exceeds 1 - a'; use eta <= 1"
             )
 
+    @classmethod
+    def from_scheduler(
+        cls,
+        scheduler: Any,
+        num_inference_steps: int,
+        *,
+        eta: float | None = None,
+        **set_timesteps_kwargs: Any,
+    ) -> DDIM:
+        """The sampler that takes exactly the steps ``DDIMScheduler`` / ``DDPMScheduler``
+        ``.step()`` takes (needs ``diffusers``).
+
+        Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is) and reads
+        ``timesteps``, ``alphas_cumprod``, the final level and ``prediction_type``. The
+        grid: ``t_k = timestep_k / num_train_timesteps`` and ``t_N = 0`` (the final level:
+        ``final_alpha_cumprod`` for DDIM, 1 for DDPM). When the last timestep is 0 (the
+        default ``timestep_spacing="leading"`` with ``steps_offset=0``) there is no room
+        below it in ``[0, 1]``, so the whole grid is shifted by one training step,
+        ``t_k = (timestep_k + 1) / num_train_timesteps`` (``t`` counts the noising steps
+        applied; ``t = 0`` is clean data), and the sampler records ``timestep_shift = -1``.
+        Call the model through
+        :meth:`gradest.integrations.diffusers.DiffusersVelocity.for_sampler`, which
+        applies the sampler's mapping (``timestep = round(t * num_train_timesteps +
+        timestep_shift)``), so the model sees the scheduler's timesteps either way.
+
+        Args:
+            scheduler: a diffusers ``DDIMScheduler`` or ``DDPMScheduler``.
+            num_inference_steps: ``N``, the number of sampling steps.
+            eta: DDIM's noise ratio (``DDIMScheduler.step(eta=...)``; default 0). A
+                ``DDPMScheduler`` samples with ``eta = 1`` (its ``"fixed_small"``
+                posterior variance), the only value accepted for it.
+            **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (DDPM:
+                ``timesteps=``).
+
+        Raises:
+            TypeError: another scheduler class (flow matching:
+                :meth:`gradest.RectifiedFlow.from_scheduler`).
+            ValueError: a configuration whose step is not affine in the model output
+                (``clip_sample=True``, ``thresholding=True``), a learned or "large" DDPM
+                variance, an unknown ``prediction_type``, or DDIM timesteps whose steps do
+                not end where the next model call starts.
+        """
+        from gradest.diffusers_schedulers import _ddim_from_scheduler
+
+        return _ddim_from_scheduler(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
+
     def _noise_scale(self) -> Tensor:
         a, a_next = self.alphas_cumprod[:-1], self.alphas_cumprod[1:]
         variance = (1.0 - a_next) / (1.0 - a) * (1.0 - a / a_next)
@@ -249,3 +304,7 @@ class DDIMSampler(TimeGrid):  # type: ignore[override]  # attrs' generated init 
 
     def _options(self) -> str:
         return f", prediction={self.prediction!r}, eta={self.eta:g}"
+
+
+# Deprecated names, served with a warning that names the replacement.
+__getattr__ = module_aliases(__name__, {"DDIMSampler": (lambda: DDIM, "DDIM")})

@@ -65,7 +65,10 @@ def load_group(
         check: returns None when a loaded object is usable, else why it is not.
         plugins_enabled: False keeps gradest's own entries only.
     """
-    entries = sorted(entry_points(group=group), key=lambda e: distribution_of(e) != OWN_DISTRIBUTION)
+    # gradest's own entries first (False sorts before True).
+    entries = sorted(
+        entry_points(group=group), key=lambda e: distribution_of(e) != OWN_DISTRIBUTION
+    )
     objects: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for entry in entries:

@@ -1,8 +1,8 @@
 """Objectives on sampling trajectories: a loss on the final sample, or a loss on every step.
 
-Both kinds reduce, for an estimator, to cotangents on the model outputs (DESIGN.md
-section 1): the terminal objective supplies ``a_N = grad l(z_N)`` that the adjoint
-carries back through the chain; the stepwise objective supplies ``c_k = d l_k / d v_k``
+Both kinds reduce, for an estimator, to cotangents on the model outputs
+(docs/design.md#notation): the terminal objective supplies ``a_N = grad l(z_N)`` that the
+adjoint carries back through the chain; the stepwise objective supplies ``c_k = d l_k / d v_k``
 directly, with the recorded states treated as data.
 
 Losses are differentiated with autograd on a detached leaf, so any ordinary torch code
@@ -19,10 +19,11 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_scalar_loss
+from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
-from gradest.trajectory import Trajectory
 from gradest.nonfinite import NonFiniteError
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory
 
 
 def _loss_and_grad(
@@ -135,12 +136,15 @@ def _check_pair(data: Tensor, noise: Tensor) -> None:
         )
 
 
-def flow_matching_trajectory(flow: AffineSampler, data: Tensor, noise: Tensor) -> Trajectory:
-    """States ``z_{t_k} = (1 - t_k) x + t_k eps`` on the flow's grid, for flow matching.
+@sampler_keyword
+def flow_matching_trajectory(sampler: AffineSampler, data: Tensor, noise: Tensor) -> Trajectory:
+    """States ``z_{t_k} = (1 - t_k) x + t_k eps`` on the sampler's grid, for flow matching.
 
     The velocities are the target ``eps - x`` (no model is evaluated); stepwise
-    estimators evaluate the model themselves.
+    estimators evaluate the model themselves. (``flow=`` is a deprecated spelling of the
+    ``sampler`` keyword.)
     """
+    flow = sampler
     _check_pair(data, noise)
     t = flow.times.to(dtype=data.dtype, device=data.device).reshape(-1, *([1] * data.ndim))
     states = (1 - t) * data.detach() + t * noise.detach()
@@ -157,8 +161,9 @@ def flow_matching_objective(data: Tensor, noise: Tensor) -> StepwiseObjective:
 
     Pair it with :func:`flow_matching_trajectory` (the interpolants on the same grid)::
 
-        traj = gradest.flow_matching_trajectory(flow, data, noise)
-        est.estimate(model, flow, gradest.flow_matching_objective(data, noise), trajectory=traj)
+        traj = gradest.flow_matching_trajectory(sampler, data, noise)
+        objective = gradest.flow_matching_objective(data, noise)
+        est.surrogate(model, sampler, objective, trajectory=traj).loss.backward()
     """
     _check_pair(data, noise)
     target = (noise - data).detach()

@@ -229,7 +229,9 @@ def deprecated_options(cls: Any) -> Mapping[str, str]:
     return renames if isinstance(renames, Mapping) else {}
 
 
-def rename_deprecated(cls: Any, options: Mapping[str, Any], *, stacklevel: int = 2) -> dict[str, Any]:
+def rename_deprecated(
+    cls: Any, options: Mapping[str, Any], *, stacklevel: int = 2
+) -> dict[str, Any]:
     """``options`` with every deprecated name of ``cls`` replaced by its new name, warning
     (:class:`~gradest.errors.GradestDeprecationWarning`) once per old name used.
 

@@ -15,18 +15,18 @@ import torch
 from torch import Tensor
 
 from gradest._deprecation import warn_deprecated
-from gradest.trajectory import Trajectory
 from gradest.objectives import Objective
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory
 
 
 @attrs.frozen
 class Cost:
     """Work an estimate did, in units of one model call on the batch.
 
-    A batched call over ``M`` stacked states counts ``M``. The cost model of DESIGN.md
-    section 4 prices a forward at ``F``, a parameter VJP at about ``2F`` and a state-only
-    VJP at about ``F``; :meth:`model_units` applies it.
+    A batched call over ``M`` stacked states counts ``M``. :meth:`model_units` applies the
+    cost model (docs/design.md#cost-model); each estimator's formula is in
+    docs/design.md#cost-formulas.
 
     Attributes:
         forwards_with_graph: forwards that kept an autograd graph for a later VJP.
@@ -46,7 +46,7 @@ class Cost:
         return self.forwards_with_graph + self.forwards_without_graph
 
     def model_units(self) -> float:
-        """Cost in forward-equivalents under the DESIGN.md cost model."""
+        """Cost in forward-equivalents under the cost model (docs/design.md#measuring-cost)."""
         return self.forwards + 2.0 * self.param_vjps + 1.0 * self.state_vjps
 
     def __add__(self, other: Cost) -> Cost:
@@ -218,7 +218,8 @@ class TrajectoryGradientEstimator(Protocol):
 
     Two verbs: ``surrogate()`` for training (a loss whose autograd gradient is the
     estimate) and ``estimate()`` for measuring (the gradients as a dict); both take
-    ``(model, sampler, objective)`` and the same keyword arguments. Implementations are
+    ``(model, sampler, objective)`` and the same keyword arguments, ``engine=`` included
+    (``"autograd"`` or ``"func"``; a plugin may ignore it). Implementations are
     frozen attrs classes whose fields are their options (a plugin without attrs takes its
     options as constructor keyword arguments). Beyond the two methods below, an estimator
     may define (``gradest.base.EstimatorBase`` does):
@@ -237,6 +238,8 @@ class TrajectoryGradientEstimator(Protocol):
         model: torch.nn.Module,
         sampler: AffineSampler,
         objective: Objective,
+        *,
+        engine: str = "autograd",
         **options: Unpack[EstimateOptions],
     ) -> GradientEstimate: ...
 
@@ -245,5 +248,7 @@ class TrajectoryGradientEstimator(Protocol):
         model: torch.nn.Module,
         sampler: AffineSampler,
         objective: Objective,
+        *,
+        engine: str = "autograd",
         **inputs: Unpack[SamplingInputs],
     ) -> Surrogate: ...

@@ -18,8 +18,9 @@ import attrs
 
 from gradest import entry_points
 from gradest.errors import GradestError, InvalidType, InvalidValue
-from gradest.options import describe_options, parse_bool, parse_option_text
+from gradest.options import describe_options, parse_bool, parse_option_text, rename_deprecated
 from gradest.protocol import TrajectoryGradientEstimator, is_estimator
+from gradest.specs import split_options, strip_group, top_level_pieces
 
 GROUP = "gradest.estimators"
 DISABLE_ENV = entry_points.DISABLE_ENV
@@ -28,7 +29,9 @@ _lock = threading.Lock()
 
 # Built-ins come from gradest's own entry points: none at all means gradest itself is not
 # installed (a bare source checkout on sys.path).
-_NOTHING_INSTALLED = "none; gradest is not installed, so its entry points are missing: pip install -e ."
+_NOTHING_INSTALLED = (
+    "none; gradest is not installed, so its entry points are missing: pip install -e ."
+)
 
 
 class UnknownEstimatorError(GradestError, ValueError):
@@ -73,7 +76,13 @@ def clear_cache() -> None:
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``"jagg:window=4,tau=0.995"`` -> ``("jagg", {"window": "4", "tau": "0.995"})``."""
+    """``"jagg:window=4,tau=0.995"`` -> ``("jagg", {"window": "4", "tau": "0.995"})``.
+
+    Options are split with :mod:`gradest.specs` (the one list syntax): commas inside
+    parentheses do not separate options, and a parenthesised value is given without its
+    parentheses (``"auto:candidates=(exact,sdo:samples=4)"`` -> ``("auto",
+    {"candidates": "exact,sdo:samples=4"})``).
+    """
     if not isinstance(spec, str):
         raise InvalidType(
             f"estimator spec must be a string like 'jagg:window=4' (or pass an estimator "
@@ -83,25 +92,28 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         raise InvalidValue(
             f"estimator spec must be a non-empty string like 'jagg:window=4', got {spec!r}"
         )
+    top_level_pieces(spec, "estimator spec")  # balanced parentheses (positions in spec)
     name, _, rest = spec.strip().partition(":")
-    if ":" in rest:
+    if len(top_level_pieces(rest, "estimator spec", ":")) > 1:
         raise InvalidValue(
             f"estimator spec {spec!r} has more than one ':'; separate options with commas, "
-            f"e.g. '{name.strip()}:window=4,tau=0.9'"
+            f"e.g. '{name.strip()}:window=4,tau=0.9', and wrap a list of specs in "
+            f"parentheses, e.g. 'auto:candidates=(exact,jagg:window=4)'"
         )
     options: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    for item in split_options(rest):
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        if not sep or not key.strip() or "(" in key:
             raise InvalidValue(
                 f"estimator spec {spec!r}: option {item!r} is not key=value; "
-                f"write e.g. '{name}:key=value,other=value'"
+                f"write e.g. '{name}:key=value,other=value' (a list value in parentheses: "
+                f"key=(a,b))"
             )
         if key.strip() in options:
             raise InvalidValue(
                 f"estimator spec {spec!r} sets option {key.strip()!r} twice; give each option once"
             )
-        options[key.strip()] = value.strip()
+        options[key.strip()] = strip_group(value)
     return name.strip(), options
 
 
@@ -109,7 +121,9 @@ def estimator(spec: str, **options: Any) -> TrajectoryGradientEstimator:
     """Build an estimator by name or spec string.
 
     ``gradest.estimator("jagg", window=4)`` and ``gradest.estimator("jagg:window=4")``
-    are the same; keyword options override options in the string.
+    are the same; keyword options override options in the string. An option's old name,
+    which its class lists in ``deprecated_options`` (``jagg:low_memory``), still works and
+    warns (:class:`~gradest.errors.GradestDeprecationWarning`).
 
     Raises:
         UnknownEstimatorError: the name is not registered (the message lists valid names).
@@ -128,6 +142,9 @@ def estimator(spec: str, **options: Any) -> TrajectoryGradientEstimator:
             f"(plugins register under the {GROUP!r} entry-point group)"
         )
     cls = registry[name]
+    # Old option names a class declares in ``deprecated_options`` warn and become the new.
+    text_options = rename_deprecated(cls, text_options, stacklevel=2)
+    options = rename_deprecated(cls, options, stacklevel=2)
     valid = option_names(cls)
     values: dict[str, Any] = {}
     for key, text in text_options.items():

@@ -1,6 +1,6 @@
 """Samplers: a validated time grid and the coefficients of an affine step; nothing else.
 
-Every sampler gradest supports takes affine steps (DESIGN.md section 1)::
+Every sampler gradest supports takes affine steps (docs/design.md#notation)::
 
     z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k
 
@@ -14,8 +14,15 @@ the ``repr`` and, for stochastic samplers, the Gaussian log-density of a recorde
 * :class:`RectifiedFlow`: rectified-flow Euler, ``alpha = 1, beta = h_k, sigma = 0``;
 * :class:`FlowSDE`: Flow-GRPO's SDE (Euler-Maruyama of the reverse SDE with the ODE's
   marginals);
-* :class:`StochasticFlowMatchSampler`: diffusers' ``FlowMatchEulerDiscreteScheduler`` with
+* :class:`StochasticFlowMatch`: diffusers' ``FlowMatchEulerDiscreteScheduler`` with
   ``stochastic_sampling=True``.
+
+One naming and construction style for every sampler (here and
+:class:`gradest.diffusion_samplers.DDIM`): the name says the process, without a
+``Sampler`` suffix; ``Cls(steps=N)`` or ``Cls(times=...)`` plus the sampler's own keyword
+options; and where a diffusers scheduler takes the same steps, the classmethod
+``Cls.from_scheduler(scheduler, num_inference_steps, ...)``.
+(``StochasticFlowMatchSampler`` is the deprecated old name of :class:`StochasticFlowMatch`.)
 
 All three share the rectified-flow interpolant ``z_t = t eps + (1 - t) x`` (``t = 1``
 noise, ``t = 0`` data), which :meth:`TimeGrid.noised` and :meth:`TimeGrid.jump_to_end`
@@ -36,6 +43,7 @@ import torch
 from torch import Tensor
 
 from gradest._checks import require
+from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
 
 LOG_PROB_REDUCTIONS = ("sum", "mean")
@@ -239,10 +247,28 @@ class RectifiedFlow(TimeGrid):
 
     Give either ``steps`` (a uniform grid from 1 to 0) or ``times`` (any strictly
     decreasing grid in [0, 1]; it need not start at 1 or end at 0).
+    :meth:`from_scheduler` builds one from a diffusers ``FlowMatchEulerDiscreteScheduler``.
     """
 
     def __init__(self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None):
         self.__attrs_init__(times=self.make_grid("RectifiedFlow", steps, times))  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_scheduler(
+        cls, scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
+    ) -> RectifiedFlow:
+        """The Euler steps of a diffusers ``FlowMatchEulerDiscreteScheduler`` (SD3, Flux).
+
+        ``times`` are the scheduler's sigmas after ``set_timesteps(num_inference_steps,
+        **set_timesteps_kwargs)`` (on a copy; ``shift``, ``mu=``, custom ``sigmas=`` are
+        honoured). A scheduler with ``stochastic_sampling=True`` is refused (use
+        :meth:`StochasticFlowMatch.from_scheduler`, or
+        :func:`gradest.integrations.diffusers.flow_from_scheduler`, which picks the
+        class). Needs ``diffusers``.
+        """
+        from gradest.diffusers_schedulers import _flow_sampler
+
+        return _flow_sampler(cls, scheduler, num_inference_steps, **set_timesteps_kwargs)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         h = self.step_sizes
@@ -314,17 +340,32 @@ class FlowSDE(TimeGrid):  # type: ignore[override]  # attrs' generated init gain
 
 
 @attrs.frozen(eq=False, repr=False, init=False)
-class StochasticFlowMatchSampler(TimeGrid):
+class StochasticFlowMatch(TimeGrid):
     """``FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)`` as an affine sampler.
 
     Its step predicts ``x0 = z - sigma v`` and re-noises to the next level with fresh
     noise ``xi``: ``z_next = (1 - sigma_next) x0 + sigma_next xi``, i.e.
     ``alpha = 1 - sigma_next``, ``beta = -(1 - sigma_next) sigma``, ``sigma_k = sigma_next``.
-    Build it with :func:`gradest.integrations.diffusers.flow_from_scheduler`.
+    Give ``steps`` or ``times`` (the sigma grid) as for :class:`RectifiedFlow`, or build it
+    from the scheduler with :meth:`from_scheduler` (or
+    :func:`gradest.integrations.diffusers.flow_from_scheduler`). Not exported at the top
+    level of ``gradest``: it exists to reproduce that one diffusers scheduler.
+    (Formerly ``StochasticFlowMatchSampler``, a deprecated alias.)
     """
 
-    def __init__(self, *, times: Sequence[float] | Tensor):
-        self.__attrs_init__(times=as_time_grid(times))  # type: ignore[attr-defined]
+    def __init__(self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None):
+        self.__attrs_init__(times=self.make_grid("StochasticFlowMatch", steps, times))  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_scheduler(
+        cls, scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
+    ) -> StochasticFlowMatch:
+        """The steps of a diffusers ``FlowMatchEulerDiscreteScheduler`` built with
+        ``stochastic_sampling=True`` (others are refused; see
+        :meth:`RectifiedFlow.from_scheduler`). Needs ``diffusers``."""
+        from gradest.diffusers_schedulers import _flow_sampler
+
+        return _flow_sampler(cls, scheduler, num_inference_steps, **set_timesteps_kwargs)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         sigma, sigma_next = self.times[:-1], self.times[1:]
@@ -338,7 +379,14 @@ def require_interpolant(flow: Any, estimator: str) -> TimeGrid:
     raise InvalidType(
         f"estimator {estimator!r} needs the sampler's interpolant (methods noised(data, k, "
         f"noise) and jump_to_end(k) -> (a, b)), which {type(flow).__name__} does not "
-        f"define; use gradest.RectifiedFlow / FlowSDE / StochasticFlowMatchSampler "
-        f"(rectified-flow interpolant z_t = t eps + (1 - t) x) or gradest.DDIMSampler, or "
+        f"define; use gradest.RectifiedFlow / FlowSDE / StochasticFlowMatch "
+        f"(rectified-flow interpolant z_t = t eps + (1 - t) x) or gradest.DDIM, or "
         f"add the two methods to your sampler"
     )
+
+
+# Deprecated names, served with a warning that names the replacement.
+__getattr__ = module_aliases(
+    __name__,
+    {"StochasticFlowMatchSampler": (lambda: StochasticFlowMatch, "StochasticFlowMatch")},
+)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gradest._checks import first_model_call, require
+from gradest._deprecation import sampler_keyword
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.samplers import AffineSampler, same_grid
@@ -50,7 +51,7 @@ class Trajectory:
 def check_sampler(flow: Any) -> None:
     if not isinstance(flow, AffineSampler):
         raise InvalidType(
-            f"flow must be a sampler such as gradest.RectifiedFlow(steps=50), "
+            f"sampler must be a sampler such as gradest.RectifiedFlow(steps=50), "
             f"got {type(flow).__name__} {flow!r}"
         )
 
@@ -58,7 +59,7 @@ def check_sampler(flow: Any) -> None:
 def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> None:
     """A trajectory is differentiated on the grid it was recorded on, and must be whole.
 
-    Checks the type, that ``times`` is the flow's grid, that ``states`` is ``[N+1, B, ...]``
+    Checks the type, that ``times`` is the sampler's grid, that ``states`` is ``[N+1, B, ...]``
     and ``velocities`` (and ``step_noise`` if given) ``[N, B, ...]`` with the same sample
     shape, floating point of one dtype, and that every state is finite.
     """
@@ -75,21 +76,21 @@ def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> Non
             what = f"dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
             raise InvalidType(
                 f"trajectory.{name} must be a floating-point tensor, got {what}; record "
-                f"trajectories with gradest.rollout(model, flow, noise)"
+                f"trajectories with gradest.rollout(model, sampler, noise)"
             )
     times = trajectory.times
     if not same_grid(times, flow.times):
         recorded = f"{times.numel() - 1} steps" if isinstance(times, Tensor) else "no grid"
         raise InvalidValue(
             f"trajectory was recorded on a different time grid ({recorded}) "
-            f"than flow={flow!r} ({flow.num_steps} steps); record it with "
-            f"gradest.rollout(model, flow, noise) using the same flow"
+            f"than sampler={flow!r} ({flow.num_steps} steps); record it with "
+            f"gradest.rollout(model, sampler, noise) using the same sampler"
         )
     steps = flow.num_steps
     states = trajectory.states
     require(
         states.ndim >= 3 and states.shape[0] == steps + 1,
-        f"trajectory.states must be [N+1, B, ...] = [{steps + 1}, B, ...] for flow={flow!r}, "
+        f"trajectory.states must be [N+1, B, ...] = [{steps + 1}, B, ...] for sampler={flow!r}, "
         f"got shape {tuple(states.shape)}",
     )
     for name, value in fields.items():
@@ -198,20 +199,22 @@ def integrate(
     return states, velocities
 
 
+@sampler_keyword
 def rollout(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     noise: Tensor,
     cond: Mapping[str, Any] | None = None,
     *,
     generator: torch.Generator | None = None,
 ) -> Trajectory:
-    """Sample ``model`` along ``flow`` from ``noise`` without a graph.
+    """Sample ``model`` along ``sampler`` from ``noise`` without a graph.
 
     Args:
         model: called as ``model(z, t, **cond)`` with ``t`` of shape ``[B]``.
-        flow: the sampler (e.g. :class:`RectifiedFlow`).
-        noise: ``[B, ...]`` initial state at ``flow.times[0]``.
+        sampler: the sampler (e.g. :class:`RectifiedFlow`; ``flow=`` is a deprecated
+            spelling of this keyword).
+        noise: ``[B, ...]`` initial state at ``sampler.times[0]``.
         cond: keyword arguments passed to every model call (class labels, text embeddings).
         generator: source of the step noise for stochastic samplers.
 
@@ -220,6 +223,7 @@ def rollout(
     """
     from gradest._checks import check_cond, check_generator, check_noise
 
+    flow = sampler
     check_sampler(flow)
     check_noise(model, noise)
     cond = check_cond(cond)

@@ -47,10 +47,10 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from gradest._checks import check_model_output, first_model_call, trainable_parameters
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
-from gradest.trajectory import SamplerSteps, integrate
 from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
 from gradest.nonfinite import check_finite
 from gradest.replay import StepRandomness
+from gradest.trajectory import SamplerSteps, integrate
 
 Grads = dict[str, Tensor]
 

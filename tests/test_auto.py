@@ -172,6 +172,30 @@ def test_bad_options_fail_at_construction():
         Auto(candidates=("exact", "nope"))
     with pytest.raises(InvalidValue, match="max_slowdown=0.5"):
         Auto(max_slowdown=0.5)
-    assert gradest.estimator("auto:candidates=exact/sdo,max_bias=0.1") == Auto(
+    assert gradest.estimator("auto:candidates=(exact,sdo),max_bias=0.1") == Auto(
         candidates=("exact", "sdo"), max_bias=0.1
     )
+
+
+def test_candidates_in_a_spec_string_use_the_one_list_syntax():
+    est = gradest.estimator("auto:candidates=(exact,jagg:window=4,tau=0.9,sdo),max_bias=0.1")
+    assert est == Auto(candidates=("exact", "jagg:window=4,tau=0.9", "sdo"), max_bias=0.1)
+    # The same list string as a compare/check list, then nested in auto's candidates.
+    from gradest.specs import split_spec_list
+
+    text = "exact,jagg:window=4,tau=0.9,sdo:samples=2"
+    assert gradest.estimator(f"auto:candidates=({text})").candidates == tuple(split_spec_list(text))
+    assert gradest.estimator("auto:candidates=exact").candidates == ("exact",)
+
+
+def test_old_slash_separated_candidates_warn_and_still_work():
+    with pytest.warns(gradest.errors.GradestDeprecationWarning, match="separate estimators"):
+        est = gradest.estimator("auto:candidates=exact/sdo,max_bias=0.1")
+    assert est.candidates == ("exact", "sdo") and est.max_bias == 0.1
+
+
+def test_an_unparenthesised_candidate_list_is_refused_with_the_fix():
+    with pytest.raises(InvalidValue, match=r"auto:candidates=\(exact,jagg:window=4\)"):
+        gradest.estimator("auto:candidates=exact,jagg:window=4")
+    with pytest.raises(InvalidValue, match="unclosed '\\('"):
+        gradest.estimator("auto:candidates=(exact,sdo")

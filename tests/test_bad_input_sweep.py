@@ -169,7 +169,7 @@ def _stepwise_inf_at_step_2(k, v, traj):
 def _compare(**overrides: Any) -> Any:
     arguments = {
         "model": model,
-        "flow": flow,
+        "sampler": flow,
         "objective": objective,
         "estimators": ["exact"],
         "noise_fn": lambda seed: noise,
@@ -280,7 +280,7 @@ CASES: list[Case] = [
     api(
         "rollout(model, 50, noise)",
         lambda: gradest.rollout(model, 50, noise),
-        "flow",
+        "sampler",
         "50",
     ),
     api(
@@ -451,7 +451,12 @@ CASES: list[Case] = [
         "trajectory=",
         "both",
     ),
-    api("estimate(model, 50, objective, noise=noise)", lambda: estimate(model, 50), "flow", "int"),
+    api(
+        "estimate(model, 50, objective, noise=noise)",
+        lambda: estimate(model, 50),
+        "sampler",
+        "int",
+    ),
     api(
         "estimate(model, flow, lambda z: z.sum(), noise=noise)",
         lambda: estimate(model, flow, lambda z: z.sum()),
@@ -498,14 +503,6 @@ CASES: list[Case] = [
     api(
         'estimate(..., on_nonfinite="ignore")',
         lambda: estimate(on_nonfinite="ignore"),
-        "on_nonfinite",
-        "'ignore'",
-    ),
-    api(
-        'backward(..., on_nonfinite="ignore")',
-        lambda: gradest.estimator("exact").backward(
-            model, flow, objective, noise=noise, on_nonfinite="ignore"
-        ),
         "on_nonfinite",
         "'ignore'",
     ),
@@ -844,6 +841,8 @@ CASES: list[Case] = [
     ),
     # the command line
     command("compare --estimators ,", "--estimators"),
+    command("compare --estimators exact,,sdo", "--estimators", "position 6"),
+    command("compare --estimators exact;sdo", "--estimators", "separate estimators with ','"),
     command("compare --estimators exact,nope", "'nope'", elide=AVAILABLE),
     command("compare --estimators jagg:window=1", "window=1"),
     command("compare --seeds 0", "--seeds", "0"),
@@ -1048,7 +1047,7 @@ dense reference or the hand-written loop in `tests/test_unusual_inputs.py`): tie
 under the first name), `torch.nn.utils.parametrize` (weight norm), layers in two dtypes
 (the noise must have one of them), a model that updates a buffer in its forward (it moves
 once per model call), conditioning values that are not per-sample (scalars, 0-dim tensors,
-non-tensors, and `[B, ...]` tensors wrapped in `gradest.Shared`), noise that carries a
+non-tensors, and `[B, ...]` tensors wrapped in `gradest.SharedCondition`), noise that carries a
 graph or is expanded, a recorded trajectory whose tensors carry a graph (used as data:
 nothing flows back into it), a stochastic sampler's trajectory recorded without its step
 noise (estimates need only the recorded states), and a float32 velocity for a float64

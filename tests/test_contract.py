@@ -20,12 +20,12 @@ from gradest import registry
 from gradest.base import EstimatorBase
 from gradest.protocol import Decisions
 from gradest.reference import definition_gradient, dense_chain, relative_error
-from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 from gradest.strategies.jagg import JaggDecisions
 from gradest.strategies.refl import ReflDecisions
 from gradest.strategies.sdo import SdoDecisions
 from gradest.strategies.telescope import TelescopeDecisions
 from gradest.strategies.truncated import TruncatedDecisions
+from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 
 DIM, BATCH, STEPS = 3, 2, 6
 

@@ -1,4 +1,4 @@
-"""The cost model of DESIGN.md section 4, pinned with deterministic measurements.
+"""The cost model (docs/design.md#cost-formulas), pinned with deterministic measurements.
 
 FLOPs come from ``gradest.harness.count_flops`` (PyTorch's ``FlopCounterMode`` formulas,
 matmuls only) on an MLP whose ``hidden x hidden`` layers dominate, so one forward is ``F``
@@ -24,10 +24,10 @@ from gradest.harness import (
     retained_activation_bytes,
     speedup,
 )
-from gradest.testing.problems import random_stepwise_objective, tiny_mlp
 from gradest.strategies.jagg_layout import distinct_nodes, layout_groups
+from gradest.testing.problems import random_stepwise_objective, tiny_mlp
 
-# Within this relative error FLOPs follow the DESIGN.md formulas with VJP = 2F exactly:
+# Within this relative error FLOPs follow docs/design.md#cost-formulas with VJP = 2F exactly:
 # the thin layers (state dim 8 and the 32 time frequencies into width 512) make a
 # parameter VJP about 1% cheaper than 2F, so 3% leaves room without hiding a missing
 # or extra forward (one F is >= 4% of every total below).
@@ -255,7 +255,7 @@ def test_the_surrogate_does_the_work_of_the_estimate(
     )
 
 
-# -- every estimator against the DESIGN.md formula ------------------------------------------
+# -- every estimator against its docs/design.md#cost-formulas row ---------------------------
 
 N = FLOPS_STEPS
 
@@ -335,9 +335,9 @@ def test_fused_terminal_jagg_costs_fewer_flops_than_exact(
 
     exact = flops_of(gradest.estimator("exact"))
     fused = flops_of(gradest.estimator(spec))
-    recomputing = flops_of(gradest.estimator(spec + ",low_memory=true"))
+    recomputing = flops_of(gradest.estimator(spec + ",checkpoint=true"))
     assert fused / exact <= FUSED_JAGG_FLOPS_OVER_EXACT[spec]
-    # The low-memory form pays a forward per step in the sweep and one per node more.
+    # The checkpointed form pays a forward per step in the sweep and one per node more.
     assert recomputing - fused == pytest.approx((N + len(_nodes(spec))) * forward_flops, rel=0.05)
 
 

@@ -2,7 +2,7 @@
 
 Checked, in float64 unless said:
 
-* ``gradest.rollout`` on ``ddim_from_scheduler(...)`` reproduces diffusers' own
+* ``gradest.rollout`` on ``DDIM.from_scheduler(...)`` reproduces diffusers' own
   ``DDIMScheduler.step`` / ``DDPMScheduler.step`` loop step by step (a tiny random
   ``UNet2DConditionModel`` called by the scheduler at its integer timesteps, and by gradest
   through ``DiffusersVelocity.for_sampler``), deterministic and stochastic (gradest's
@@ -35,8 +35,8 @@ pytestmark = [
 
 import gradest  # noqa: E402
 from gradest import check  # noqa: E402
-from gradest.diffusion_samplers import DDIMSampler  # noqa: E402
-from gradest.integrations.diffusers import DiffusersVelocity, ddim_from_scheduler  # noqa: E402
+from gradest.diffusion_samplers import DDIM  # noqa: E402
+from gradest.integrations.diffusers import DiffusersVelocity  # noqa: E402
 from gradest.protocol import supports  # noqa: E402
 from gradest.reference import dense_chain, exact_gradient, relative_error  # noqa: E402
 from gradest.reference.decisions import decisions_mismatch  # noqa: E402
@@ -158,8 +158,8 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_rollout_is_the_schedulers_step_loop(config, monkeypatch):
     kind, options, eta = CONFIGS[config]
-    sampler = ddim_from_scheduler(make_scheduler(kind, **options), STEPS, eta=eta)
-    assert isinstance(sampler, DDIMSampler)
+    sampler = DDIM.from_scheduler(make_scheduler(kind, **options), STEPS, eta=eta)
+    assert isinstance(sampler, DDIM)
     unet = tiny_unet()
     noise, cond = unet_inputs()
     model = DiffusersVelocity.for_sampler(unet, sampler)
@@ -195,8 +195,8 @@ def test_rollout_is_the_schedulers_step_loop(config, monkeypatch):
 def test_ddpm_is_ddim_with_eta_one():
     """The identity the DDPM sampler rests on, coefficient by coefficient: the DDPM
     posterior mean and "fixed_small" variance are DDIM's eta=1 step."""
-    ddpm = ddim_from_scheduler(make_scheduler("ddpm"), 10)
-    ddim = ddim_from_scheduler(make_scheduler("ddim"), 10, eta=1.0)
+    ddpm = DDIM.from_scheduler(make_scheduler("ddpm"), 10)
+    ddim = DDIM.from_scheduler(make_scheduler("ddim"), 10, eta=1.0)
     assert ddpm.eta == 1.0 and torch.equal(ddpm.alphas_cumprod, ddim.alphas_cumprod)
     sched = in_float64(make_scheduler("ddpm"))
     sched.set_timesteps(10)
@@ -223,7 +223,7 @@ def test_ddpm_is_ddim_with_eta_one():
 
 
 def test_float32_unet_rollout_is_the_scheduler_loop_to_float32_roundoff(monkeypatch):
-    sampler = ddim_from_scheduler(make_scheduler("ddim"), STEPS)
+    sampler = DDIM.from_scheduler(make_scheduler("ddim"), STEPS)
     unet = tiny_unet(torch.float32)
     noise, cond = unet_inputs(torch.float32)
     trajectory = gradest.rollout(DiffusersVelocity.for_sampler(unet, sampler), sampler, noise, cond)
@@ -248,7 +248,7 @@ def test_noised_and_jump_to_end_are_the_schedulers(prediction, set_alpha_to_one)
         "set_alpha_to_one": set_alpha_to_one,
         "steps_offset": 1,
     }
-    sampler = ddim_from_scheduler(make_scheduler("ddim", **options), 5)
+    sampler = DDIM.from_scheduler(make_scheduler("ddim", **options), 5)
     sched = in_float64(make_scheduler("ddim", **options))
     sched.set_timesteps(5)
     data, eps, z, out = (seeded_normal((3, 4), seed) for seed in range(4))
@@ -280,12 +280,12 @@ def test_rectified_flow_jump_is_unit_scale():
 DIM, MLP_BATCH, MLP_STEPS = 3, 4, 6
 
 
-def hand_built(prediction: str, eta: float) -> DDIMSampler:
+def hand_built(prediction: str, eta: float) -> DDIM:
     """A 6-step DDPM linear schedule (timesteps 999 .. 166, final level 1)."""
     betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
     alphas = torch.cumprod(1 - betas, 0)
     timesteps = torch.tensor([999, 832, 666, 499, 333, 166])
-    return DDIMSampler(
+    return DDIM(
         times=torch.cat([timesteps / 1000, torch.zeros(1, dtype=torch.float64)]),
         alphas_cumprod=torch.cat([alphas[timesteps], torch.ones(1, dtype=torch.float64)]),
         prediction=prediction,
@@ -409,7 +409,7 @@ def test_step_log_prob_is_the_ddim_gaussian():
 @pytest.mark.parametrize("config", ["ddim-eps", "ddim-v-sd"])
 def test_exact_through_the_unet_is_the_dense_reference(config):
     kind, options, eta = CONFIGS[config]
-    sampler = ddim_from_scheduler(make_scheduler(kind, **options), 3, eta=eta)
+    sampler = DDIM.from_scheduler(make_scheduler(kind, **options), 3, eta=eta)
     unet = tiny_unet()
     # Dense Jacobians on a subset (594 parameters): the output conv and cross-attention queries.
     for name, param in unet.named_parameters():
@@ -436,34 +436,34 @@ def test_bad_sampler_input_names_the_argument_and_the_fix():
     with pytest.raises(
         ValueError, match=r"alphas_cumprod must have one entry per grid point.*got shape \(2,\)"
     ):
-        DDIMSampler(times=times, alphas_cumprod=[0.1, 0.5])
+        DDIM(times=times, alphas_cumprod=[0.1, 0.5])
     with pytest.raises(
         ValueError,
         match=r"must increase along the grid.*alphas_cumprod\[0\]=0.5 > alphas_cumprod\[1\]=0.1",
     ):
-        DDIMSampler(times=times, alphas_cumprod=[0.5, 0.1, 1.0])
+        DDIM(times=times, alphas_cumprod=[0.5, 0.1, 1.0])
     with pytest.raises(ValueError, match=r"alphas_cumprod\[1\]=1 must lie in \(0, 1\)"):
-        DDIMSampler(times=times, alphas_cumprod=[0.5, 1.0, 1.0])
+        DDIM(times=times, alphas_cumprod=[0.5, 1.0, 1.0])
     with pytest.raises(
         ValueError, match=r"alphas_cumprod\[0\]=0 must lie in \(0, 1\).*use v_prediction"
     ):
-        DDIMSampler(times=times, alphas_cumprod=[0.0, 0.5, 1.0])
-    DDIMSampler(times=times, alphas_cumprod=[0.0, 0.5, 1.0], prediction="v_prediction")  # fine
+        DDIM(times=times, alphas_cumprod=[0.0, 0.5, 1.0])
+    DDIM(times=times, alphas_cumprod=[0.0, 0.5, 1.0], prediction="v_prediction")  # fine
     with pytest.raises(ValueError, match="eta must be a finite float >= 0, got -0.1"):
-        DDIMSampler(times=times, alphas_cumprod=[0.1, 0.5, 1.0], eta=-0.1)
+        DDIM(times=times, alphas_cumprod=[0.1, 0.5, 1.0], eta=-0.1)
     with pytest.raises(ValueError, match=r"eta=3 is too large for step 0.*use eta <= 1"):
-        DDIMSampler(times=times, alphas_cumprod=[0.1, 0.5, 0.6], eta=3)
+        DDIM(times=times, alphas_cumprod=[0.1, 0.5, 0.6], eta=3)
     with pytest.raises(TypeError, match="eta must be a float"):
-        DDIMSampler(times=times, alphas_cumprod=[0.1, 0.5, 1.0], eta="1")
+        DDIM(times=times, alphas_cumprod=[0.1, 0.5, 1.0], eta="1")
     with pytest.raises(
         ValueError,
         match="prediction must be one of 'epsilon', 'v_prediction', 'sample'.*got 'flow'",
     ):
-        DDIMSampler(times=times, alphas_cumprod=[0.1, 0.5, 1.0], prediction="flow")
+        DDIM(times=times, alphas_cumprod=[0.1, 0.5, 1.0], prediction="flow")
     with pytest.raises(ValueError, match="times must be strictly decreasing"):
-        DDIMSampler(times=[0.0, 0.5, 1.0], alphas_cumprod=[0.1, 0.5, 1.0])
-    assert repr(DDIMSampler(times=times, alphas_cumprod=[0.1, 0.5, 1.0], eta=0.5)) == (
-        "DDIMSampler(steps=2, prediction='epsilon', eta=0.5)"
+        DDIM(times=[0.0, 0.5, 1.0], alphas_cumprod=[0.1, 0.5, 1.0])
+    assert repr(DDIM(times=times, alphas_cumprod=[0.1, 0.5, 1.0], eta=0.5)) == (
+        "DDIM(steps=2, prediction='epsilon', eta=0.5)"
     )
 
 
@@ -473,38 +473,38 @@ def test_unsupported_scheduler_configurations_are_refused_with_the_fix():
         match=r"clip_sample=True clamps.*non-affine.*"
         r"DDIMScheduler.from_config\(scheduler.config, clip_sample=False\)",
     ):
-        ddim_from_scheduler(diffusers.DDIMScheduler(), 4)  # clip_sample defaults to True
+        DDIM.from_scheduler(diffusers.DDIMScheduler(), 4)  # clip_sample defaults to True
     with pytest.raises(ValueError, match="thresholding=True.*non-affine.*thresholding=False"):
-        ddim_from_scheduler(make_scheduler("ddim", thresholding=True), 4)
+        DDIM.from_scheduler(make_scheduler("ddim", thresholding=True), 4)
     with pytest.raises(
         ValueError, match="variance_type='learned_range' is not supported.*fixed_small"
     ):
-        ddim_from_scheduler(make_scheduler("ddpm", variance_type="learned_range"), 4)
+        DDIM.from_scheduler(make_scheduler("ddpm", variance_type="learned_range"), 4)
     with pytest.raises(
         ValueError, match=r"eta=0.5 with a DDPMScheduler.*DDIMScheduler.from_config"
     ):
-        ddim_from_scheduler(make_scheduler("ddpm"), 4, eta=0.5)
+        DDIM.from_scheduler(make_scheduler("ddpm"), 4, eta=0.5)
     with pytest.raises(
         TypeError, match="needs a diffusers DDIMScheduler or DDPMScheduler.*flow_from_scheduler"
     ):
-        ddim_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(), 4)
+        DDIM.from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(), 4)
     # trailing spacing with 3 steps: DDIM steps 666 -> 333 but calls the model at 332
     with pytest.raises(
         ValueError,
         match=r"step 1 from timestep 666 to 333 but the next model call is at timestep 332",
     ):
-        ddim_from_scheduler(make_scheduler("ddim", timestep_spacing="trailing"), 3)
+        DDIM.from_scheduler(make_scheduler("ddim", timestep_spacing="trailing"), 3)
     # an epsilon model cannot step from zero terminal SNR
     with pytest.raises(ValueError, match=r"alphas_cumprod\[0\]=0 must lie in \(0, 1\)"):
-        ddim_from_scheduler(
+        DDIM.from_scheduler(
             make_scheduler("ddim", rescale_betas_zero_snr=True, timestep_spacing="trailing"), 4
         )
     with pytest.raises(ValueError, match="num_inference_steps must be >= 1"):
-        ddim_from_scheduler(make_scheduler("ddim"), 0)
+        DDIM.from_scheduler(make_scheduler("ddim"), 0)
     sched = make_scheduler("ddim")
     sched.register_to_config(prediction_type="flow")
     with pytest.raises(ValueError, match="prediction_type='flow' is not supported"):
-        ddim_from_scheduler(sched, 4)
+        DDIM.from_scheduler(sched, 4)
     with pytest.raises(TypeError, match="for_sampler needs a sampler that records"):
         DiffusersVelocity.for_sampler(tiny_unet(), gradest.RectifiedFlow(steps=2))
 
@@ -512,7 +512,7 @@ def test_unsupported_scheduler_configurations_are_refused_with_the_fix():
 def test_the_callers_scheduler_is_untouched():
     sched = make_scheduler("ddim")
     before = sched.timesteps.clone()
-    ddim_from_scheduler(sched, 7)
+    DDIM.from_scheduler(sched, 7)
     assert torch.equal(sched.timesteps, before) and sched.num_inference_steps is None
 
 
@@ -520,7 +520,7 @@ def test_the_callers_scheduler_is_untouched():
 
 
 def test_jagg_through_a_float32_unet_end_to_end():
-    sampler = ddim_from_scheduler(make_scheduler("ddim"), 6)
+    sampler = DDIM.from_scheduler(make_scheduler("ddim"), 6)
     unet = tiny_unet(torch.float32)
     model = DiffusersVelocity.for_sampler(unet, sampler)
     noise, cond = unet_inputs(torch.float32)

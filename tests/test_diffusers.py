@@ -31,10 +31,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
 ]
 
+from diffusers_support import tiny_transformer  # noqa: E402
+
 import gradest  # noqa: E402
 from gradest.integrations.diffusers import (  # noqa: E402
     DiffusersVelocity,
-    StochasticFlowMatchSampler,
+    StochasticFlowMatch,
     flow_from_scheduler,
 )
 from gradest.objectives import TerminalObjective  # noqa: E402
@@ -48,54 +50,6 @@ EXACTNESS = 1e-10  # float64 round-off through a few thousand parameters is ~1e-
 # evaluation orders can round its queries and keys differently: agreement to float32
 # round-off (~1e-7) is all that is defined there. Measured: ~1e-9.
 FLUX_EXACTNESS = 1e-6
-
-
-def tiny_transformer(kind: str, dtype=torch.float64, **overrides):
-    """A seeded micro transformer in eval mode: 4x4x2 latents (Flux: 4 tokens x 4)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        if kind == "dit":
-            options = dict(
-                num_attention_heads=2,
-                attention_head_dim=4,
-                in_channels=2,
-                out_channels=2,
-                num_layers=1,
-                norm_num_groups=1,
-                sample_size=4,
-                patch_size=2,
-                num_embeds_ada_norm=3,
-            )
-            model = diffusers.DiTTransformer2DModel(**{**options, **overrides})
-        elif kind == "sd3":
-            options = dict(
-                sample_size=4,
-                patch_size=2,
-                in_channels=2,
-                out_channels=2,
-                num_layers=1,
-                attention_head_dim=4,
-                num_attention_heads=2,
-                joint_attention_dim=6,
-                caption_projection_dim=8,
-                pooled_projection_dim=5,
-                pos_embed_max_size=4,
-            )
-            model = diffusers.SD3Transformer2DModel(**{**options, **overrides})
-        else:
-            options = dict(
-                patch_size=1,
-                in_channels=4,
-                num_layers=1,
-                num_single_layers=1,
-                attention_head_dim=8,
-                num_attention_heads=2,
-                joint_attention_dim=6,
-                pooled_projection_dim=5,
-                axes_dims_rope=(2, 2, 4),
-            )
-            model = diffusers.FluxTransformer2DModel(**{**options, **overrides})
-    return model.to(dtype).eval()
 
 
 def latents_and_cond(kind: str, dtype=torch.float64):
@@ -160,7 +114,7 @@ def test_flow_takes_the_schedulers_sigma_grid(options, kwargs):
 
 def test_stochastic_sampling_becomes_an_affine_sampler_with_noise():
     flow = flow_from_scheduler(scheduler(stochastic_sampling=True), 4)
-    assert isinstance(flow, StochasticFlowMatchSampler)
+    assert isinstance(flow, StochasticFlowMatch)
     alpha, beta, noise_scale = flow.coefficients()
     sigma, sigma_next = flow.times[:-1], flow.times[1:]
     assert torch.allclose(alpha, 1 - sigma_next) and torch.allclose(noise_scale, sigma_next)
@@ -171,7 +125,7 @@ def test_non_flow_matching_schedulers_are_refused_with_the_fix():
     with pytest.raises(
         TypeError,
         match="needs a diffusers FlowMatchEulerDiscreteScheduler.*got DDIMScheduler"
-        ".*ddim_from_scheduler",
+        ".*DDIM.from_scheduler",
     ):
         flow_from_scheduler(diffusers.DDIMScheduler(), 10)
     with pytest.raises(ValueError, match="invert_sigmas=True"):

@@ -241,7 +241,7 @@ def test_sdo_full_sum_is_exact_on_a_stepwise_objective(micro_problem):
 @pytest.mark.parametrize("name", ["exact", "jagg", "sdo", "truncated"])
 def test_each_estimator_matches_its_dense_definition(name, micro_problem, objective_and_truth):
     """Default options, on the recorded path: the estimate equals its own definition
-    (DESIGN.md section 2) evaluated from dense Jacobians for the same random choices."""
+    (docs/design.md#estimator-table) evaluated from dense Jacobians for the same random choices."""
     require_estimator(name)
     definitions = pytest.importorskip("gradest.reference.definitions")
     model, _, cond, flow, trajectory, chain = micro_problem

@@ -55,3 +55,39 @@ def test_docs_site_builds_strictly(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "site" / "index.html").exists()
+
+
+# The repository describes itself: its contract is docs/design.md, and no file may point
+# at a document or a path outside the checkout (an old design file, a sibling folder).
+OUTSIDE = re.compile(r"DESIGN\.md|STYLE\.md|\.\./|\bshared/papers")
+
+
+def tracked_text_files() -> list[Path]:
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("needs a git checkout")
+    files = []
+    for name in out.decode().split("\0"):
+        path = ROOT / name
+        if name and path.is_file() and path != Path(__file__).resolve():
+            files.append(path)
+    return files
+
+
+def test_no_file_refers_outside_the_repository():
+    offenders = []
+    for path in tracked_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # a binary file (shipped weights)
+        for number, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, (
+        "these lines refer outside the repository; point at docs/design.md#<section> "
+        "instead:\n" + "\n".join(offenders)
+    )

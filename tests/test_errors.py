@@ -129,7 +129,7 @@ def test_both_or_neither_of_noise_and_trajectory(problem):
 def test_trajectory_from_a_different_grid(problem):
     model, flow, noise, objective = problem
     other = gradest.rollout(model, gradest.RectifiedFlow(steps=STEPS + 1), noise)
-    with pytest.raises(ValueError, match=r"different time grid \(5 steps\).*same flow"):
+    with pytest.raises(ValueError, match=r"different time grid \(5 steps\).*same sampler"):
         gradest.estimator("exact").estimate(model, flow, objective, trajectory=other)
     with pytest.raises(TypeError, match=r"gradest.Trajectory"):
         gradest.estimator("exact").estimate(model, flow, objective, trajectory=noise)
@@ -140,7 +140,7 @@ def test_wrong_argument_kinds(problem):
     est = gradest.estimator("exact")
     with pytest.raises(TypeError, match=r"objective must be gradest.TerminalObjective"):
         est.estimate(model, flow, lambda z: z.sum(), noise=noise)
-    with pytest.raises(TypeError, match=r"flow must be a sampler"):
+    with pytest.raises(TypeError, match=r"sampler must be a sampler"):
         est.estimate(model, 50, objective, noise=noise)
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module"):
         est.estimate(lambda z, t: z, flow, objective, noise=noise)
@@ -178,53 +178,3 @@ def test_the_cli_prints_gradest_errors_as_one_line_and_lets_bugs_show_their_trac
     monkeypatch.setattr(cli, "_cmd_list", bug)
     with pytest.raises(ValueError, match="an internal bug"):
         cli.main(["list"])
-
-
-CORE = [
-    "gradest/_checks.py",
-    "gradest/base.py",
-    "gradest/conditioning.py",
-    "gradest/context.py",
-    "gradest/errors.py",
-    "gradest/files.py",
-    "gradest/trajectory.py",
-    "gradest/model_lock.py",
-    "gradest/nonfinite.py",
-    "gradest/objectives.py",
-    "gradest/options.py",
-    "gradest/protocol.py",
-    "gradest/ranks.py",
-    "gradest/registry.py",
-    "gradest/replay.py",
-    "gradest/samplers.py",
-    "gradest/vjp.py",
-    "gradest/strategies",
-    "gradest/reference",
-]
-OUTSIDE = ("gradest_digits", "gradest.harness", "gradest.integrations", "gradest.cli")
-
-
-def test_the_core_imports_nothing_from_outside_it():
-    """The dependency direction: workloads, harness, integrations and the CLI import the
-    core, never the reverse (read from the source, imports inside functions included)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    files = []
-    for entry in CORE:
-        path = root / entry
-        files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
-    offenders = []
-    for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            offenders += [
-                f"{path.relative_to(root)}: {name}" for name in names if name.startswith(OUTSIDE)
-            ]
-    assert not offenders
-    assert len(files) > 25

@@ -186,18 +186,20 @@ def test_cost_counts_of_exact():
     assert cost.model_units() == 3 * STEPS
 
 
-def test_backward_accumulates_into_grad_and_optimizer_steps():
+def test_deprecated_backward_accumulates_into_grad_and_optimizer_steps():
     model, noise, cond = _setup(True, True)
     flow = gradest.RectifiedFlow(steps=STEPS)
     objective = smooth_terminal_objective(DIM)
     est = gradest.estimator("exact")
-    first = est.backward(model, flow, objective, noise=noise, cond=cond)
+    with pytest.deprecated_call(match=r"\.surrogate\(model, sampler, objective, \.\.\.\)"):
+        first = est.backward(model, flow, objective, noise=noise, cond=cond)
     for name, param in model.named_parameters():
         if param.requires_grad:
             assert torch.equal(param.grad, first.grads[name])
         else:
             assert param.grad is None
-    est.backward(model, flow, objective, noise=noise, cond=cond)
+    with pytest.deprecated_call():
+        est.backward(model, flow, objective, noise=noise, cond=cond)
     for name, param in model.named_parameters():
         if param.requires_grad:
             torch.testing.assert_close(param.grad, 2 * first.grads[name], rtol=0, atol=0)

@@ -11,13 +11,14 @@ import torch
 
 import gradest
 from gradest.base import EstimatorBase
-from gradest.cli import main, split_specs
+from gradest.cli import main
 from gradest.errors import InvalidValue
 from gradest.harness.compare import compare, draw_generator
 from gradest.harness.cost import COST_DRAWS, count_flops
 from gradest.harness.report import SCHEMA, Report
 from gradest.harness.statistics import trajectory_stats
 from gradest.options import option
+from gradest.specs import split_spec_list
 from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
@@ -254,8 +255,8 @@ def test_bad_input_fails_before_any_work(kwargs, error, message):
     assert calls == []
 
 
-def test_split_specs_keeps_options_with_their_estimator():
-    assert split_specs("exact,jagg:window=4,tau=0.9,sdo,truncated:k=1") == [
+def test_split_spec_list_keeps_options_with_their_estimator():
+    assert split_spec_list("exact,jagg:window=4,tau=0.9,sdo,truncated:k=1") == [
         "exact",
         "jagg:window=4,tau=0.9",
         "sdo",

@@ -12,8 +12,15 @@ from torch import Tensor
 
 import gradest
 from gradest.reference import dense_chain, exact_gradient, relative_error
-from gradest.testing import problems
 from gradest.reference.jagg_definition import jagg_definition, jagg_gate_cosines
+from gradest.strategies.jagg import Jagg
+from gradest.strategies.jagg_layout import (
+    distinct_nodes,
+    lagrange_weights,
+    layout_groups,
+    node_positions,
+)
+from gradest.testing import problems
 from gradest.testing.problems import (
     AffineVelocity,
     random_stepwise_objective,
@@ -21,13 +28,6 @@ from gradest.testing.problems import (
     smooth_terminal_objective,
     straight_trajectory,
     tiny_mlp,
-)
-from gradest.strategies.jagg import Jagg
-from gradest.strategies.jagg_layout import (
-    distinct_nodes,
-    lagrange_weights,
-    layout_groups,
-    node_positions,
 )
 
 DIM, BATCH, STEPS, CLASSES = 3, 4, 11, 3
@@ -112,18 +112,18 @@ def test_jagg_matches_definition(kind, source, order, shared_knots, conditioned,
 
 
 @pytest.mark.parametrize("engine", ["autograd", "func"])
-@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("kind", ["terminal", "stepwise"])
 @pytest.mark.parametrize("source", ["noise", "trajectory"])
 @pytest.mark.parametrize("seed", [0, 2, 9, 12])
-def test_debiased_jagg_matches_its_definition(seed, source, kind, low_memory, engine):
+def test_debiased_jagg_matches_its_definition(seed, source, kind, checkpoint, engine):
     # window 3 on 11 steps: interpolated steps 1 and 4 (group 3 is all nodes); tau=0.9995
     # fails group 2 (cosine 0.99887: exact there, no correction). The seeds draw nodes and
     # a fallback step (0: {0, 10}, 2: {3, 8}) and interpolated steps (9: {4, 9}, 12: {4, 10}).
     problem = _problem(True, True)
     chain = problem[5]
     objective = _objective(kind)
-    est = Jagg(window=3, debias=2, tau=0.9995, low_memory=low_memory)
+    est = Jagg(window=3, debias=2, tau=0.9995, checkpoint=checkpoint)
     result = _estimate(
         est,
         problem,
@@ -178,11 +178,11 @@ def test_debias_costs_at_most_m_more_parameter_vjps():
 
 
 @pytest.mark.parametrize("kind", ["terminal", "stepwise"])
-def test_fused_and_low_memory_terminal_agree(kind):
+def test_fused_and_checkpointed_terminal_agree(kind):
     problem = _problem(True, True)
     objective = _objective(kind)
     results = [
-        _estimate(Jagg(window=4, tau=-1.0, low_memory=m), problem, objective, "noise")
+        _estimate(Jagg(window=4, tau=-1.0, checkpoint=m), problem, objective, "noise")
         for m in (False, True)
     ]
     assert results[0].decisions == results[1].decisions
@@ -418,14 +418,14 @@ def test_stepwise_fallback_costs():
     assert result.cost.forwards_without_graph == 8
 
 
-@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("noise_grad", [False, True])
 @pytest.mark.parametrize("source", ["noise", "trajectory"])
-def test_terminal_costs(noise_grad, source, low_memory):
+def test_terminal_costs(noise_grad, source, checkpoint):
     steps, nodes = 16, 5
     problem = _problem(False, False, steps=steps)
     result = _estimate(
-        Jagg(window=4, gate="off", shared_knots=True, low_memory=low_memory),
+        Jagg(window=4, gate="off", shared_knots=True, checkpoint=checkpoint),
         problem,
         _objective("terminal"),
         source,
@@ -435,7 +435,7 @@ def test_terminal_costs(noise_grad, source, low_memory):
     swept = steps if noise_grad else steps - 1
     assert result.cost.state_vjps == swept
     assert result.cost.param_vjps == nodes
-    if not low_memory:
+    if not checkpoint:
         # Fused: one forward with graph per step (sampling, or at the recorded states),
         # the sweep and the node VJP run through those graphs: (2N + 2n)F.
         assert result.cost.forwards_with_graph == steps
@@ -596,7 +596,7 @@ def test_evolve_repr_hash():
     est = Jagg()
     assert repr(est) == (
         "Jagg(window=4, order=1, tau=0.995, gate='min', shared_knots=False, debias=0, "
-        "low_memory=False)"
+        "checkpoint=False)"
     )
     wider = attrs.evolve(est, window=8, order=3)
     assert (wider.window, wider.order, wider.tau) == (8, 3, 0.995)

@@ -142,20 +142,20 @@ def test_approximate_estimators_match_their_definitions_on_the_lora_subset(probl
         assert relative_error(result.grads, chain.unflatten(definition)) <= EXACTNESS, kind
 
 
-def test_backward_and_an_optimizer_step_touch_the_adapters_only(problem):
+def test_surrogate_backward_and_an_optimizer_step_touch_the_adapters_only(problem):
     model, noise, cond, flow, _, _, objectives = problem
     model = lora_dit()  # a private copy: this test changes weights
     frozen = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapters = lora_state_dict(model)
     optimizer = torch.optim.SGD(lora_parameters(model).values(), lr=0.1)
-    gradest.estimator("sdo").backward(
+    gradest.estimator("sdo").surrogate(
         model,
         flow,
         objectives["terminal"],
         noise=noise,
         cond=cond,
         generator=torch.Generator().manual_seed(0),
-    )
+    ).loss.backward()
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     assert all(p.grad is not None for p in lora_parameters(model).values())
     optimizer.step()

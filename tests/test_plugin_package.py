@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import gradest
-from gradest.registry import BUILTINS
+from gradest.registry import builtin_estimators
 
 # Two pip builds and two fresh interpreters (each imports torch): about 20-40 s on 2 cores.
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PLUGIN = ROOT / "examples" / "plugin"
 EXAMPLE_DIST = "gradest-example-plugin"
 CLASH_DIST = "gradest-clashing-plugin"
-BUILTIN_NAMES = tuple(BUILTINS)
+BUILTIN_NAMES = tuple(builtin_estimators())
 
 CLASH_PYPROJECT = f"""\
 [build-system]
@@ -132,7 +132,7 @@ def cli(*args):
 
 
 out["check"] = cli(
-    "check", "--estimators", "sdo_mean;sdo_mean:draws=2,samples=3", "--steps", "4", "--quiet"
+    "check", "--estimators", "sdo_mean,sdo_mean:draws=2,samples=3", "--steps", "4", "--quiet"
 )
 out["compare"] = cli(
     "compare", "--estimators", "exact,sdo_mean:draws=2", "--steps", "6", "--seeds", "1",
@@ -293,10 +293,11 @@ def test_cli_list_warns_about_clashing_and_broken_plugins(install_dirs, tmp_path
     assert "    draws=4  independent SDO draws averaged" in result.stdout
     warnings_text = " ".join(result.stderr.split())  # warnings may wrap
     assert (
-        f"estimator 'sdo_mean' from {CLASH_DIST} is a duplicate of the one from {EXAMPLE_DIST}"
+        f"estimator plugin 'sdo_mean' from {CLASH_DIST} is a duplicate of the one "
+        f"from {EXAMPLE_DIST}"
         in warnings_text
     )
-    assert f"estimator 'exact' from {CLASH_DIST} is a duplicate of the one from gradest" in (
+    assert f"estimator plugin 'exact' from {CLASH_DIST} is a duplicate of the one from gradest" in (
         warnings_text
     )
     assert f"skipping estimator plugin 'broken' from {CLASH_DIST}" in warnings_text

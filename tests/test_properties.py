@@ -10,7 +10,7 @@ and the estimator with its options. For each draw:
   estimate reports (sampled steps, truncation depth, gate decisions), and ``jagg``'s
   reported gate cosines equal the dense ones;
 * the noise gradient equals its dense definition;
-* the invariants DESIGN.md pins hold: ``exact`` equals ``exact_gradient``;
+* the known truths of docs/design.md#known-truths hold: ``exact`` equals ``exact_gradient``;
   ``truncated(k=N)``, ``jagg(window=2, order=1, shared_knots=False)`` and, for stepwise
   objectives, ``sdo(full_sum=True)`` equal ``exact``.
 

@@ -10,6 +10,7 @@ import attrs
 import pytest
 
 import gradest
+from gradest import entry_points as entry_point_loader
 from gradest import registry
 from gradest.base import EstimatorBase
 from gradest.options import option
@@ -40,7 +41,14 @@ def fake_plugins(monkeypatch):
 
     def install(*extra: EntryPoint) -> None:
         real = list(entry_points(group=registry.GROUP))
-        monkeypatch.setattr(registry, "entry_points", lambda group: real + list(extra))
+
+        def with_extra(group: str) -> list[EntryPoint]:
+            return (
+                real + list(extra) if group == registry.GROUP else list(entry_points(group=group))
+            )
+
+        # The one loader (gradest.entry_points) reads importlib.metadata's entry points.
+        monkeypatch.setattr(entry_point_loader, "entry_points", with_extra)
         registry.clear_cache()
 
     yield install
@@ -168,20 +176,28 @@ def test_keyboard_interrupt_in_a_plugin_is_not_swallowed(fake_plugins, tmp_path,
         gradest.available_estimators()
 
 
-def test_builtins_load_without_their_entry_points(monkeypatch):
-    """A source checkout that is not pip-installed has no entry points: built-ins still load."""
-    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+def test_without_entry_points_there_are_no_builtins_and_the_error_says_why(monkeypatch):
+    """The built-ins are read from the entry points only: a source checkout that is not
+    pip-installed has none, and the error says to install it."""
+    monkeypatch.setattr(entry_point_loader, "entry_points", lambda group: [])
     registry.clear_cache()
     try:
-        assert set(gradest.available_estimators()) == set(registry.BUILTINS)
-        assert gradest.estimator("jagg:window=3").window == 3
+        assert gradest.available_estimators() == {}
+        assert registry.builtin_estimators() == {}
+        with pytest.raises(UnknownEstimatorError, match="pip install -e"):
+            gradest.estimator("jagg")
     finally:
         registry.clear_cache()
 
 
-def test_the_builtin_fallback_table_matches_pyproject():
+def test_pyproject_entry_points_are_exactly_the_builtins():
     import tomllib
     from pathlib import Path
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert pyproject["project"]["entry-points"]["gradest.estimators"] == registry.BUILTINS
+    declared = pyproject["project"]["entry-points"]["gradest.estimators"]
+    loaded = {
+        name: f"{cls.__module__}:{cls.__qualname__}"
+        for name, cls in registry.builtin_estimators().items()
+    }
+    assert loaded == declared

@@ -7,14 +7,19 @@ import math
 
 import pytest
 import torch
-from definition_checks import definition_error
 from torch import Tensor, nn
 
 import gradest
 from gradest.reference import exact_gradient, relative_error
-from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
-from gradest.samplers import FlowSDE
 from gradest.rl.flow_grpo import ADVANTAGE_EPS, group_advantages, grpo_objective
+from gradest.samplers import FlowSDE
+from gradest.testing import (
+    assert_matches_definition,
+    perturb_parameters,
+    seeded_normal,
+    smooth_terminal_objective,
+    tiny_mlp,
+)
 
 DIM, BATCH, STEPS, GROUP = 3, 4, 5, 2
 SEED = 7
@@ -237,7 +242,10 @@ def test_estimators_on_flowsde_terminal_match_their_definitions(spec):
     flow = FlowSDE(STEPS)
     objective = smooth_terminal_objective(DIM)
     _, trajectory = _rollout(model, flow)
-    assert definition_error(spec, model, flow, objective, trajectory, seed=1) <= 1e-10
+    generator = torch.Generator().manual_seed(1)
+    assert_matches_definition(
+        spec, model, flow, objective, trajectory=trajectory, generator=generator, rtol=1e-10
+    )
 
 
 # -- GRPO --------------------------------------------------------------------------------
@@ -319,20 +327,11 @@ def test_grpo_clipping_kills_the_gradient_outside_the_band():
     assert float(loss) == pytest.approx(expected_loss, rel=1e-12)
 
 
-def _perturbed(model, scale=0.05, seed=3):
-    """The model after an update: ratios move away from 1, some leave the clip band."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
-    return model
-
-
 @pytest.mark.parametrize("updated", [False, True])
 def test_exact_on_grpo_matches_reference(updated):
     model, flow, trajectory, old, _, objective = _grpo_setup(clip=0.05)
     if updated:
-        _perturbed(model)
+        perturb_parameters(model)  # ratios leave 1, some leave the clip band
         # Meaningful only if some ratios left the clip band and some did not; the
         # policy is evaluated at the recorded states (the data of the surrogate).
         times = flow.times
@@ -363,13 +362,16 @@ def test_exact_on_grpo_matches_reference(updated):
 @pytest.mark.parametrize("spec", SPECS)
 def test_estimators_run_on_grpo_and_match_their_definitions(spec):
     model, flow, trajectory, _, _, objective = _grpo_setup(clip=0.05)
-    _perturbed(model)
-    assert definition_error(spec, model, flow, objective, trajectory) <= 1e-10
+    perturb_parameters(model)  # ratios leave 1, some leave the clip band
+    generator = torch.Generator().manual_seed(2)
+    assert_matches_definition(
+        spec, model, flow, objective, trajectory=trajectory, generator=generator, rtol=1e-10
+    )
 
 
 def test_grpo_objective_refuses_a_fresh_path():
     model, flow, trajectory, _, _, objective = _grpo_setup()
-    with pytest.raises(ValueError, match="pass that trajectory to estimate/backward"):
+    with pytest.raises(ValueError, match="pass that trajectory to surrogate/estimate"):
         gradest.estimator("exact").estimate(
             model,
             flow,

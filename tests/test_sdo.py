@@ -17,7 +17,6 @@ import attrs
 import pytest
 import scipy.stats
 import torch
-from mean_checks import standard_error
 from recorded_problem import (
     BATCH,
     DIM,
@@ -30,6 +29,13 @@ from torch import Tensor
 
 import gradest
 from gradest.reference import exact_gradient, relative_error
+from gradest.reference.sdo_definition import (
+    sdo_definition,
+    sdo_full_sum_definition,
+    sdo_noise_grad_definition,
+)
+from gradest.strategies.sdo import ShortcutDiffusion
+from gradest.testing import standard_error
 from gradest.testing.problems import (
     AffineVelocity,
     random_stepwise_objective,
@@ -37,12 +43,6 @@ from gradest.testing.problems import (
     smooth_terminal_objective,
     tiny_mlp,
 )
-from gradest.reference.sdo_definition import (
-    sdo_definition,
-    sdo_full_sum_definition,
-    sdo_noise_grad_definition,
-)
-from gradest.strategies.sdo import ShortcutDiffusion
 
 # The number of independent draws in the statistical tests.
 DRAWS = 400

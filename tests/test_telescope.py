@@ -12,7 +12,6 @@ from recorded_problem import BATCH, DIM, STEPS, objective_of, problem, run, surr
 import gradest
 from gradest.errors import InvalidValue
 from gradest.reference import exact_gradient, relative_error
-from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 from gradest.reference.telescope_definition import (
     reference_survival,
     telescope_definition,
@@ -20,6 +19,7 @@ from gradest.reference.telescope_definition import (
     telescope_noise_grad_definition,
 )
 from gradest.strategies.telescope import Telescope, survival_probabilities
+from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 
 SETUPS = [("rectified", False, False), ("rectified", True, True), ("noisy", True, False)]
 OPTIONS = [{}, {"mean_depth": 3.5, "min_depth": 2}, {"mean_depth": 1.0}]

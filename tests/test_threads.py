@@ -203,7 +203,7 @@ def test_estimates_from_threads_equal_sequential_estimates():
         assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))
 
 
-def test_backward_from_threads_accumulates_into_each_model_only():
+def test_surrogate_backward_from_threads_accumulates_into_each_model_only():
     est = gradest.estimator("jagg:window=3")
     problems = [_problem(seed) for seed in range(ESTIMATING_THREADS)]
 
@@ -211,7 +211,8 @@ def test_backward_from_threads_accumulates_into_each_model_only():
         model, flow, noise, cond, _, objectives = problems[index]
         model.zero_grad(set_to_none=True)
         for _ in range(3):
-            est.backward(model, flow, objectives["terminal"], noise=noise, cond=cond)
+            sur = est.surrogate(model, flow, objectives["terminal"], noise=noise, cond=cond)
+            sur.loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 
     threaded = _run_in_threads(work, ESTIMATING_THREADS)

@@ -272,7 +272,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def test_diffusers_enable_gradient_checkpointing(spec):
     """A tiny SD3 transformer with diffusers' gradient checkpointing: the surrogate's backward
     and estimate() both run through it and give the gradient of the plain model."""
-    from test_diffusers import tiny_transformer
+    from diffusers_support import tiny_transformer
 
     from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler
 

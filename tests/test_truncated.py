@@ -13,7 +13,6 @@ import attrs
 import pytest
 import scipy.stats
 import torch
-from mean_checks import standard_error
 from recorded_problem import (
     BATCH,
     DIM,
@@ -27,12 +26,6 @@ from torch import Tensor
 import gradest
 from gradest.errors import InvalidValue
 from gradest.reference import exact_gradient, relative_error
-from gradest.testing.problems import (
-    random_stepwise_objective,
-    seeded_normal,
-    smooth_terminal_objective,
-    tiny_mlp,
-)
 from gradest.reference.truncated_definition import (
     truncated_definition,
     truncated_expectation,
@@ -40,6 +33,13 @@ from gradest.reference.truncated_definition import (
     uniform_probabilities,
 )
 from gradest.strategies.truncated import Truncated
+from gradest.testing import standard_error
+from gradest.testing.problems import (
+    random_stepwise_objective,
+    seeded_normal,
+    smooth_terminal_objective,
+    tiny_mlp,
+)
 
 DRAWS = 400
 

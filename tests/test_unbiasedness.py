@@ -1,4 +1,4 @@
-"""Unbiasedness of the randomized estimators, tested statistically (tests/mean_checks.py).
+"""Unbiasedness of the randomized estimators, tested statistically (gradest.testing.means).
 
 Each test draws independent estimates on one recorded path (common random numbers: only
 the estimator's own draws differ), accepts the expectation its definition states with
@@ -16,7 +16,6 @@ import functools
 
 import pytest
 import torch
-from mean_checks import SE_BOUND, distance_in_se, fits_distribution
 from recorded_problem import STEPS, objective_of, problem, run
 from torch import Tensor
 
@@ -26,6 +25,7 @@ from gradest.reference.jagg_definition import jagg_definition
 from gradest.reference.refl_definition import refl_definition
 from gradest.reference.telescope_definition import reference_survival, telescope_definition
 from gradest.reference.truncated_definition import truncated_expectation
+from gradest.testing import SE_BOUND, assert_biased, assert_unbiased, fits_distribution
 
 DRAWS = 400
 SETUP = ("rectified", True, True)
@@ -66,12 +66,12 @@ def test_debiased_jagg_is_unbiased_for_exact(m, gate, kind):
     option, fallbacks = GATES[gate]
     samples, decisions = draws(JAGG.format(m=m, gate=option), kind)
     assert all(d.fallback_groups == fallbacks for d in decisions)
-    assert distance_in_se(samples, exact_flat(kind)) <= SE_BOUND
+    assert_unbiased(samples, exact_flat(kind))
     # Power: the same draws reject the interpolated (biased) jagg gradient.
     first = decisions[0]
     passed = [i not in first.fallback_groups for i in range(len(first.groups))]
     biased = jagg_definition(p.chain, objective_of(kind), first.groups, first.nodes, passed)
-    assert distance_in_se(samples, biased) > SE_BOUND
+    assert_biased(samples, biased)
     # Every step drawn alike: m of N per call, uniformly.
     counts = [step for d in decisions for step in d.debias_steps]
     assert all(len(d.debias_steps) == m for d in decisions)
@@ -88,12 +88,12 @@ def test_telescope_is_unbiased_for_exact(mean_depth, min_depth, kind):
     p = problem(*SETUP)
     spec = f"telescope:mean_depth={mean_depth},min_depth={min_depth}"
     samples, decisions = draws(spec, kind)
-    assert distance_in_se(samples, exact_flat(kind)) <= SE_BOUND
+    assert_unbiased(samples, exact_flat(kind))
     # Power: without the 1/q_j weights the same depths estimate a truncated expectation.
     survival = reference_survival(STEPS, mean_depth, min_depth)
     masses = [a - b for a, b in zip(survival, [*survival[1:], 0.0], strict=True)]
     unweighted = truncated_expectation(p.chain, objective_of(kind), masses)
-    assert distance_in_se(samples, unweighted) > SE_BOUND
+    assert_biased(samples, unweighted)
     assert fits_distribution([d.depth - 1 for d in decisions], masses)
 
 
@@ -113,14 +113,11 @@ def test_min_max_truncation_is_unbiased_for_its_expectation():
     objective = objective_of("terminal")
     samples, decisions = draws("truncated:random=uniform,k_min=3,k=5", "terminal")
     probabilities = [0.0, 0.0, 1 / 3, 1 / 3, 1 / 3]
-    assert (
-        distance_in_se(samples, truncated_expectation(p.chain, objective, probabilities))
-        <= SE_BOUND
-    )
+    assert_unbiased(samples, truncated_expectation(p.chain, objective, probabilities))
     assert fits_distribution([d.k - 1 for d in decisions], probabilities)
     # Power: uniform on 1..5 (k_min ignored) is a different expectation.
     wrong = truncated_expectation(p.chain, objective, [0.2] * 5)
-    assert distance_in_se(samples, wrong) > SE_BOUND
+    assert_biased(samples, wrong)
 
 
 @pytest.mark.slow
@@ -130,11 +127,11 @@ def test_refl_is_unbiased_for_the_mean_over_its_window():
     samples, decisions = draws("refl:last_steps=4", "terminal")
     window = range(STEPS - 4, STEPS)
     expectation = sum(refl_definition(p.chain, objective, s)[0] for s in window) / 4
-    assert distance_in_se(samples, expectation) <= SE_BOUND
+    assert_unbiased(samples, expectation)
     assert fits_distribution([d.step for d in decisions], [0.0, 0.0, 0.25, 0.25, 0.25, 0.25])
     # Power: a window of the last two steps only.
     wrong = sum(refl_definition(p.chain, objective, s)[0] for s in window[2:]) / 2
-    assert distance_in_se(samples, wrong) > SE_BOUND
+    assert_biased(samples, wrong)
 
 
 def test_telescope_definition_at_every_depth_is_what_the_draws_average():

@@ -5,7 +5,7 @@ Each case is checked against an independent computation: the dense reference
 
 * parameter layouts: tied weights, ``torch.nn.utils.parametrize`` (weight norm), layers in
   two dtypes, buffers a model updates in its forward;
-* conditioning: a shared ``[B, ...]`` tensor marked ``gradest.Shared`` (and what goes
+* conditioning: a shared ``[B, ...]`` tensor marked ``gradest.SharedCondition`` (and what goes
   wrong without the marker), non-tensor and 0-dim values;
 * inputs carrying graphs or odd layouts: noise with ``requires_grad``, expanded noise, a
   recorded trajectory whose tensors carry a graph, a trajectory of a stochastic sampler
@@ -175,7 +175,7 @@ class UsesATable(nn.Module):
 def test_a_shared_conditioning_tensor_with_b_rows_needs_the_marker():
     table = seeded_normal((BATCH, DIM), 5)  # B rows, but shared, not per sample
     model = UsesATable()
-    cond = {"table": gradest.Shared(table), "gain": 0.5, "offset": torch.tensor(2.0)}
+    cond = {"table": gradest.SharedCondition(table), "gain": 0.5, "offset": torch.tensor(2.0)}
     want = handwritten(model, table=table, gain=0.5, offset=torch.tensor(2.0))
     trajectory = gradest.rollout(model, FLOW, NOISE, cond=cond)
     stepwise = gradest.StepwiseObjective(lambda k, v, traj: (v * (k + 1)).pow(2).sum())

@@ -9,8 +9,8 @@ path and measured against it (``gradest.harness`` statistics):
   normalisation by the exact gradients' second moment (``metric="adam_cosine"``,
   :mod:`gradest.harness.tensor_metrics`), or the plain L2 cosine (``metric="cosine"``);
   a proxy for how far one optimizer step moves the loss, not validated against reward;
-* cost: model units from the estimator's own ``Cost`` (``F`` = one forward, a VJP 2F),
-  as a ratio to exact's; deterministic;
+* cost: model units from the estimator's own ``Cost`` (docs/design.md#measuring-cost), as
+  a ratio to exact's; deterministic;
 * bias: ``||mean of draws - exact|| / ||exact||`` with the noise of the mean removed.
 
 After the last probe it picks the candidate with the best progress per unit cost among
@@ -19,9 +19,8 @@ per step, exact's being 1; ``max_slowdown``: at most this many times the cost of
 cheapest candidate), which may be ``exact``, and uses it until the next recheck. A
 probe call returns the exact gradient it measured against (the candidates' draws are
 discarded), so probing never hurts the update, only the time: a probe costs exact's
-``3NF`` plus every candidate's cost times ``draws`` (twice when training samples from
-noise: once on the path, once for the cost from noise), and the probing call's
-``result.cost`` says so.
+work plus every candidate's times ``draws`` (docs/design.md#cost-formulas, row ``auto``),
+and the probing call's ``result.cost`` says so.
 
 The choice is cached per model signature (the trainable parameters' names, shapes and
 dtypes, the sampler and its grid, the objective kind, the state shape) and per ``auto``
@@ -41,10 +40,10 @@ from typing import Any, ClassVar, Unpack
 import attrs
 import torch
 
+from gradest._deprecation import sampler_keyword
 from gradest.axes import EstimatorAxes
 from gradest.base import DEFAULT_ENGINE, EstimatorBase
 from gradest.errors import InvalidValue
-from gradest.trajectory import Trajectory, rollout
 from gradest.harness.statistics import trajectory_stats
 from gradest.harness.tensor_metrics import TensorLayout, adam_cosine, mean_of, second_moment
 from gradest.objectives import Objective, TerminalObjective
@@ -62,6 +61,7 @@ from gradest.protocol import (
 )
 from gradest.ranks import RankAgreement
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory, rollout
 
 DEFAULT_CANDIDATES = (
     "exact",
@@ -75,8 +75,13 @@ METRICS = ("adam_cosine", "cosine")
 
 
 def _parse_candidates(text: str) -> tuple[str, ...]:
-    """``exact/jagg/sdo``: estimator names (with default options) separated by ``/``."""
-    return tuple(part.strip() for part in text.split("/") if part.strip())
+    """``exact,jagg:window=4,tau=0.9,sdo``: a spec list in the one list syntax
+    (:mod:`gradest.specs`), inside a spec wrapped in parentheses:
+    ``auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)``. The old ``exact/jagg/sdo``
+    still works with a deprecation warning."""
+    from gradest.specs import split_spec_list
+
+    return tuple(split_spec_list(text, what="auto option candidates", legacy_separator="/"))
 
 
 @attrs.frozen
@@ -138,8 +143,9 @@ class Auto(EstimatorBase):
     """Measure the candidate estimators on your model and use the best within a budget.
 
     Attributes:
-        candidates: estimator specs to choose from (spec strings: names separated by
-            ``/``, e.g. ``auto:candidates=exact/jagg/sdo``).
+        candidates: estimator specs to choose from; in a spec string the one list syntax
+            (:mod:`gradest.specs`) in parentheses, e.g.
+            ``auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)``.
         max_bias: exclude candidates whose relative bias to exact exceeds this (None: no
             bound).
         min_progress: exclude candidates whose predicted progress per step is below this
@@ -160,16 +166,17 @@ class Auto(EstimatorBase):
         cotangents="those of the chosen candidate (a probe call: exact adjoint)",
         evaluation="chooses among candidates, measured against exact on probe calls; then "
         "the chosen candidate's",
-        memory="the chosen candidate's; a probe call holds exact's, then each candidate's "
-        "in turn",
+        memory="the chosen candidate's; a probe call holds exact's, then each candidate's",
     )
 
     candidates: tuple[str, ...] = option(
         DEFAULT_CANDIDATES,
         kind=tuple,
-        doc="estimator specs to choose from (in a spec string: names separated by /)",
+        doc="estimator specs to choose from (in a spec string: a list in parentheses, "
+        "e.g. candidates=(exact,jagg:window=4,tau=0.9,sdo))",
         valid=lambda value: len(value) >= 1 and all(isinstance(s, str) for s in value),
-        expect="a non-empty tuple of estimator spec strings",
+        expect="a non-empty tuple of estimator spec strings (in a spec string: "
+        "candidates=(exact,jagg:window=4,sdo))",
         parse=_parse_candidates,
     )
     max_bias: float | None = optional_float_option(
@@ -198,27 +205,31 @@ class Auto(EstimatorBase):
 
     # -- the two entry points delegate ----------------------------------------------------
 
+    @sampler_keyword
     def estimate(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
         *,
         engine: str = DEFAULT_ENGINE,
         **options: Unpack[EstimateOptions],
     ) -> GradientEstimate:
         """As :meth:`EstimatorBase.estimate`; a probe call returns the exact gradient."""
-        return self._call(model, flow, objective, dict(options), engine=engine, surrogate=False)
+        return self._call(model, sampler, objective, dict(options), engine=engine, surrogate=False)
 
+    @sampler_keyword
     def surrogate(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
+        *,
+        engine: str = DEFAULT_ENGINE,
         **inputs: Unpack[SamplingInputs],
     ) -> Surrogate:
         """As :meth:`EstimatorBase.surrogate`; a probe call gives exact's loss."""
-        return self._call(model, flow, objective, dict(inputs), engine=None, surrogate=True)
+        return self._call(model, sampler, objective, dict(inputs), engine=engine, surrogate=True)
 
     def _call(
         self,
@@ -227,7 +238,7 @@ class Auto(EstimatorBase):
         objective: Objective,
         inputs: dict[str, Any],
         *,
-        engine: str | None,
+        engine: str,
         surrogate: bool,
     ) -> Any:
         from gradest.registry import estimator
@@ -261,7 +272,9 @@ class Auto(EstimatorBase):
             choice = "exact"
             result: Any
             if surrogate:
-                result = estimator(choice).surrogate(model, flow, objective, **on_path)
+                result = estimator(choice).surrogate(
+                    model, flow, objective, engine=engine, **on_path
+                )
                 result = attrs.evolve(result, cost=result.cost + probe_cost)
             else:
                 # The gradient the candidates were measured against; its cost is the probe's.
@@ -271,7 +284,7 @@ class Auto(EstimatorBase):
             choice = schedule.choice
             chosen: Any = estimator(choice)
             if surrogate:
-                result = chosen.surrogate(model, flow, objective, **inputs)
+                result = chosen.surrogate(model, flow, objective, engine=engine, **inputs)
             else:
                 result = chosen.estimate(model, flow, objective, engine=engine, **inputs)
         info = {

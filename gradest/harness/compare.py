@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
-from gradest.trajectory import Trajectory, rollout
 from gradest.harness.cost import (
     COST_DRAWS,
     count_flops,
@@ -43,6 +43,7 @@ from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.protocol import is_estimator, supports
 from gradest.registry import estimator as build_estimator
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory, rollout
 
 NoiseFn = Callable[[int], Tensor]
 CondFn = Callable[[int], Mapping[str, Any] | None]
@@ -97,9 +98,10 @@ def is_stochastic(est: Any, run: Callable[[Any, torch.Generator], Tensor]) -> bo
     return not torch.equal(run(est, draw_generator(0, 0)), run(est, draw_generator(0, 1)))
 
 
+@sampler_keyword
 def compare(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     objective: Objective,
     estimators: Sequence[Any],
     *,
@@ -116,7 +118,8 @@ def compare(
 
     Args:
         model: the velocity model (``model(z, t, **cond)``).
-        flow: the sampler.
+        sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)`` (``flow=`` is a
+            deprecated spelling of this keyword).
         objective: ``TerminalObjective`` or ``StepwiseObjective`` (evaluated on each
             seed's rollout).
         estimators: spec strings (``"jagg:window=4"``) or estimator instances.
@@ -132,6 +135,7 @@ def compare(
     Returns:
         A :class:`~gradest.harness.report.Report`.
     """
+    flow = sampler
     # Everything is validated before any work starts.
     if not isinstance(objective, TerminalObjective | StepwiseObjective):
         raise InvalidType(
@@ -303,10 +307,10 @@ def _measure_costs(
 
     Terminal objectives are measured from noise, so each estimator samples the cheapest
     way for its strategy (sampling is part of its cost); stepwise objectives on the
-    recorded trajectory, which is what the DESIGN.md cost model prices. The work of a
-    stochastic estimator (``stochastic``: their reprs) changes with its draw (a random
-    depth, a random subset), so its FLOPs and bytes are the mean over ``COST_DRAWS`` draws
-    and its timed calls cycle through them.
+    recorded trajectory, which is what the cost model (docs/design.md#cost-formulas)
+    prices. The work of a stochastic estimator (``stochastic``: their reprs) changes with
+    its draw (a random depth, a random subset), so its FLOPs and bytes are the mean over
+    ``COST_DRAWS`` draws and its timed calls cycle through them.
     """
     terminal = isinstance(objective, TerminalObjective)
     calls = {}

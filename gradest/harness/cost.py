@@ -1,6 +1,6 @@
 """Deterministic cost measurements: FLOPs, retained activation bytes, and wall time.
 
-DESIGN.md section 4 measures an estimator's cost three ways, each a ratio to ``exact``:
+docs/design.md#measuring-cost measures an estimator's cost three ways, each a ratio to ``exact``:
 
 * :func:`count_flops`: FLOPs of the matmul-like operators, from PyTorch's own formulas
   (``torch.utils.flop_counter``). Deterministic, independent of the machine.
@@ -87,7 +87,7 @@ def count_flops(fn: Callable[[], Any]) -> int:
 
     Only operators with a formula are counted (matmuls, convolutions, attention; a
     multiply-add is 2 FLOPs); elementwise work is free. That is the right unit for the
-    cost model of DESIGN.md section 4 on models where such layers dominate, and the
+    cost model (docs/design.md#cost-model) on models where such layers dominate, and the
     count is exact and machine-independent. Works inside ``torch.func`` transforms
     (``FlopCounterMode`` itself fails there, see the module docstring).
     """

@@ -24,13 +24,13 @@ from torch import Tensor, nn
 from gradest import entry_points
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
+from gradest.samplers import RectifiedFlow
 from gradest.testing.problems import (
     perturbed_dit,
     random_stepwise_objective,
     smooth_terminal_objective,
     tiny_mlp,
 )
-from gradest.samplers import RectifiedFlow
 
 MODELS = ("mlp", "dit")
 PROBLEMS_GROUP = "gradest.problems"

@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from gradest.trajectory import Trajectory
+from gradest._deprecation import sampler_keyword
 from gradest.harness.statistics import trajectory_stats
 from gradest.objectives import Objective
 from gradest.registry import estimator
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory
 
 
 def _flat_error(result: Any, exact: torch.Tensor) -> tuple[float, float]:
@@ -65,8 +66,8 @@ def jagg_span_sweep(
     slope is fitted over ``span <= fit_below``. Larger spans show where the asymptotic
     regime ends, which is the regime a 50-step sampler (step 0.02) actually runs in.
     """
-    from gradest.trajectory import rollout
     from gradest.samplers import RectifiedFlow
+    from gradest.trajectory import rollout
 
     exact = estimator("exact")
     out: dict[str, Any] = {"start": start, "steps": steps, "fit_below": fit_below, "orders": {}}
@@ -93,9 +94,10 @@ def jagg_span_sweep(
     return out
 
 
+@sampler_keyword
 def jagg_tau_sweep(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     objective: Objective,
     trajectory: Trajectory,
     cond: Mapping[str, Any] | None = None,
@@ -103,7 +105,9 @@ def jagg_tau_sweep(
     window: int = 4,
     taus: Sequence[float] = (0.0, 0.9, 0.99, 0.995, 0.999, 0.9999, 1.0),
 ) -> list[dict[str, float]]:
-    """Agreement with exact and cost of jagg(window) as the gate threshold varies."""
+    """Agreement with exact and cost of jagg(window) as the gate threshold varies, on a
+    ``trajectory`` recorded on ``sampler`` (``flow=``: its deprecated keyword)."""
+    flow = sampler
     exact_result = estimator("exact").estimate(
         model, flow, objective, trajectory=trajectory, cond=cond
     )
@@ -127,9 +131,10 @@ def jagg_tau_sweep(
     return rows
 
 
+@sampler_keyword
 def jagg_debias_sweep(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     objective: Objective,
     trajectory: Trajectory,
     cond: Mapping[str, Any] | None = None,
@@ -142,8 +147,10 @@ def jagg_debias_sweep(
     (gate off) against exact on one trajectory, with the mean parameter VJPs per call.
 
     ``m = 0`` is plain jagg (deterministic: its squared bias is the interpolation error).
-    Values of ``m`` above the chain's steps are skipped.
+    Values of ``m`` above the chain's steps are skipped. ``trajectory`` was recorded on
+    ``sampler`` (``flow=``: its deprecated keyword).
     """
+    flow = sampler
     exact = (
         estimator("exact").estimate(model, flow, objective, trajectory=trajectory, cond=cond).flat()
     )

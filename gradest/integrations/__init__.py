@@ -7,6 +7,6 @@ dependency it does not need:
   (``rank_generator``, ``check_same_estimator``, ``process_group_from_env``).
 * :mod:`gradest.integrations.peft`: LoRA adapters through ``peft`` (``add_lora``).
 * :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching and DDIM / DDPM
-  schedulers, transformers and UNets (``flow_from_scheduler``, ``ddim_from_scheduler``,
-  ``DiffusersVelocity``).
+  schedulers, transformers and UNets (``flow_from_scheduler``, ``DiffusersVelocity``; the
+  samplers' own ``RectifiedFlow.from_scheduler`` and ``DDIM.from_scheduler`` use it).
 """

@@ -9,7 +9,8 @@ any ``shift``; see ``FlowMatchEulerDiscreteScheduler.step``). So:
 
 * :func:`flow_from_scheduler` turns a scheduler's sigma grid into a gradest sampler
   (a ``RectifiedFlow`` on ``times = sigmas``, or, with ``stochastic_sampling=True``, the
-  equivalent affine sampler with noise).
+  equivalent affine sampler with noise, ``StochasticFlowMatch``); when you know which,
+  ``RectifiedFlow.from_scheduler`` / ``StochasticFlowMatch.from_scheduler`` do the same.
 * :class:`DiffusersVelocity` wraps a diffusers transformer so that gradest can call it as
   ``model(z, t, **cond)``: ``timestep = t * 1000`` (``num_train_timesteps``; Flux takes
   ``t`` and scales inside), conditioning by keyword, output ``.sample``.
@@ -18,8 +19,8 @@ Then every gradest estimator differentiates through the scheduler's sampling loo
 
 DDPM-family models (Stable Diffusion 1.x/2.x UNets, DDPM DiTs) sample with
 ``DDIMScheduler`` or ``DDPMScheduler``; their steps are affine in the model's epsilon (or
-v) prediction, so :func:`ddim_from_scheduler` returns a
-:class:`gradest.diffusion_samplers.DDIMSampler` taking exactly ``step()``'s steps, and
+v) prediction, so :meth:`gradest.DDIM.from_scheduler` returns a
+:class:`gradest.diffusion_samplers.DDIM` taking exactly ``step()``'s steps, and
 :meth:`DiffusersVelocity.for_sampler` calls a ``UNet2DConditionModel`` (``sample=``,
 ``timestep=``, ``encoder_hidden_states=``) at the scheduler's integer timesteps.
 
@@ -30,7 +31,6 @@ the latents' own dtype. In float32 the two loops agree to a few ulps.
 
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -38,104 +38,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradest.diffusion_samplers import DDIMSampler
-from gradest.errors import InvalidType, InvalidValue, MissingDependency
-from gradest.samplers import RectifiedFlow, StochasticFlowMatchSampler
+from gradest._deprecation import module_aliases, warn_deprecated
+from gradest.diffusers_schedulers import _ddim_from_scheduler, flow_from_scheduler
+from gradest.diffusion_samplers import DDIM
+from gradest.errors import InvalidType, InvalidValue
+from gradest.samplers import StochasticFlowMatch
 
+# DDIM and StochasticFlowMatch are re-exported for convenience (their home is gradest's
+# sampler modules); ddim_from_scheduler, DDIMSampler and StochasticFlowMatchSampler are
+# deprecated names, served with a warning.
 __all__ = [
-    "DDIMSampler",
+    "DDIM",
     "DiffusersVelocity",
-    "StochasticFlowMatchSampler",
-    "ddim_from_scheduler",
+    "StochasticFlowMatch",
     "flow_from_scheduler",
 ]
 
 NUM_TRAIN_TIMESTEPS = 1000
-
-
-def _check_num_inference_steps(num_inference_steps: Any) -> None:
-    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
-        raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
-    if num_inference_steps < 1:
-        raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-
-
-def flow_from_scheduler(
-    scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
-) -> RectifiedFlow | StochasticFlowMatchSampler:
-    """The gradest sampler that takes exactly the steps ``scheduler.step()`` takes.
-
-    Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is), so every
-    schedule option is honoured: ``shift``, dynamic shifting (pass ``mu=``),
-    ``shift_terminal``, Karras / exponential / beta sigmas, custom ``sigmas=``.
-
-    Args:
-        scheduler: a diffusers ``FlowMatchEulerDiscreteScheduler``.
-        num_inference_steps: ``N``, the number of sampling steps.
-        **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (``mu``, ``sigmas``).
-
-    Returns:
-        ``gradest.RectifiedFlow(times=sigmas)`` (deterministic Euler), or a
-        :class:`StochasticFlowMatchSampler` when the scheduler samples stochastically.
-
-    Raises:
-        TypeError: ``scheduler`` is not a flow-matching Euler scheduler (e.g. DDIM).
-        ValueError: the schedule cannot be expressed on gradest's time grid (inverted
-            sigmas, timesteps that are not ``sigma * num_train_timesteps``).
-    """
-    try:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-    except ImportError as err:
-        raise MissingDependency(
-            "flow_from_scheduler needs diffusers: pip install diffusers "
-            "(or gradest's integrations extra)"
-        ) from err
-    if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        raise InvalidType(
-            f"flow_from_scheduler needs a diffusers FlowMatchEulerDiscreteScheduler (the Euler "
-            f"sampler of rectified-flow models such as SD3 and Flux), got "
-            f"{type(scheduler).__name__}, which samples a different process. If the model was "
-            f"trained with flow matching, build FlowMatchEulerDiscreteScheduler(...) for it; "
-            f"for a DDPM/DDIM model use ddim_from_scheduler (docs/integrations.md)"
-        )
-    _check_num_inference_steps(num_inference_steps)
-    # diffusers' config-registered attributes are invisible to type checkers.
-    source: Any = scheduler
-    config = source.config
-    if getattr(config, "invert_sigmas", False):
-        raise InvalidValue(
-            "scheduler.config.invert_sigmas=True runs sigma from 0 up to 1, the reverse of "
-            "gradest's grid (t=1 noise -> t=0 data); build the scheduler with "
-            "invert_sigmas=False"
-        )
-    schedule: Any = copy.deepcopy(source)
-    schedule.set_timesteps(num_inference_steps, device="cpu", **set_timesteps_kwargs)
-    sigmas = schedule.sigmas.detach().to(device="cpu", dtype=torch.float64)
-    # gradest calls the model at timestep = sigma * num_train_timesteps; diffusers pipelines
-    # pass scheduler.timesteps. They agree unless custom timesteps were given.
-    expected = sigmas[:-1] * config.num_train_timesteps
-    timesteps = schedule.timesteps.detach().to(device="cpu", dtype=torch.float64)
-    if timesteps.shape != expected.shape or not torch.allclose(
-        timesteps, expected, rtol=1e-6, atol=1e-3
-    ):
-        raise InvalidValue(
-            "scheduler.timesteps are not sigmas * num_train_timesteps (custom timesteps= were "
-            "passed to set_timesteps?); DiffusersVelocity calls the model at "
-            "timestep = sigma * num_train_timesteps, so pass sigmas= instead"
-        )
-    try:
-        flow = RectifiedFlow(times=sigmas)
-    except ValueError as err:
-        raise InvalidValue(
-            f"the sigmas of {type(scheduler).__name__} with num_inference_steps="
-            f"{num_inference_steps} are not a gradest time grid: {err}"
-        ) from err
-    if getattr(config, "stochastic_sampling", False):  # absent in older diffusers
-        return StochasticFlowMatchSampler(times=flow.times)
-    return flow
-
-
-DDPM_VARIANCES = ("fixed_small", "fixed_small_log")
 
 
 def ddim_from_scheduler(
@@ -144,142 +63,15 @@ def ddim_from_scheduler(
     *,
     eta: float | None = None,
     **set_timesteps_kwargs: Any,
-) -> DDIMSampler:
-    """The gradest sampler that takes exactly the steps ``DDIMScheduler`` / ``DDPMScheduler``
-    ``.step()`` takes.
+) -> DDIM:
+    """Deprecated: use ``gradest.DDIM.from_scheduler(scheduler, num_inference_steps, ...)``
+    (same arguments, same result)."""
+    warn_deprecated(
+        "gradest.integrations.diffusers.ddim_from_scheduler is deprecated; use "
+        "gradest.DDIM.from_scheduler(scheduler, num_inference_steps, ...)"
+    )
+    return _ddim_from_scheduler(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
 
-    Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is) and reads
-    ``timesteps``, ``alphas_cumprod``, the final level and ``prediction_type``. The grid:
-    ``t_k = timestep_k / num_train_timesteps`` and ``t_N = 0`` (the final level:
-    ``final_alpha_cumprod`` for DDIM, 1 for DDPM). When the last timestep is 0 (the default
-    ``timestep_spacing="leading"`` with ``steps_offset=0``) there is no room below it in
-    ``[0, 1]``, so the whole grid is shifted by one training step,
-    ``t_k = (timestep_k + 1) / num_train_timesteps`` (``t`` counts the noising steps
-    applied; ``t = 0`` is clean data), and the sampler records ``timestep_shift = -1``.
-    Call the model through :meth:`DiffusersVelocity.for_sampler`, which applies the
-    sampler's mapping (``timestep = round(t * num_train_timesteps + timestep_shift)``), so
-    the model sees the scheduler's timesteps either way.
-
-    Args:
-        scheduler: a diffusers ``DDIMScheduler`` or ``DDPMScheduler``.
-        num_inference_steps: ``N``, the number of sampling steps.
-        eta: DDIM's noise ratio (``DDIMScheduler.step(eta=...)``; default 0). A
-            ``DDPMScheduler`` samples with ``eta = 1`` (its ``"fixed_small"`` posterior
-            variance), the only value accepted for it.
-        **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (DDPM: ``timesteps=``).
-
-    Returns:
-        A :class:`~gradest.diffusion_samplers.DDIMSampler`.
-
-    Raises:
-        TypeError: another scheduler class (flow matching: :func:`flow_from_scheduler`).
-        ValueError: a configuration whose step is not affine in the model output
-            (``clip_sample=True``, ``thresholding=True``), a learned or "large" DDPM
-            variance, an unknown ``prediction_type``, or DDIM timesteps whose steps do
-            not end where the next model call starts.
-    """
-    try:
-        from diffusers import DDIMScheduler, DDPMScheduler
-    except ImportError as err:
-        raise MissingDependency(
-            "ddim_from_scheduler needs diffusers: pip install diffusers "
-            "(or gradest's integrations extra)"
-        ) from err
-    is_ddpm = isinstance(scheduler, DDPMScheduler)
-    if not (is_ddpm or isinstance(scheduler, DDIMScheduler)):
-        raise InvalidType(
-            f"ddim_from_scheduler needs a diffusers DDIMScheduler or DDPMScheduler, got "
-            f"{type(scheduler).__name__}; for FlowMatchEulerDiscreteScheduler use "
-            f"flow_from_scheduler, for another DDPM-family scheduler build "
-            f"DDIMScheduler.from_config(scheduler.config)"
-        )
-    _check_num_inference_steps(num_inference_steps)
-    name = type(scheduler).__name__
-    source: Any = scheduler
-    config = source.config
-    fix = f"{name}.from_config(scheduler.config, {{option}}=False)"
-    if getattr(config, "thresholding", False):
-        raise InvalidValue(
-            f"scheduler.config.thresholding=True clips each predicted x0 at a per-sample "
-            f"quantile, which makes the step non-affine in the model output; gradest's "
-            f"samplers take affine steps. Build {fix.format(option='thresholding')}"
-        )
-    if getattr(config, "clip_sample", False):
-        raise InvalidValue(
-            f"scheduler.config.clip_sample=True clamps the predicted x0 to "
-            f"[-{config.clip_sample_range:g}, {config.clip_sample_range:g}], which makes the "
-            f"step non-affine in the model output (gradest's samplers take affine steps). "
-            f"Build {fix.format(option='clip_sample')} (latent diffusion models such as "
-            f"Stable Diffusion sample with clip_sample=False)"
-        )
-    prediction = config.prediction_type
-    if prediction not in ("epsilon", "v_prediction", "sample"):
-        raise InvalidValue(
-            f"scheduler.config.prediction_type={prediction!r} is not supported; gradest's "
-            f"DDIMSampler takes 'epsilon', 'v_prediction' or 'sample'"
-        )
-    if is_ddpm:
-        if config.variance_type not in DDPM_VARIANCES:
-            raise InvalidValue(
-                f"DDPMScheduler.config.variance_type={config.variance_type!r} is not "
-                f"supported: gradest's DDPM step is DDIM with eta=1, the posterior variance "
-                f"'fixed_small' ('fixed_small_log' is the same); learned variances are not an "
-                f"affine step in one model output. Build "
-                f"DDPMScheduler.from_config(scheduler.config, variance_type='fixed_small')"
-            )
-        if eta is not None and eta != 1:
-            raise InvalidValue(
-                f"eta={eta!r} with a DDPMScheduler: DDPM ancestral sampling is eta=1; for "
-                f"another eta use DDIMScheduler.from_config(scheduler.config)"
-            )
-        eta = 1.0
-    elif eta is None:
-        eta = 0.0
-    schedule: Any = copy.deepcopy(source)
-    schedule.set_timesteps(num_inference_steps, device="cpu", **set_timesteps_kwargs)
-    timesteps = [int(t) for t in schedule.timesteps]
-    alphas = schedule.alphas_cumprod.detach().to(device="cpu", dtype=torch.float64)
-    train_steps = int(config.num_train_timesteps)
-    # The level each step ends at, as step() computes it.
-    ends = []
-    for t in timesteps:
-        if is_ddpm:
-            previous = int(schedule.previous_timestep(t))
-            final = 1.0  # DDPMScheduler.one
-        else:
-            previous = t - train_steps // schedule.num_inference_steps
-            final = float(schedule.final_alpha_cumprod)
-        ends.append(previous)
-    for k in range(len(timesteps) - 1):
-        if ends[k] != timesteps[k + 1]:
-            raise InvalidValue(
-                f"{name}.step() takes step {k} from timestep {timesteps[k]} to "
-                f"{ends[k]} but the next model call is at timestep {timesteps[k + 1]} "
-                f"(timestep_spacing={config.timestep_spacing!r} with num_train_timesteps="
-                f"{train_steps} and num_inference_steps={num_inference_steps}); gradest's "
-                f"grid needs each step to end where the next starts: use "
-                f"timestep_spacing='leading', or a num_inference_steps that divides "
-                f"{train_steps}"
-            )
-    final_level = float(alphas[ends[-1]]) if ends[-1] >= 0 else final
-    shift = 0 if timesteps[-1] > 0 else -1
-    steps = torch.tensor(timesteps, dtype=torch.float64)
-    times = torch.cat([(steps - shift) / train_steps, torch.zeros(1, dtype=torch.float64)])
-    levels = torch.cat([alphas[timesteps], torch.tensor([final_level], dtype=torch.float64)])
-    try:
-        return DDIMSampler(
-            times=times,
-            alphas_cumprod=levels,
-            prediction=prediction,
-            eta=eta,
-            num_train_timesteps=train_steps,
-            timestep_shift=float(shift),
-        )
-    except ValueError as err:
-        raise InvalidValue(
-            f"the schedule of {name} with num_inference_steps={num_inference_steps} "
-            f"(timesteps {timesteps[:4]}...) is not a gradest DDIM sampler: {err}"
-        ) from err
 
 
 class DiffusersVelocity(nn.Module):
@@ -291,7 +83,7 @@ class DiffusersVelocity(nn.Module):
     ``UNet2DModel``) get ``sample=z``. Parameters keep the model's names behind a
     ``transformer.`` prefix (``result.grads["transformer.proj_out.weight"]``), for UNets too.
     The output is whatever the model predicts (a flow velocity, or epsilon / v for a
-    DDPM-family model sampled with :func:`ddim_from_scheduler`); for the latter build the
+    DDPM-family model sampled with :meth:`gradest.DDIM.from_scheduler`); for the latter build the
     wrapper with :meth:`for_sampler`, which calls the model at the scheduler's timesteps.
 
     Conditioning (``cond`` of ``estimate`` / ``rollout``; tensors with a batch dimension):
@@ -311,7 +103,7 @@ class DiffusersVelocity(nn.Module):
         timestep_scale: the model's timestep per unit of sigma. Default: 1 for Flux (its
             forward multiplies by 1000 itself), else 1000 (``num_train_timesteps`` of
             ``FlowMatchEulerDiscreteScheduler``, what SD3 and DiT pipelines pass).
-        timestep_shift: added after scaling (``ddim_from_scheduler`` grids whose last
+        timestep_shift: added after scaling (``DDIM.from_scheduler`` grids whose last
             timestep is 0 use -1; :meth:`for_sampler` sets it).
         integer_timesteps: round the timestep to the nearest integer, as the integer
             timesteps diffusers' DDPM/DDIM pipelines pass (``t * scale`` in float32 can be
@@ -366,8 +158,8 @@ class DiffusersVelocity(nn.Module):
     ) -> DiffusersVelocity:
         """The wrapper that calls ``model`` at the timesteps ``sampler``'s scheduler uses.
 
-        ``sampler`` is a :class:`~gradest.diffusion_samplers.DDIMSampler` (from
-        :func:`ddim_from_scheduler`): the model is called at ``timestep = t *
+        ``sampler`` is a :class:`~gradest.diffusion_samplers.DDIM` (from
+        ``DDIM.from_scheduler``): the model is called at ``timestep = t *
         num_train_timesteps + timestep_shift``, rounded to an integer when every grid
         timestep is one (as ``DDIMScheduler.timesteps`` are).
         """
@@ -375,7 +167,7 @@ class DiffusersVelocity(nn.Module):
         if scale is None or not callable(getattr(sampler, "model_timesteps", None)):
             raise InvalidType(
                 f"DiffusersVelocity.for_sampler needs a sampler that records how its model "
-                f"is called (a DDIMSampler from ddim_from_scheduler), got "
+                f"is called (a gradest.DDIM from DDIM.from_scheduler), got "
                 f"{type(sampler).__name__}; for flow-matching samplers use "
                 f"DiffusersVelocity(model)"
             )
@@ -467,3 +259,13 @@ class DiffusersVelocity(nn.Module):
             return_dict=False,
         )
         return output[0]
+
+
+# Deprecated names, served with a warning that names the replacement.
+__getattr__ = module_aliases(
+    __name__,
+    {
+        "DDIMSampler": (lambda: DDIM, "gradest.DDIM"),
+        "StochasticFlowMatchSampler": (lambda: StochasticFlowMatch, "StochasticFlowMatch"),
+    },
+)

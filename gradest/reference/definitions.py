@@ -2,7 +2,7 @@
 
 Given the dense chain of a recorded trajectory and an estimate (whose typed
 ``decisions`` say which random and gate choices it made), return the gradient the
-estimator's formula in DESIGN.md section 2 prescribes, computed from dense Jacobians only
+estimator's formula in docs/design.md#estimator-table prescribes, computed from dense Jacobians only
 (the functions in this package), not by the estimator's VJP code. Every estimator owns its
 definition (``EstimatorBase.definition``); no table names them here, so a plugin that
 defines one is checked like a built-in.

@@ -19,11 +19,12 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jacrev
 
+from gradest._deprecation import sampler_keyword
 from gradest.conditioning import model_kwargs
-from gradest.trajectory import Trajectory
 from gradest.model_lock import tensors_restored
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory
 
 
 @attrs.frozen(eq=False)
@@ -78,13 +79,19 @@ class DenseChain:
         return total
 
 
+@sampler_keyword
 def dense_chain(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     trajectory: Trajectory,
     cond: Mapping[str, Any] | None = None,
 ) -> DenseChain:
-    """Materialise ``J_k`` and ``A_k`` at every recorded state with ``jacrev`` (float64)."""
+    """Materialise ``J_k`` and ``A_k`` at every recorded state with ``jacrev`` (float64).
+
+    ``trajectory`` was recorded on ``sampler`` (``flow=`` is a deprecated spelling of
+    that keyword; the chain keeps it as ``chain.flow``).
+    """
+    flow = sampler
     cond = dict(cond or {})
     named = dict(model.named_parameters())
     trainable = {n: p.detach().to(torch.float64) for n, p in named.items() if p.requires_grad}
@@ -171,9 +178,10 @@ def exact_cotangents(chain: DenseChain, objective: Objective) -> Tensor:
     return torch.stack(cotangents)
 
 
+@sampler_keyword
 def exact_gradient(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     objective: Objective,
     trajectory: Trajectory,
     cond: Mapping[str, Any] | None = None,
@@ -185,7 +193,7 @@ def exact_gradient(
     Returns:
         ``(grads keyed like named_parameters, noise gradient or None)``.
     """
-    chain = chain or dense_chain(model, flow, trajectory, cond)
+    chain = chain or dense_chain(model, sampler, trajectory, cond)
     cotangents = exact_cotangents(chain, objective)
     grads = chain.unflatten(chain.gradient(cotangents))
     return grads, exact_noise_grad(chain, objective)

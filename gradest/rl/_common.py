@@ -11,8 +11,8 @@ from torch import Tensor
 from gradest._checks import check_cond, check_model
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidValue
-from gradest.trajectory import Trajectory, check_sampler, check_trajectory_matches, model_time
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory, check_sampler, check_trajectory_matches, model_time
 
 
 def checked_path(flow: Any, trajectory: Any) -> None:
@@ -64,5 +64,5 @@ def check_recorded(given: Trajectory, trajectory: Trajectory, objective: str) ->
         return
     raise InvalidValue(
         f"this {objective} objective was built for a recorded trajectory; pass that "
-        f"trajectory to estimate/backward (trajectory=...), not noise="
+        f"trajectory to surrogate/estimate (trajectory=...), not noise="
     )

@@ -85,12 +85,13 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_cond, check_model
+from gradest._deprecation import sampler_keyword
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
-from gradest.trajectory import Trajectory, model_time
 from gradest.objectives import StepwiseObjective
 from gradest.rl._common import check_recorded, checked_path
 from gradest.samplers import AffineSampler, FlowSDE
+from gradest.trajectory import Trajectory, model_time
 
 MEMORYLESS_NOISE_LEVEL = math.sqrt(2.0)
 
@@ -169,9 +170,10 @@ def _shape_of(value: Any) -> Any:
     return tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
 
 
+@sampler_keyword
 def lean_adjoint(
     base_model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     trajectory: Trajectory,
     loss: Loss | Tensor,
     cond: Mapping[str, Any] | None = None,
@@ -181,12 +183,14 @@ def lean_adjoint(
     Args:
         base_model: the frozen pretrained model, called as ``base_model(z, t, **cond)``;
             only state VJPs are taken (no parameter gradient).
-        flow: the sampler ``trajectory`` was recorded on (its ``alpha``, ``beta``).
+        sampler: the sampler ``trajectory`` was recorded on (its ``alpha``, ``beta``;
+            ``flow=`` is a deprecated spelling of this keyword).
         trajectory: a rollout of the *current* model (``gradest.rollout``).
         loss: ``loss(z_final) -> [B]`` per-sample losses (e.g. ``lambda z: -reward(z)``),
             ``a_N = d sum_b loss_b / d z_N``; or ``a_N`` itself as a ``[B, ...]`` tensor.
         cond: the model's keyword arguments (class labels, ...), as for the rollout.
     """
+    flow = sampler
     check_model(base_model)
     checked_path(flow, trajectory)
     kwargs = model_kwargs(check_cond(cond), trajectory.batch_size)
@@ -222,11 +226,14 @@ def lean_adjoint(
     )
 
 
+@sampler_keyword
 def regression_objective(
-    flow: AffineSampler, trajectory: Trajectory, targets: LeanAdjoint
+    sampler: AffineSampler, trajectory: Trajectory, targets: LeanAdjoint
 ) -> StepwiseObjective:
     """The adjoint-matching regression ``sum_k l_k(v_k)`` on precomputed :class:`LeanAdjoint`
-    targets: ``l_k = mean_b 1/2 ||(beta_k / s_k)(v_k - v_base,k) + s_k a_{k+1}||^2``."""
+    targets: ``l_k = mean_b 1/2 ||(beta_k / s_k)(v_k - v_base,k) + s_k a_{k+1}||^2``, on a
+    ``trajectory`` recorded on ``sampler`` (``flow=`` is a deprecated spelling of it)."""
+    flow = sampler
     checked_path(flow, trajectory)
     if not isinstance(targets, LeanAdjoint):
         raise InvalidType(
@@ -267,9 +274,10 @@ def regression_objective(
     return StepwiseObjective(loss_fn)
 
 
+@sampler_keyword
 def adjoint_matching_objective(
     base_model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     trajectory: Trajectory,
     loss: Loss | Tensor,
     *,
@@ -279,22 +287,23 @@ def adjoint_matching_objective(
 
     Computes the lean adjoint with the frozen ``base_model`` (:func:`lean_adjoint`) and
     returns the regression loss of :func:`regression_objective`. Use it with
-    ``trajectory=`` (the same one) in ``estimate`` / ``backward`` / ``surrogate``::
+    ``trajectory=`` (the same one) in ``surrogate`` / ``estimate``::
 
-        flow = gradest.rl.memoryless_flow(steps=20)
-        traj = gradest.rollout(model, flow, noise, generator=generator)
+        sampler = gradest.rl.memoryless_flow(steps=20)
+        traj = gradest.rollout(model, sampler, noise, generator=generator)
         objective = gradest.rl.adjoint_matching_objective(
-            base, flow, traj, lambda z: -reward(z))
-        est.surrogate(model, flow, objective, trajectory=traj).loss.backward()
+            base, sampler, traj, lambda z: -reward(z))
+        est.surrogate(model, sampler, objective, trajectory=traj).loss.backward()
 
     Args:
         base_model: the frozen pretrained model (a copy of the model before fine-tuning).
-        flow: the stochastic sampler of the rollout (:func:`memoryless_flow`).
+        sampler: the stochastic sampler of the rollout (:func:`memoryless_flow`; ``flow=``
+            is a deprecated spelling of this keyword).
         trajectory: the rollout of the model being fine-tuned.
         loss: per-sample terminal losses ``loss(z_final) -> [B]`` (the tilt is
             ``exp(-loss)``; scale it to weight the reward against the KL), or the
             per-sample loss gradient at ``z_final`` as a tensor.
         cond: the models' keyword arguments.
     """
-    targets = lean_adjoint(base_model, flow, trajectory, loss, cond)
-    return regression_objective(flow, trajectory, targets)
+    targets = lean_adjoint(base_model, sampler, trajectory, loss, cond)
+    return regression_objective(sampler, trajectory, targets)

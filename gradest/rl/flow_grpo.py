@@ -25,7 +25,7 @@ diffusion ``sigma_t`` of the SDE, not the step's standard deviation
 ``s_k = sigma_t sqrt(|dt|)``; its KL term is therefore ``|h_k|`` times the Gaussian KL of
 the paper (and of this module) with ``reduction="mean"``. To reproduce a run of that code
 with its ``beta`` (0.04 for SD3), pass ``reduction="mean"`` and the per-step weights
-``kl_weight = beta * flow.step_sizes.abs()``; a float ``kl_weight`` weights the exact KL
+``kl_weight = beta * sampler.step_sizes.abs()``; a float ``kl_weight`` weights the exact KL
 equally at every step.
 
 The recorded states are data and ``l_k`` depends on ``theta`` only through ``v_k``, so
@@ -46,11 +46,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
-from gradest.trajectory import Trajectory, check_trajectory_matches
 from gradest.objectives import StepwiseObjective
 from gradest.rl._common import check_recorded, model_velocities
 from gradest.samplers import LOG_PROB_REDUCTIONS, AffineSampler, FlowSDE
+from gradest.trajectory import Trajectory, check_trajectory_matches
 
 ADVANTAGE_EPS = 1e-4
 
@@ -90,9 +91,10 @@ def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return ((groups - mean) / (std + ADVANTAGE_EPS)).reshape(-1)
 
 
+@sampler_keyword
 def reference_velocities(
     reference: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     trajectory: Trajectory,
     cond: Mapping[str, Any] | None = None,
 ) -> Tensor:
@@ -102,20 +104,25 @@ def reference_velocities(
     policy visited (``reference(z_k, t_k, **cond)``); the KL of :func:`grpo_objective` treats
     the result as data. For a LoRA-adapted model the reference is the model with its
     adapters disabled (``with model.disable_adapter(): ...``), as in Flow-GRPO.
+    ``sampler`` is the sampler the trajectory was recorded on (``flow=`` is a deprecated
+    spelling of this keyword).
     """
-    return model_velocities(reference, flow, trajectory, cond, what="reference model")
+    return model_velocities(reference, sampler, trajectory, cond, what="reference model")
 
 
+@sampler_keyword
 def step_kl(
-    flow: AffineSampler, k: int, velocity: Tensor, reference: Tensor, *, reduction: str = "sum"
+    sampler: AffineSampler, k: int, velocity: Tensor, reference: Tensor, *, reduction: str = "sum"
 ) -> Tensor:
-    """``[B]``: ``KL(N(m_theta, s_k^2 I) || N(m_ref, s_k^2 I))`` of step ``k``, per sample.
+    """``[B]``: ``KL(N(m_theta, s_k^2 I) || N(m_ref, s_k^2 I))`` of step ``k`` of ``sampler``,
+    per sample (``flow=`` is a deprecated spelling of the ``sampler`` keyword).
 
     ``m = alpha_k z_k + beta_k v``, so the KL is ``beta_k^2 ||velocity - reference||^2 /
     (2 s_k^2)`` (``reduction="sum"``) or that divided by the element count (``"mean"``, as
     :meth:`~gradest.samplers.TimeGrid.step_log_prob` averages log-densities).
     Differentiable in ``velocity``.
     """
+    flow = sampler
     if reduction not in LOG_PROB_REDUCTIONS:
         raise InvalidValue(
             f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
@@ -159,8 +166,9 @@ def _kl_weights(kl_weight: Any, steps: int) -> Tensor | None:
     return weights if bool((weights > 0).any()) else None
 
 
+@sampler_keyword
 def grpo_objective(
-    flow: FlowSDE,
+    sampler: FlowSDE,
     trajectory: Trajectory,
     old_log_probs: Tensor,
     advantages: Tensor,
@@ -173,10 +181,11 @@ def grpo_objective(
     """The Flow-GRPO clipped surrogate (plus its KL penalty) on ``trajectory``.
 
     Args:
-        flow: the :class:`FlowSDE` the trajectory was sampled with.
+        sampler: the :class:`FlowSDE` the trajectory was sampled with (``flow=`` is a
+            deprecated spelling of this keyword).
         trajectory: the recorded rollout (states are data).
         old_log_probs: ``[N, B]`` step log-probabilities under the sampling policy,
-            e.g. ``flow.trajectory_log_probs(trajectory)`` right after the rollout.
+            e.g. ``sampler.trajectory_log_probs(trajectory)`` right after the rollout.
         advantages: ``[B]``, e.g. :func:`group_advantages` of the rewards.
         clip: PPO's ``eps``; the ratio is clipped to ``[1 - eps, 1 + eps]``.
         reduction: how :meth:`FlowSDE.step_log_prob` (and the KL) reduce over the state's
@@ -188,11 +197,12 @@ def grpo_objective(
         reference: ``[N, B, ...]`` reference velocities at the recorded states
             (:func:`reference_velocities`); needed when ``kl_weight > 0``.
 
-    Use it with ``trajectory=`` (the same one) in ``estimate`` / ``backward``.
+    Use it with ``trajectory=`` (the same one) in ``surrogate`` / ``estimate``.
     """
+    flow = sampler
     if not isinstance(flow, FlowSDE):
         raise InvalidType(
-            f"flow must be the gradest.FlowSDE the trajectory was sampled with, "
+            f"sampler must be the gradest.FlowSDE the trajectory was sampled with, "
             f"got {type(flow).__name__}"
         )
     check_trajectory_matches(flow, trajectory)
@@ -200,7 +210,7 @@ def grpo_objective(
     if not isinstance(old_log_probs, Tensor) or tuple(old_log_probs.shape) != (steps, batch):
         raise InvalidValue(
             f"old_log_probs must be [N, B] = [{steps}, {batch}], got {_shape_of(old_log_probs)}; "
-            f"use flow.trajectory_log_probs(trajectory)"
+            f"use sampler.trajectory_log_probs(trajectory)"
         )
     if not isinstance(advantages, Tensor) or tuple(advantages.shape) != (batch,):
         raise InvalidValue(f"advantages must be [B] = [{batch}], got {_shape_of(advantages)}")
@@ -246,7 +256,7 @@ def _checked_reference(reference: Any, trajectory: Trajectory, needed: bool) -> 
             raise InvalidValue(
                 "kl_weight > 0 needs reference= (the reference model's velocities at the "
                 "recorded states, [N, B, ...]): pass reference=gradest.rl.reference_velocities("
-                "reference_model, flow, trajectory, cond), or set kl_weight=0"
+                "reference_model, sampler, trajectory, cond), or set kl_weight=0"
             )
         return None
     expected = tuple(trajectory.velocities.shape)
@@ -254,7 +264,7 @@ def _checked_reference(reference: Any, trajectory: Trajectory, needed: bool) -> 
         raise InvalidValue(
             f"reference must be [N, B, ...] = {list(expected)} (the reference model's "
             f"velocities at the recorded states), got {_shape_of(reference)}; use "
-            f"gradest.rl.reference_velocities(reference_model, flow, trajectory, cond)"
+            f"gradest.rl.reference_velocities(reference_model, sampler, trajectory, cond)"
         )
     if not reference.is_floating_point() or not bool(torch.isfinite(reference).all()):
         raise InvalidValue("reference must be a finite floating-point tensor")

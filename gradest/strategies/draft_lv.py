@@ -1,5 +1,9 @@
 """``draft_lv``: DRaFT-LV (Clark et al. 2024), the last step's gradient over re-noised copies.
 
+Cotangents: the last step's only, on ``n`` re-noised copies of the final sample. VJP
+evaluation: one batched VJP over the copies, averaged. Memory: the last step's graph for
+the ``n`` copies. (The record: ``DraftLV.axes``, :class:`gradest.axes.EstimatorAxes`.)
+
 The chain is sampled without a graph to its final sample ``x^ = z_N``. Then ``n`` copies
 are noised back to the last step's time with fresh noise ``eps_i`` (the sampler's
 interpolant, :meth:`gradest.samplers.TimeGrid.noised`), each takes the last step with
@@ -18,9 +22,9 @@ copies, ``info["sample_loss"]`` the loss of ``z_N``.
 
 Noise gradient (terminal): zero, ``x^`` is treated as data. Terminal objectives only.
 
-Cost (``F`` one forward, parameter VJP ``~2F``): ``NF`` to sample (none on a recorded
-trajectory), then the ``n`` copies as one batched forward with graph and one batched
-VJP: ``NF + 3nF``; activations of ``n`` steps (one batched call of ``n B`` rows).
+Cost (docs/design.md#cost-formulas, row ``draft_lv``): sampling without a graph (none on
+a recorded trajectory), then the ``n`` copies as one batched forward with graph and one
+batched VJP; activations of ``n`` steps (one batched call of ``n B`` rows).
 """
 
 from __future__ import annotations

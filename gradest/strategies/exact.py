@@ -4,20 +4,20 @@ Cotangents: the exact adjoint (terminal) or ``c_k = d l_k / d v_k`` (stepwise).
 VJP evaluation: one VJP per step. Memory: the graph of every step, or ``checkpoint=True``.
 (The record: ``Exact.axes``, :class:`gradest.axes.EstimatorAxes`.)
 
-Cost (DESIGN.md section 4, ``F`` = one forward):
+Cost: the ``exact`` rows of the cost model (docs/design.md#cost-formulas). The work:
 
 * terminal, ``checkpoint=False`` from noise: ``N`` forwards with graph, then one fused
-  backward through the chain: ``N(F + 2F)``; activations of all ``N`` steps are held.
+  backward through the chain; activations of all ``N`` steps are held.
 * terminal, ``checkpoint=True`` (or on a recorded trajectory): sample without a graph
-  (``NF``, skipped on a trajectory), then recompute one step at a time in reverse with a
-  joint state-and-parameter VJP: ``NF + N(F + 2F)``, activations of one step at a time.
-  ``surrogate()`` gets the same cost and memory from a chain whose steps are
-  ``torch.utils.checkpoint``-ed (recomputed in the caller's backward); on a recorded
-  trajectory with ``checkpoint=False`` it keeps the graph of all ``N`` steps (``3NF``).
-* stepwise: a forward with graph and a parameter VJP per step, ``N(F + 2F)``; with
-  ``checkpoint=False`` all steps run as one batched call (activations of ``N`` steps held
-  at once), with ``checkpoint=True`` one step at a time (activations of one step;
-  ``surrogate()`` recomputes each step in the backward for that: ``N(F + F + 2F)``).
+  (skipped on a trajectory), then recompute one step at a time in reverse with a joint
+  state-and-parameter VJP; activations of one step at a time. ``surrogate()`` gets the
+  same cost and memory from a chain whose steps are ``torch.utils.checkpoint``-ed
+  (recomputed in the caller's backward); on a recorded trajectory with
+  ``checkpoint=False`` it keeps the graph of all ``N`` steps.
+* stepwise: a forward with graph and a parameter VJP per step; with ``checkpoint=False``
+  all steps run as one batched call (activations of ``N`` steps held at once), with
+  ``checkpoint=True`` one step at a time (activations of one step; ``surrogate()``
+  recomputes each step in the backward for that).
 
 Use it as the reference every other estimator is measured against, and whenever the
 chain is short enough to afford it.

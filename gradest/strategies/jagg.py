@@ -26,29 +26,25 @@ gradient: the interpolation's bias is traded for variance, and the gate becomes 
 The ``-J^_k^T c_k`` part is folded into the node cotangents (``G_j -= (N/m) L_j(t_k) c_k``),
 so the cost is the nodes plus at most ``m`` parameter VJPs.
 
-Cost (DESIGN.md section 4, ``F`` = one forward, a parameter VJP ``~2F``, a state-only VJP
-``~F``; ``n`` = distinct node steps, ``f`` = steps of failing groups that are not nodes):
+Cost: the ``jagg`` rows of the cost model (docs/design.md#cost-formulas), with ``n`` the
+distinct node steps. The work:
 
-* stepwise (GRPO / policy-gradient surrogates, flow matching): ``N - n`` forwards without a
-  graph for the cotangents and the gate (reused from the rollout when sampling from
-  ``noise``, which costs ``NF`` itself), ``n`` forwards with a graph and one batched VJP at
-  the nodes: ``NF + 2nF``, plus ``f(F + 2F)`` for fallbacks (their graph forward is a second
-  batched call, since the gate needs the node forwards first). The node graphs are held
-  together until the batched VJP: activations of ``n`` steps. Exact costs ``N(F + 2F)``;
-  at order 1, ``n = 2N/W`` (or ``N/W + 1`` with shared knots): 1.5x fewer model units at
-  ``W=4``, 2x with shared knots. This is where ``jagg`` pays.
+* stepwise (GRPO / policy-gradient surrogates, flow matching): forwards without a graph
+  for the cotangents and the gate at the non-node steps (reused from the rollout when
+  sampling from ``noise``), ``n`` forwards with a graph and one batched VJP at the nodes,
+  plus a forward with graph and a VJP for each non-node step of a failing group (their
+  graph forward is a second batched call, since the gate needs the node forwards first).
+  The node graphs are held together until the batched VJP: activations of ``n`` steps.
+  This is where ``jagg`` pays.
 * terminal (fused, the default with the autograd engine): the chain is sampled with each
-  step's graph kept (``NF``), the exact adjoint is swept with state-only backward passes
-  through those graphs (``NF``, no forward), and one backward over the kept node graphs
-  gives the parameter part (``2nF``): ``(2N + 2n)F`` against exact's ``3NF`` (0.83x at
-  ``W=4``, 0.67x at ``W=8``, 0.71x with shared knots at ``W=4``, for large ``N``). It holds
-  every step's activations after sampling, as ``exact`` does. The noise gradient is the
-  sweep's exact ``a_0``. On a recorded trajectory the graphs are those of one forward per
-  recorded state.
-* terminal with ``checkpoint=True`` (or ``engine="func"``): a no-graph rollout (``NF``
-  from ``noise``), a sweep recomputing each step (``N(F + F)``) and a batched node VJP
-  (``n(F + 2F)``): ``(3N + 3n)F``, holding one step's graph during the sweep and the
-  ``n`` node graphs at the end.
+  step's graph kept, the exact adjoint is swept with state-only backward passes through
+  those graphs (no forward), and one backward over the kept node graphs gives the
+  parameter part. It holds every step's activations after sampling, as ``exact`` does.
+  The noise gradient is the sweep's exact ``a_0``. On a recorded trajectory the graphs are
+  those of one forward per recorded state.
+* terminal with ``checkpoint=True`` (or ``engine="func"``): a no-graph rollout (from
+  ``noise``), a sweep recomputing each step and a batched node VJP, holding one step's
+  graph during the sweep and the ``n`` node graphs at the end.
 
 Error: order ``p`` interpolation of a smooth ``J_t`` errs by ``O(span^(p+1))`` over a
 group spanning ``span`` in time; it is exact when ``J_t`` is a polynomial of degree ``<= p``

@@ -3,7 +3,7 @@
 Pure bookkeeping, no model code: which steps form a group, at which steps the parameter
 Jacobian is actually evaluated (the nodes), and the weights ``L_j(t_k)`` with which the
 Jacobian at an interior step is predicted from the nodes,
-``J_{t_k} ~= sum_j L_j(t_k) J_{t_j}`` (DESIGN.md section 2, row ``jagg``).
+``J_{t_k} ~= sum_j L_j(t_k) J_{t_j}`` (docs/design.md#estimator-table, row ``jagg``).
 
 Layout (steps ``k = 0..N-1``, ``W = window``, ``p = order``):
 

@@ -1,5 +1,9 @@
 """``refl``: ReFL (Xu et al. 2023, ImageReward): stop at a random late step, jump to the end.
 
+Cotangents: one step's, from a one-step prediction of the end at a random late step ``s``
+(the chain before ``s`` cut). VJP evaluation: one VJP at ``s``. Memory: the graph of one
+step. (The record: ``Refl.axes``, :class:`gradest.axes.EstimatorAxes`.)
+
 Sampling stops at a step ``s`` drawn uniformly from the last ``last_steps`` steps
 (``N - last_steps <= s <= N - 1``); the final sample is predicted from ``z_s`` in one step
 of the interpolant (:meth:`gradest.samplers.TimeGrid.jump_to_end` gives ``(a_s, b_s)``),
@@ -20,9 +24,9 @@ pretraining loss beside it), and measure it with ``gradest.harness`` before trus
 
 Noise gradient (terminal): zero, the chain is cut before ``s``. Terminal objectives only.
 
-Cost (``F`` one forward, parameter VJP ``~2F``): ``s`` forwards without a graph to reach
-``z_s`` (none on a recorded trajectory), one forward with graph and one parameter VJP:
-``(s + 3)F``, at most ``(N + 2)F``; activations of one step.
+Cost (docs/design.md#cost-formulas, row ``refl``): ``s`` forwards without a graph to reach
+``z_s`` (none on a recorded trajectory), then one forward with graph and one parameter
+VJP; activations of one step.
 """
 
 from __future__ import annotations
@@ -77,8 +81,7 @@ class Refl(EstimatorBase):
 
     name: ClassVar[str] = "refl"
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
-        cotangents="one-step prediction of the end from a random late step s (chain cut "
-        "before s)",
+        cotangents="one-step prediction of the end from a late step s (chain cut before s)",
         evaluation="one VJP at the drawn step s",
         memory="no-graph sampling to step s; the graph of one step",
     )

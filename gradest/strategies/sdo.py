@@ -1,7 +1,7 @@
 """``sdo``: shortcut diffusion optimization, one-step cotangents on a random subset of steps.
 
-Cotangents (DESIGN.md section 2). For a terminal objective the chain is treated as if
-the model did not feed back into later states: differentiate
+Cotangents (docs/design.md#estimator-table, row ``sdo``). For a terminal objective the
+chain is treated as if the model did not feed back into later states: differentiate
 ``z_N = (prod_j alpha_j) z_0 + sum_k beta_k (prod_{j>k} alpha_j) v_k + noise terms``
 with each ``v_k`` an independent input. That gives the **one-step cotangents**::
 
@@ -18,29 +18,31 @@ batched VJP and scaled::
     g_sdo = (N / m) sum_{k in S} J_k^T c~_k        (scale="unbiased")
 
 Every step is in ``S`` with probability ``m/N``, so ``E[g_sdo] = sum_k J_k^T c~_k``, the
-**one-step sum** (``full_sum=True`` evaluates it deterministically).
+**one-step sum** (``full_sum=True`` evaluates it deterministically). Memory: the graphs of
+the ``m`` drawn steps. (The record: ``ShortcutDiffusion.axes``,
+:class:`gradest.axes.EstimatorAxes`.)
 
-What it drops, and the caveats of the SDO review (arXiv 2505.07477, see
-``shared/papers``): the one-step sum replaces every product of state Jacobians
-``prod (alpha_j + beta_j dv_j/dz_j)`` by its ``dv/dz = 0`` part, so it is **biased**
-against the exact gradient whenever the model depends on the state (always, in
-practice); the paper bounds that bias only under an unmeasured contraction assumption.
-The single-sample estimator the paper fine-tunes with is unbiased for the one-step sum,
-not for the exact gradient, and has high variance (one step stands in for ``N``); the
-theorem bounding the one-step sum says nothing about that variance. Use
-``gradest.harness`` to measure both on your model before relying on it.
+What it drops, and the caveats of the SDO review (arXiv 2505.07477): the one-step sum
+replaces every product of state Jacobians ``prod (alpha_j + beta_j dv_j/dz_j)`` by its
+``dv/dz = 0`` part, so it is **biased** against the exact gradient whenever the model
+depends on the state (always, in practice); the paper bounds that bias only under an
+unmeasured contraction assumption. The single-sample estimator the paper fine-tunes with
+is unbiased for the one-step sum, not for the exact gradient, and has high variance (one
+step stands in for ``N``); the theorem bounding the one-step sum says nothing about that
+variance. Use ``gradest.harness`` to measure both on your model before relying on it.
 
 Noise gradient (terminal only): through the first step only, the latent shortcut of the
 paper: ``(prod_{j>0} alpha_j)(alpha_0 a_N + beta_0 (dv_0/dz_0)^T a_N)``, i.e.
 ``a_N + h_0 (dv_0/dz_0)^T a_N`` for rectified flow.
 
-Cost (``F`` = one forward, a parameter VJP ~ ``2F``, a state VJP ~ ``F``):
+Cost (docs/design.md#cost-formulas, row ``sdo``):
 
-* terminal from noise: a no-graph rollout for the path and ``a_N`` (``NF``), then ``m``
-  forwards with graph and one batched VJP: ``NF + 3mF`` (``NF + 3F`` at ``m=1``), with
-  retained activations of the ``m`` sampled steps only. On a recorded trajectory
-  ``3mF``. The noise gradient adds one forward with graph and one state VJP.
-* stepwise: ``3mF`` (plus ``NF`` for the rollout when sampling from noise).
+* terminal from noise: a no-graph rollout for the path and ``a_N``, then ``m`` forwards
+  with graph and one batched VJP, with retained activations of the ``m`` sampled steps
+  only (on a recorded trajectory, no rollout). The noise gradient adds one forward with
+  graph and one state VJP.
+* stepwise: the same ``m`` forwards and batched VJP (plus the rollout when sampling from
+  noise).
 * ``full_sum=True``: ``m = N`` in one batched VJP, so it holds ``N`` steps' activations at
   once; it is a reference for the expectation, not a memory saver.
 """

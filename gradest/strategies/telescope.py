@@ -1,5 +1,9 @@
 """``telescope``: randomized telescoping truncation, unbiased for the exact gradient.
 
+Cotangents: the exact adjoint, on a random depth ``K`` of last steps. VJP evaluation: the
+``K`` kept terms, each reweighted by ``1/q_j``, in one batched VJP. Memory: the graphs of
+the ``K`` kept steps. (The record: ``Telescope.axes``, :class:`gradest.axes.EstimatorAxes`.)
+
 The exact gradient is a sum over depths from the end of the chain,
 ``g = sum_{j=1}^{N} T_j`` with ``T_j = J_{N-j}^T c_{N-j}`` (exact cotangents). Truncated
 backpropagation keeps the first ``K`` terms and is biased; the Russian-roulette
@@ -24,13 +28,12 @@ chain) or when the variance can be averaged away over many steps. Measure both w
 ``gradest.harness`` on your model; raise ``min_depth`` to keep the large late terms
 exact.
 
-Cost (``F`` one forward, state VJP ``~F``, parameter VJP ``~2F``), for a drawn ``K``:
-from noise, ``N - K`` forwards without a graph, ``K`` with their graph kept, ``K - 1``
-state-only backward passes through them (``K`` with the noise gradient at ``K = N``) and
-one batched parameter VJP over the ``K`` steps: ``NF + (3K - 1)F``, in expectation
-``NF + (3 mean_depth - 1)F`` against exact's ``3NF``; activations of ``K`` steps. With
-``engine="func"`` the sweep recomputes each step instead (``K`` more forwards).
-Stepwise objectives: ``K`` forwards with graph and parameter VJPs, ``3KF``.
+Cost (docs/design.md#cost-formulas, row ``telescope``), for a drawn ``K``: from noise,
+``N - K`` forwards without a graph, ``K`` with their graph kept, ``K - 1`` state-only
+backward passes through them (``K`` with the noise gradient at ``K = N``) and one batched
+parameter VJP over the ``K`` steps; activations of ``K`` steps. With ``engine="func"``
+the sweep recomputes each step instead (``K`` more forwards). Stepwise objectives: ``K``
+forwards with graph and parameter VJPs.
 """
 
 from __future__ import annotations

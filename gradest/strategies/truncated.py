@@ -1,8 +1,8 @@
 """``truncated``: exact cotangents for the last ``k`` steps, zero before (DRaFT-K).
 
-Cotangents (DESIGN.md section 2): ``c_j`` exact for ``j >= N - k`` and 0 for earlier
-steps, i.e. backpropagation through the last ``k`` sampling steps with the chain
-detached before step ``N - k``::
+Cotangents (docs/design.md#estimator-table, row ``truncated``): ``c_j`` exact for
+``j >= N - k`` and 0 for earlier steps, i.e. backpropagation through the last ``k``
+sampling steps with the chain detached before step ``N - k``::
 
     g_k = sum_{j = N-k}^{N-1} J_j^T c_j
 
@@ -15,7 +15,8 @@ VJP evaluation: one VJP per kept step. Sampling from noise: a no-graph rollout o
 first ``N - k`` steps, then the last ``k`` with the graph kept and one fused VJP through
 them. On a recorded trajectory: an adjoint sweep over the last ``k`` steps only, each a
 joint state-and-parameter VJP (``surrogate()``: the last ``k`` steps as a chain pinned to
-the recorded states, graph kept).
+the recorded states, graph kept). Memory: the graphs of the last ``k`` steps. (The record:
+``Truncated.axes``, :class:`gradest.axes.EstimatorAxes`.)
 
 Randomized truncation (AlignProp-style): ``random="uniform"`` draws ``k`` uniformly from
 ``{k_min, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset; ``k_min`` defaults to 1;
@@ -29,9 +30,10 @@ Noise gradient: with ``k < N`` the chain is detached before step ``N - k``, so t
 estimator's gradient with respect to the initial noise is **zero** (returned as zeros,
 not None). With ``k = N`` it equals ``exact``'s.
 
-Cost (``F`` = one forward, a parameter VJP ~ ``2F``): from noise ``(N-k)F + 3kF``; on a
-recorded trajectory ``3kF``; stepwise ``3kF`` (plus ``NF`` for the rollout from noise).
-Retained activations: those of the ``k`` kept steps.
+Cost (docs/design.md#cost-formulas, row ``truncated``): from noise, ``N - k`` forwards
+without a graph and the ``k`` kept steps with graph and VJP; on a recorded trajectory or
+stepwise, the kept steps only (plus the rollout from noise). Retained activations: those
+of the ``k`` kept steps.
 """
 
 from __future__ import annotations

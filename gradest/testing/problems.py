@@ -1,4 +1,5 @@
-"""Small analytic test problems shared by the tests, benchmarks and the CLI check.
+"""Small analytic test problems shared by the tests, benchmarks, ``gradest check`` and
+plugin authors' tests (re-exported by :mod:`gradest.testing`).
 
 Everything here is deterministic given a seed and sized for dense Jacobians.
 """
@@ -9,10 +10,10 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest.trajectory import Trajectory
 from gradest.models.mlp import MLPVelocity
 from gradest.objectives import StepwiseObjective, TerminalObjective, flow_matching_trajectory
 from gradest.samplers import AffineSampler
+from gradest.trajectory import Trajectory
 
 
 class AffineVelocity(nn.Module):
@@ -131,3 +132,13 @@ def straight_trajectory(
     data = seeded_normal((batch, dim), seed, dtype)
     noise = seeded_normal((batch, dim), seed + 1, dtype)
     return flow_matching_trajectory(flow, data, noise)
+
+
+def perturb_parameters(model: nn.Module, scale: float = 0.05, seed: int = 3) -> nn.Module:
+    """Add seeded ``N(0, scale^2)`` noise to every parameter of ``model`` in place (a model
+    after an update: a policy that differs from its reference); returns ``model``."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return model

@@ -318,7 +318,7 @@ def start_run(
 ) -> tuple[Run, AffineSampler]:
     """A fine-tuning run on this process that the caller advances step by step.
 
-    For loops that interleave several runs (``apps/digits/gradest_digits/paired_benchmark.py`` alternates
+    For loops that interleave several runs (``gradest_digits.paired_benchmark`` alternates
     the estimators within each training step, so machine load hits all of them alike).
     Arguments as for :func:`finetune` (no logging, checkpoints or resume). Returns the
     :class:`~gradest_digits.finetune_run.Run` (``run.step(k, sampler)`` for ``k = 0,

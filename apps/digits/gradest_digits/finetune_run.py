@@ -24,10 +24,10 @@ from torch import Tensor
 from gradest.base import surrogate_from_estimate
 from gradest.errors import Diverged, InvalidValue
 from gradest.files import JsonLog, remove_stale_temporaries
-from gradest.trajectory import rollout
 from gradest.integrations.distributed import check_same_estimator, rank_generator
 from gradest.protocol import Cost, Surrogate
 from gradest.samplers import RectifiedFlow
+from gradest.trajectory import rollout
 from gradest_digits.finetune_config import FinetuneConfig
 from gradest_digits.finetune_modes import Batch, mode_of, needs_base
 from gradest_digits.finetune_records import cost_record, mean_or_none, summarize_info

@@ -25,7 +25,7 @@ from typing import Any
 from gradest.errors import MissingDependency
 from gradest.files import check_output_dir
 
-INSTALL = "pip install tensorboard (or pip install 'gradest[recipes]')"
+INSTALL = "pip install tensorboard (or pip install './apps/digits[tensorboard]')"
 
 
 def summary_writer_class(what: str, otherwise: str = "") -> Any:

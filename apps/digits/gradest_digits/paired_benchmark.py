@@ -17,7 +17,8 @@ FLOPs and time as ratios to ``exact``; and, on one minibatch at the initial mode
 gradient's cosine, Adam-normalised cosine and sign agreement to ``exact``, with the rank
 correlation of each with the final reward across estimators.
 
-    python -m gradest_digits.paired_benchmark --mode reward --seeds 8 --out docs/results/digits_reward
+    python -m gradest_digits.paired_benchmark --mode reward --seeds 8 \
+        --out docs/results/digits_reward
     python -m gradest_digits.paired_benchmark --mode grpo --seeds 8 --out docs/results/digits_grpo
 
 ``--prior-weight w`` adds prior preservation (a flow-matching loss on the real training
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import json
 import math
 import platform
@@ -43,7 +45,6 @@ import torch
 from tqdm import tqdm
 
 import gradest
-from gradest.cli import split_specs
 from gradest.files import atomic_write_text
 from gradest.harness.auto import clear_cache as clear_auto_cache
 from gradest.harness.cost import count_flops, retained_activation_bytes
@@ -55,11 +56,12 @@ from gradest.harness.tensor_metrics import (
     sign_agreement,
 )
 from gradest.protocol import supports
+from gradest.rl.flow_grpo import group_advantages, grpo_objective
 from gradest.samplers import FlowSDE
+from gradest.specs import split_spec_list
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.digits import load_digits_dataset
 from gradest_digits.finetune import start_run
-from gradest.rl.flow_grpo import group_advantages, grpo_objective
 from gradest_digits.metrics import fid_kid
 from gradest_digits.rewards import ClassifierReward
 
@@ -123,7 +125,7 @@ def measure_agreement(
     inputs = (
         {"noise": trajectory.states[0]} if args.mode == "reward" else {"trajectory": trajectory}
     )
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for spec in specs:
         est = gradest.estimator(spec)
         results = [
@@ -139,7 +141,8 @@ def measure_agreement(
         ]
         draws = [r.flat() for r in results]
         retained = retained_activation_bytes(
-            lambda est=est: est.estimate(
+            functools.partial(
+                est.estimate,
                 model,
                 flow,
                 objective,
@@ -411,7 +414,12 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", default="reward", choices=("reward", "grpo"))
-    parser.add_argument("--estimators", default=DEFAULT_ESTIMATORS)
+    parser.add_argument(
+        "--estimators",
+        default=DEFAULT_ESTIMATORS,
+        help="estimator specs in the one list syntax of gradest.specs, e.g. "
+        "'exact,jagg:window=4,tau=0.9,sdo'",
+    )
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
@@ -447,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    specs = split_specs(args.estimators)
+    specs = split_spec_list(args.estimators, what="--estimators")
     if "exact" not in specs:
         specs.insert(0, "exact")
     kind = "terminal" if args.mode == "reward" else "stepwise"
@@ -459,13 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     if args.agreement_only:
         saved = json.loads((out / "results.json").read_text())
-        runs, config = saved["runs"], saved["config"]
-        specs = list(runs)
+        config = saved["config"]
+        specs = list(saved["runs"])
         for key in ("mode", "batch", "sampler_steps", "target", "labels", "group_size"):
             setattr(args, key, config[key])
-        summary = summarize(runs, measure_agreement(args, specs))
+        summary = summarize(saved["runs"], measure_agreement(args, specs))
         config["metric_rank_correlations"] = metric_rank_correlations(summary)
-        _write(out, config, summary, runs)
+        _write(out, config, summary, saved["runs"])
         return 0
     images, labels = load_digits_dataset("heldout")
     reference = images[labels == args.target]

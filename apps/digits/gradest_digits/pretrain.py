@@ -1,7 +1,7 @@
 """Pretraining of the digits workload: a class-conditional rectified-flow DiT and the classifier.
 
 The DiT learns the velocity of the rectified flow between the digits and noise by flow
-matching (DESIGN.md section 1's interpolation)::
+matching (the interpolant of docs/design.md#notation)::
 
     z_t = (1 - t) x + t eps,    target u = eps - x,    loss = |v_theta(z_t, t, y) - u|^2
 
@@ -12,7 +12,8 @@ model samples both conditionally (``y = label``) and unconditionally (``y = None
 An exponential moving average of the weights is what gets evaluated and shipped: it
 smooths the last few hundred steps' noise out of the weights at no training cost.
 
-``python -m gradest_digits.pretrain --what dit --out apps/digits/gradest_digits/assets/digits_dit.pt``
+``python -m gradest_digits.pretrain --what dit \
+--out apps/digits/gradest_digits/assets/digits_dit.pt``
 regenerates the shipped checkpoint (``--what classifier`` the classifier); see
 ``apps/digits/gradest_digits/assets/README.md``.
 """
@@ -35,9 +36,9 @@ from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import atomic_save, check_output_file
-from gradest.trajectory import rollout
 from gradest.models.dit import DiT
 from gradest.samplers import RectifiedFlow
+from gradest.trajectory import rollout
 from gradest_digits.assets import classifier_checkpoint, dit_checkpoint, load_digit_classifier
 from gradest_digits.classifier import accuracy, train_classifier
 from gradest_digits.digits import IMAGE_SHAPE, NUM_CLASSES, load_digits_dataset

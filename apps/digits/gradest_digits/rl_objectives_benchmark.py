@@ -71,7 +71,9 @@ def path_kl(model: torch.nn.Module, base: torch.nn.Module, args: argparse.Namesp
         )
         ours = gradest.rl.reference_velocities(model, flow, trajectory)
         theirs = gradest.rl.reference_velocities(base, flow, trajectory)
-        total = sum(gradest.rl.step_kl(flow, k, ours[k], theirs[k]) for k in range(flow.num_steps))
+        total = torch.stack(
+            [gradest.rl.step_kl(flow, k, ours[k], theirs[k]) for k in range(flow.num_steps)]
+        ).sum(0)
     return float(total.mean())
 
 
@@ -122,7 +124,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
         "command": shown,
         "initial_reward": result["initial_reward"],
         "final_reward": result["final_reward"],
-        # Model calls of the whole run in forward-equivalents (DESIGN.md's cost model):
+        # Model calls of the whole run in forward-equivalents (docs/design.md#cost-model):
         # the estimator's backward work, and the base model's work for the objective.
         "estimator_units": sum(cost["model_units"] for cost in costs),
         "objective_units": sum(cost["objective_model_units"] for cost in costs),

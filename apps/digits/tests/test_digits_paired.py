@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from gradest_digits import paired_benchmark as digits_paired
 
 pytestmark = pytest.mark.slow

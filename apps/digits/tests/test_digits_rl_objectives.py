@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-
 from gradest_digits import rl_objectives_benchmark as bench
 from gradest_digits.assets import load_pretrained_dit
 

@@ -3,26 +3,32 @@ checkpoints, argument validation and the CLI helpers."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor, nn
+from digits_support import (
+    BATCH,
+    STEPS,
+    TARGET,
+    LinearClassifierReward,
+    first_training_batch,
+    parse_finetune_args,
+    run_finetune,
+    shipped_assets,
+    tiny_dit,
+    without_timings,
+)
+from gradest_digits.finetune import LOG_KEYS, finetune
+from gradest_digits.finetune_cli import run_finetune_from_args
+from gradest_digits.finetune_records import summarize_info
 
 import gradest
-from gradest.models.dit import DiT
-from gradest.samplers import FlowSDE
-from gradest_digits.finetune import LOG_KEYS, finetune
-from gradest_digits.finetune_cli import add_finetune_arguments, run_finetune_from_args
-from gradest_digits.finetune_records import summarize_info
 from gradest.rl.flow_grpo import group_advantages, grpo_objective
+from gradest.samplers import FlowSDE
 
-TARGET, STEPS, BATCH = 1, 4, 4
 SPECS = (
     "exact",
     "exact:checkpoint=true",
@@ -35,7 +41,7 @@ SPECS = (
     "telescope:mean_depth=2",
     "draft_lv",
     "refl",
-    "auto:candidates=exact/sdo/truncated,draws=2",
+    "auto:candidates=(exact,sdo,truncated),draws=2",
 )
 TERMINAL_ONLY = ("draft_lv", "refl")
 # Keys each built-in reports in result.info (summarised into the log).
@@ -48,74 +54,6 @@ INFO_KEYS = {
     "refl": "step",
     "auto": "auto_choice",
 }
-
-
-def tiny_dit(seed: int = 0) -> DiT:
-    """The micro DiT (4x4x1, 3 classes) with its adaLN-Zero layers perturbed off zero:
-    a fresh DiT outputs exactly zero and only its final layer would get a gradient."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DiT.from_config("micro")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "adaLN" in name or "final_layer.linear" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=generator))
-    return model
-
-
-class LinearClassifierReward(nn.Module):
-    """``log softmax(W x)[target]`` for a fixed random ``W``: a differentiable reward."""
-
-    def __init__(self, target: int = TARGET, classes: int = 3, dim: int = 16, seed: int = 0):
-        super().__init__()
-        generator = torch.Generator().manual_seed(seed)
-        self.register_buffer("weight", torch.randn(classes, dim, generator=generator))
-        self.target = target
-        self.calls = 0
-
-    def forward(self, images: Tensor) -> Tensor:
-        self.calls += 1
-        logits = images.flatten(1) @ self.weight.T.to(images.dtype)
-        return torch.log_softmax(logits, -1)[:, self.target]
-
-
-@pytest.fixture
-def tiny_digits_assets(monkeypatch):
-    """The CLI loads the micro DiT and a linear reward instead of the shipped digits model
-    (the real loaders take the device: gradest finetune --device)."""
-    assets = types.ModuleType("gradest_digits.assets")
-    assets.load_pretrained_dit = lambda device="cpu": tiny_dit().to(device)
-    assets.load_digit_classifier = lambda device="cpu": "classifier"
-    rewards = types.ModuleType("gradest_digits.rewards")
-    rewards.ClassifierReward = lambda classifier, target: LinearClassifierReward(target)
-    monkeypatch.setitem(sys.modules, "gradest_digits.assets", assets)
-    monkeypatch.setitem(sys.modules, "gradest_digits.rewards", rewards)
-
-
-def _run(tmp_path=None, **overrides):
-    arguments = {
-        "estimator": "exact",
-        "mode": "reward",
-        "steps": 2,
-        "batch_size": BATCH,
-        "lr": 1e-2,
-        "sampler_steps": STEPS,
-        "labels": TARGET,
-        "group_size": 2,
-        "inner_epochs": 2,
-        "progress": False,
-    }
-    arguments.update(overrides)
-    if tmp_path is not None:
-        arguments.setdefault("log_path", tmp_path / "log.jsonl")
-    model = arguments.pop("model", None) or tiny_dit()
-    reward = arguments.pop("reward", None) or LinearClassifierReward()
-    return model, finetune(model, reward, **arguments)
-
-
-def _without_timings(record: dict) -> dict:
-    return {key: value for key, value in record.items() if not key.endswith("_seconds")}
 
 
 # -- every estimator, both modes --------------------------------------------------------
@@ -132,7 +70,7 @@ def _without_timings(record: dict) -> dict:
 )
 def test_finetune_runs_with_every_estimator(tmp_path, mode, spec):
     before = {n: p.detach().clone() for n, p in tiny_dit().named_parameters()}
-    model, result = _run(tmp_path, estimator=spec, mode=mode)
+    model, result = run_finetune(tmp_path, estimator=spec, mode=mode)
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert records == result["history"] and len(records) == 2
@@ -159,19 +97,12 @@ def test_finetune_runs_with_every_estimator(tmp_path, mode, spec):
 # -- descent: the gradient points the right way ---------------------------------------------
 
 
-def _first_training_batch(seed: int, dtype=torch.float32):
-    """The generator's draws in finetune's order: evaluation noise, then step 0's noise."""
-    generator = torch.Generator().manual_seed(seed)
-    torch.randn((BATCH, 1, 4, 4), generator=generator, dtype=dtype)
-    return torch.randn((BATCH, 1, 4, 4), generator=generator, dtype=dtype), generator
-
-
 def test_one_reward_step_decreases_the_loss_on_its_batch():
     """One small SGD step on ``-reward`` must lower ``-reward`` of that same batch by
     ``lr |g|^2`` to first order; the second-order remainder is O(lr) relative to it (about
     2% at lr=1e-2 here, measured), so 5% at lr=1e-3 pins the gradient's direction and size."""
     seed, lr = 3, 1e-3
-    noise, _ = _first_training_batch(seed)
+    noise, _ = first_training_batch(seed)
     cond = {"y": torch.full((BATCH,), TARGET)}
     flow, reward = gradest.RectifiedFlow(steps=STEPS), LinearClassifierReward()
 
@@ -180,7 +111,7 @@ def test_one_reward_step_decreases_the_loss_on_its_batch():
             return -float(reward(gradest.rollout(model, flow, noise, cond).states[-1]).mean())
 
     before = loss(tiny_dit())
-    model, result = _run(steps=1, optimizer="sgd", lr=lr, seed=seed)
+    model, result = run_finetune(steps=1, optimizer="sgd", lr=lr, seed=seed)
     after = loss(model)
     record = result["history"][0]
     assert record["loss"] == pytest.approx(before, rel=1e-5)
@@ -193,7 +124,7 @@ def test_one_grpo_step_decreases_the_surrogate_on_its_batch():
     """As above, for the clipped surrogate on the recorded trajectory (the ratio starts at
     1, inside the band, so the first step sees the unclipped policy gradient)."""
     seed, lr = 3, 1e-3
-    noise, generator = _first_training_batch(seed)
+    noise, generator = first_training_batch(seed)
     cond = {"y": torch.full((BATCH,), TARGET)}
     sde, reward = FlowSDE(STEPS), LinearClassifierReward()
     trajectory = gradest.rollout(tiny_dit(), sde, noise, cond, generator=generator)
@@ -211,7 +142,9 @@ def test_one_grpo_step_decreases_the_surrogate_on_its_batch():
         return total
 
     before = surrogate(tiny_dit())
-    model, result = _run(steps=1, mode="grpo", inner_epochs=1, optimizer="sgd", lr=lr, seed=seed)
+    model, result = run_finetune(
+        steps=1, mode="grpo", inner_epochs=1, optimizer="sgd", lr=lr, seed=seed
+    )
     record = result["history"][0]
     assert record["loss"] == pytest.approx(before, rel=1e-5, abs=1e-7)
     after = surrogate(model)
@@ -219,7 +152,7 @@ def test_one_grpo_step_decreases_the_surrogate_on_its_batch():
 
 
 def test_reward_fine_tuning_raises_the_reward():
-    _, result = _run(steps=4, lr=3e-2, seed=0)
+    _, result = run_finetune(steps=4, lr=3e-2, seed=0)
     # About 2 nats on the fixed evaluation batch (log p(target) from -5.1 to -3.0).
     assert result["final_reward"] > result["initial_reward"] + 1.0
 
@@ -227,7 +160,7 @@ def test_reward_fine_tuning_raises_the_reward():
 def test_grpo_fine_tuning_raises_the_reward():
     gains = []
     for seed in range(3):
-        _, result = _run(
+        _, result = run_finetune(
             mode="grpo",
             steps=6,
             batch_size=8,
@@ -251,9 +184,9 @@ def test_same_seed_gives_the_same_run(tmp_path, mode, spec):
     runs = []
     for index, seed in enumerate((5, 5, 6)):
         folder = tmp_path / str(index)
-        model, result = _run(folder, mode=mode, estimator=spec, seed=seed, steps=3)
+        model, result = run_finetune(folder, mode=mode, estimator=spec, seed=seed, steps=3)
         lines = (folder / "log.jsonl").read_text().splitlines()
-        runs.append(([_without_timings(json.loads(line)) for line in lines], result, model))
+        runs.append(([without_timings(json.loads(line)) for line in lines], result, model))
     (first, result_a, model_a), (second, result_b, model_b), (other, _, _) = runs
     assert first == second
     assert result_a["final_reward"] == result_b["final_reward"]
@@ -264,7 +197,9 @@ def test_same_seed_gives_the_same_run(tmp_path, mode, spec):
 
 
 def test_checkpoints_load(tmp_path):
-    model, result = _run(tmp_path, steps=3, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+    model, result = run_finetune(
+        tmp_path, steps=3, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2
+    )
     assert [Path(p).name for p in result["checkpoints"]] == ["step_000002.pt", "step_000003.pt"]
     state = torch.load(result["checkpoints"][-1], weights_only=True)
     assert state["step"] == 3
@@ -326,27 +261,21 @@ def test_summarize_info():
 def test_finetune_validates_before_any_work(tmp_path, overrides, error, match):
     reward = LinearClassifierReward()
     with pytest.raises(error, match=match):
-        _run(tmp_path, reward=reward, **overrides)
+        run_finetune(tmp_path, reward=reward, **overrides)
     assert reward.calls == 0
     assert not (tmp_path / "log.jsonl").exists()
 
 
 def test_finetune_rejects_a_batch_reduced_reward():
     with pytest.raises(ValueError, match=r"one reward per sample, shape \[4\]"):
-        _run(reward=lambda images: images.sum())
+        run_finetune(reward=lambda images: images.sum())
 
 
 # -- CLI helpers ---------------------------------------------------------------------------
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser()
-    add_finetune_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def test_cli_defaults_and_parsing():
-    args = _parse(
+    args = parse_finetune_args(
         "--estimator jagg:window=4 --steps 50 --lr 1e-4 --mode reward --out runs/ft".split()
     )
     assert (args.estimator, args.steps, args.lr, args.mode, args.out) == (
@@ -360,7 +289,9 @@ def test_run_finetune_from_args_with_injected_assets(tmp_path):
     """The CLI path, with the shipped checkpoints replaced by the tiny test model."""
     out = tmp_path / "ft"
     argv = "--estimator sdo:samples=2 --steps 2 --batch-size 4 --sampler-steps 4 --target 2"
-    args = _parse([*argv.split(), "--out", str(out), "--checkpoint-every", "1", "--quiet"])
+    args = parse_finetune_args(
+        [*argv.split(), "--out", str(out), "--checkpoint-every", "1", "--quiet"]
+    )
     result = run_finetune_from_args(args)
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
     summary = json.loads((out / "result.json").read_text())
@@ -370,24 +301,12 @@ def test_run_finetune_from_args_with_injected_assets(tmp_path):
 
 def test_run_finetune_from_args_validates_first(tmp_path):
     with pytest.raises(gradest.UnknownEstimatorError):
-        run_finetune_from_args(_parse(["--estimator", "nope", "--out", str(tmp_path)]))
+        run_finetune_from_args(parse_finetune_args(["--estimator", "nope", "--out", str(tmp_path)]))
     with pytest.raises(ValueError, match="--target must be a digit"):
-        run_finetune_from_args(_parse(["--target", "12", "--out", str(tmp_path)]))
+        run_finetune_from_args(parse_finetune_args(["--target", "12", "--out", str(tmp_path)]))
 
 
 # -- the shipped digits checkpoints ------------------------------------------------------------
-
-
-def _shipped_assets():
-    assets = pytest.importorskip("gradest_digits.assets")
-    missing = [
-        name
-        for name in (assets.DIT_CHECKPOINT, assets.CLASSIFIER_CHECKPOINT)
-        if not assets.asset_path(name).is_file()
-    ]
-    if missing:
-        pytest.skip(f"shipped checkpoints missing: {', '.join(missing)}")
-    return assets
 
 
 @pytest.mark.parametrize(
@@ -395,13 +314,13 @@ def _shipped_assets():
     [("reward", "jagg:window=2", "null"), ("grpo", "sdo:samples=2", "target")],
 )
 def test_cli_path_on_the_shipped_digits_model(tmp_path, mode, spec, labels):
-    assets = _shipped_assets()
+    assets = shipped_assets()
     out = tmp_path / "ft"
     argv = (
         f"--estimator {spec} --mode {mode} --labels {labels} --steps 2 --batch-size 4 "
         f"--group-size 2 --inner-epochs 1 --sampler-steps 4 --lr 1e-4 --target 3 --quiet"
     )
-    args = _parse([*argv.split(), "--out", str(out)])
+    args = parse_finetune_args([*argv.split(), "--out", str(out)])
     result = run_finetune_from_args(args)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(set(LOG_KEYS) <= set(r) for r in records)
@@ -421,7 +340,7 @@ def test_one_reward_step_on_the_shipped_digits_model():
     of its own batch by about ``lr |g|^2`` (as on the tiny model above). The real loss is
     more curved than the tiny one (the remainder is 7% at lr=1e-4, 2% at lr=3e-5,
     measured), hence the smaller step."""
-    assets = _shipped_assets()
+    assets = shipped_assets()
     from gradest_digits.rewards import ClassifierReward
 
     seed, lr, target = 0, 3e-5, 3
@@ -476,8 +395,8 @@ def _fm_loss(model: torch.nn.Module, data: torch.Tensor) -> float:
 
 def test_prior_preservation_pulls_towards_the_data():
     data = _prior()
-    plain, _ = _run(steps=6, lr=3e-2)
-    kept, result = _run(steps=6, lr=3e-2, prior_weight=5.0, prior_data=data)
+    plain, _ = run_finetune(steps=6, lr=3e-2)
+    kept, result = run_finetune(steps=6, lr=3e-2, prior_weight=5.0, prior_data=data)
     assert result["config"]["prior_weight"] == 5.0
     # The reward pulls the model away from its pretraining loss; the prior term holds it.
     assert _fm_loss(kept, data) < _fm_loss(plain, data)
@@ -497,14 +416,14 @@ def test_prior_preservation_pulls_towards_the_data():
 )
 def test_prior_settings_are_checked_before_any_work(overrides, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        _run(**overrides)
+        run_finetune(**overrides)
 
 
 def test_start_run_steps_like_finetune():
     # The stepping API the paired benchmark interleaves runs with gives finetune's run.
     from gradest_digits.finetune import start_run
 
-    _, reference = _run(steps=2)
+    _, reference = run_finetune(steps=2)
     run, sampler = start_run(
         tiny_dit(),
         LinearClassifierReward(),
@@ -519,8 +438,8 @@ def test_start_run_steps_like_finetune():
         labels=TARGET,
     )
     records = [run.step(k, sampler) for k in range(2)]
-    assert [_without_timings(r) for r in records] == [
-        _without_timings(r) for r in reference["history"]
+    assert [without_timings(r) for r in records] == [
+        without_timings(r) for r in reference["history"]
     ]
     assert float(run.evaluate().mean()) == pytest.approx(reference["final_reward"], rel=1e-6)
 
@@ -529,8 +448,8 @@ def test_every_estimator_samples_the_same_noise_for_a_seed():
     # The estimators' draws have a stream of their own: with a learning rate too small to
     # move the model, exact and sdo (which draws a step every call) see the same batches,
     # so their logged rewards agree at every step.
-    _, exact = _run(steps=3, lr=1e-30)
-    _, sdo = _run(steps=3, lr=1e-30, estimator="sdo:samples=2")
+    _, exact = run_finetune(steps=3, lr=1e-30)
+    _, sdo = run_finetune(steps=3, lr=1e-30, estimator="sdo:samples=2")
     assert [r["reward_mean"] for r in exact["history"]] == [
         r["reward_mean"] for r in sdo["history"]
     ]

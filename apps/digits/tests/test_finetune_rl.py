@@ -7,32 +7,31 @@ import json
 
 import pytest
 import torch
-from test_finetune import (
+from digits_support import (
     BATCH,
     STEPS,
     TARGET,
     LinearClassifierReward,
-    _first_training_batch,
-    _parse,
-    _run,
-    _shipped_assets,
-    _without_timings,
-    tiny_digits_assets,  # noqa: F401 - a fixture
+    first_training_batch,
+    parse_finetune_args,
+    run_finetune,
+    shipped_assets,
     tiny_dit,
+    without_timings,
 )
-
-import gradest
-from gradest import rl
 from gradest_digits.finetune import LOG_KEYS, start_run
 from gradest_digits.finetune_cli import run_finetune_from_args
 from gradest_digits.finetune_config import FinetuneConfig
 from gradest_digits.run_state import check_same_run
 
+import gradest
+from gradest import rl
+
 
 @pytest.mark.parametrize("spec", ["exact", "jagg:window=2", "sdo:samples=2"])
 def test_adjoint_matching_runs(tmp_path, spec):
     before = {n: p.detach().clone() for n, p in tiny_dit().named_parameters()}
-    model, result = _run(tmp_path, mode="adjoint_matching", estimator=spec)
+    model, result = run_finetune(tmp_path, mode="adjoint_matching", estimator=spec)
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert records == result["history"] and len(records) == 2
     for record in records:
@@ -49,7 +48,7 @@ def test_first_adjoint_matching_step_follows_the_reward_gradient():
     """At step 0 the model is the base, so the adjoint-matching gradient is the exact
     gradient of ``-mean reward`` through the memoryless SDE on the same rollout."""
     seed = 3
-    noise, generator = _first_training_batch(seed)
+    noise, generator = first_training_batch(seed)
     cond = {"y": torch.full((BATCH,), TARGET)}
     flow, reward = rl.memoryless_flow(STEPS), LinearClassifierReward()
     model = tiny_dit()
@@ -59,7 +58,7 @@ def test_first_adjoint_matching_step_follows_the_reward_gradient():
         model, flow, terminal, trajectory=trajectory, cond=cond
     )
     norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in expected.grads.values()])))
-    _, result = _run(mode="adjoint_matching", steps=1, seed=seed, optimizer="sgd", lr=1e-3)
+    _, result = run_finetune(mode="adjoint_matching", steps=1, seed=seed, optimizer="sgd", lr=1e-3)
     assert result["history"][0]["grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
@@ -85,9 +84,9 @@ def test_base_model_is_a_frozen_copy_of_the_initial_model():
 def test_grpo_kl_weight_zero_is_the_old_run_and_positive_differs(tmp_path):
     runs = {}
     for name, extra in (("default", {}), ("zero", {"kl_weight": 0.0}), ("kl", {"kl_weight": 5.0})):
-        model, result = _run(tmp_path / name, mode="grpo", seed=4, **extra)
+        model, result = run_finetune(tmp_path / name, mode="grpo", seed=4, **extra)
         lines = (tmp_path / name / "log.jsonl").read_text().splitlines()
-        runs[name] = ([_without_timings(json.loads(line)) for line in lines], result, model)
+        runs[name] = ([without_timings(json.loads(line)) for line in lines], result, model)
     default, zero, kl = runs["default"], runs["zero"], runs["kl"]
     assert default[0] == zero[0]
     assert all(
@@ -117,10 +116,10 @@ def test_old_grpo_checkpoints_resume_with_the_default_kl_weight():
 
 def test_adjoint_matching_resumes_bitwise(tmp_path):
     """The base model is the model passed in, before the checkpoint is loaded."""
-    whole, _ = _run(tmp_path / "whole", mode="adjoint_matching", steps=3, seed=2)
+    whole, _ = run_finetune(tmp_path / "whole", mode="adjoint_matching", steps=3, seed=2)
     folder = tmp_path / "split"
-    _run(folder, mode="adjoint_matching", steps=2, seed=2, checkpoint_dir=folder / "ckpt")
-    resumed, _ = _run(
+    run_finetune(folder, mode="adjoint_matching", steps=2, seed=2, checkpoint_dir=folder / "ckpt")
+    resumed, _ = run_finetune(
         folder, mode="adjoint_matching", steps=3, seed=2, checkpoint_dir=folder / "ckpt",
         resume=folder / "ckpt",
     )  # fmt: skip
@@ -141,7 +140,7 @@ def test_cli_mode_adjoint_matching_with_injected_assets(tmp_path):
     for mode, extra in (("adjoint_matching", []), ("grpo", ["--kl-weight", "0.04"])):
         out = tmp_path / mode
         argv = f"--mode {mode} --steps 2 --batch-size 4 --sampler-steps 4 --group-size 2 --target 2"
-        args = _parse([*argv.split(), *extra, "--quiet", "--out", str(out)])
+        args = parse_finetune_args([*argv.split(), *extra, "--quiet", "--out", str(out)])
         assert args.mode == mode
         result = run_finetune_from_args(args)
         assert len((out / "log.jsonl").read_text().splitlines()) == 2
@@ -150,10 +149,10 @@ def test_cli_mode_adjoint_matching_with_injected_assets(tmp_path):
 
 
 def test_cli_adjoint_matching_on_the_shipped_digits_model(tmp_path):
-    _shipped_assets()
+    shipped_assets()
     out = tmp_path / "ft"
     argv = "--mode adjoint_matching --steps 2 --batch-size 4 --sampler-steps 4 --lr 1e-4 --quiet"
-    result = run_finetune_from_args(_parse([*argv.split(), "--out", str(out)]))
+    result = run_finetune_from_args(parse_finetune_args([*argv.split(), "--out", str(out)]))
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(-50 < r["reward_mean"] <= 0 for r in records)
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in records)

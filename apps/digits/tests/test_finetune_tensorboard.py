@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_finetune import LinearClassifierReward, tiny_digits_assets, tiny_dit  # noqa: F401
-
-from gradest.cli import main
-from gradest.errors import Diverged, MissingDependency
+from digits_support import LinearClassifierReward, tiny_dit
 from gradest_digits import finetune_tensorboard
 from gradest_digits.finetune import finetune
 from gradest_digits.finetune_tensorboard import TensorBoardLog, scalars
+
+from gradest.cli import main
+from gradest.errors import Diverged, MissingDependency
 
 TINY = "--steps 3 --batch-size 4 --sampler-steps 4 --target 2 --quiet".split()
 
@@ -180,7 +180,7 @@ def test_tensorboard_flag_without_tensorboard_is_a_one_line_error(
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert "gradest finetune: error: --tensorboard needs tensorboard" in err
-    assert "pip install tensorboard" in err and "gradest[recipes]" in err
+    assert "pip install tensorboard" in err and "apps/digits[tensorboard]" in err
     assert not out.exists()  # refused before any work
 
 

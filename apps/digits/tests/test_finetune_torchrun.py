@@ -12,7 +12,8 @@ Two launches of ``python -m torch.distributed.run --standalone --nproc_per_node=
   evaluation batch is shared, and the logged statistics are those of the global batch.
 
 A negative control (measured while writing this test): replacing the gradient averaging
-by a local ``est.backward`` makes ``ranks_in_sync`` False and the digests differ.
+by a local ``est.estimate`` written into ``.grad`` makes ``ranks_in_sync`` False and the
+digests differ.
 
 The argument checks (global batch divisible by the world size; GRPO groups inside one
 rank) need no processes: they read the world size from the environment and fail before
@@ -30,11 +31,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_finetune import tiny_dit  # the launched script imports it from this module too
-from torch import Tensor
+from digits_support import CountingReward, tiny_dit
+from gradest_digits.finetune import finetune
 
 from gradest.integrations.distributed import launched_world
-from gradest_digits.finetune import finetune
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -45,18 +45,6 @@ WORLD = 2
 # Each launch starts two interpreters that import torch and gradest: ~15 s on 2 cores.
 LAUNCH_TIMEOUT_S = 180
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-class CountingReward:
-    """``log softmax(W x)[1]`` for a fixed ``W``; counts its calls."""
-
-    def __init__(self) -> None:
-        self.weight = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
-        self.calls = 0
-
-    def __call__(self, images: Tensor) -> Tensor:
-        self.calls += 1
-        return torch.log_softmax(images.flatten(1) @ self.weight.T, -1)[:, 1]
 
 
 def _launch(tmp_path: Path, *target: str) -> subprocess.CompletedProcess:
@@ -119,7 +107,7 @@ SCRIPT = """
 import hashlib, json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
-from test_finetune_torchrun import CountingReward, tiny_dit
+from digits_support import CountingReward, tiny_dit
 from gradest_digits.finetune import finetune
 
 out = sys.argv[1]

@@ -7,8 +7,6 @@ import socket
 import pytest
 import torch
 import torch.hub
-from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
-
 from gradest_digits import assets
 from gradest_digits.classifier import DigitClassifier
 from gradest_digits.digits import load_digits_dataset
@@ -20,6 +18,7 @@ from gradest_digits.metrics import (
     to_uint8,
 )
 from gradest_digits.pretrain import sample_digits
+from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
 
 
 @pytest.fixture(autouse=True)

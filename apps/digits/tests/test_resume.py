@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_finetune import LinearClassifierReward, tiny_dit
-
-from gradest.files import JsonLog
+from digits_support import LinearClassifierReward, tiny_dit
 from gradest_digits.finetune import finetune
 from gradest_digits.run_state import checkpoints_in, load_checkpoint
+
+from gradest.files import JsonLog
 
 STEPS = 5
 

@@ -6,8 +6,6 @@ import math
 
 import pytest
 import torch
-
-import gradest
 from gradest_digits import assets
 from gradest_digits.assets import (
     classifier_checkpoint,
@@ -19,6 +17,8 @@ from gradest_digits.classifier import DigitClassifier, accuracy, train_classifie
 from gradest_digits.digits import NUM_CLASSES, load_digits_dataset
 from gradest_digits.pretrain import pretrain, pretrain_dit, sample_digits
 from gradest_digits.rewards import ClassifierReward
+
+import gradest
 
 # ----------------------------------------------------------------------------- data
 
@@ -106,7 +106,8 @@ def test_short_classifier_training_learns():
 
 def test_missing_checkpoint_names_the_regenerate_command(monkeypatch, tmp_path):
     monkeypatch.setattr(assets, "asset_path", lambda name: tmp_path / name)
-    with pytest.raises(FileNotFoundError, match="--what dit --out apps/digits/gradest_digits/assets/digits_dit.pt"):
+    regenerate = "--what dit --out apps/digits/gradest_digits/assets/digits_dit.pt"
+    with pytest.raises(FileNotFoundError, match=regenerate):
         assets.load_pretrained_dit()
     with pytest.raises(FileNotFoundError, match="--what classifier"):
         assets.load_digit_classifier()

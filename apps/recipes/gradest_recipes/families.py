@@ -9,7 +9,7 @@
   uses; a guidance-distilled model (``guidance_embeds``, FLUX.1-dev) gets
   ``guidance_scale`` through its guidance embedding instead of CFG.
 * ``sd_unet``: ``UNet2DConditionModel`` + ``DDIMScheduler`` (through
-  :func:`~gradest.integrations.diffusers.ddim_from_scheduler`, ``eta`` from the config),
+  :meth:`gradest.DDIM.from_scheduler`, ``eta`` from the config),
   ``encoder_hidden_states``, classifier-free guidance.
 
 With ``tiny = true`` every piece is a tiny random model built here (seeded); otherwise
@@ -26,10 +26,10 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidValue, MissingDependency
 from gradest.integrations.diffusers import (
     DiffusersVelocity,
-    ddim_from_scheduler,
     flow_from_scheduler,
 )
 from gradest.integrations.peft import add_lora
@@ -310,7 +310,7 @@ def build_family(
     fixed: dict[str, Any] = {}
     sampler: Any
     if family == "sd_unet":
-        sampler = ddim_from_scheduler(scheduler, config.num_inference_steps, eta=config.eta)
+        sampler = DDIM.from_scheduler(scheduler, config.num_inference_steps, eta=config.eta)
         inner: nn.Module = DiffusersVelocity.for_sampler(denoiser, sampler)
     else:
         if config.eta:

@@ -70,7 +70,7 @@ def encode_prompts(
     except ImportError as err:
         raise MissingDependency(
             "gradest_recipes.prompts needs diffusers and transformers: "
-            "pip install 'gradest[recipes]' transformers"
+            "pip install ./apps/recipes transformers"
         ) from err
 
     prompts = list(prompts)

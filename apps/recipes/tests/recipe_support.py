@@ -1,8 +1,9 @@
-"""Plumbing shared by the recipe tests (tests/test_recipe*.py).
+"""Plumbing shared by the recipe tests (apps/recipes/tests/test_recipe*.py); the autouse
+fixture that resets accelerate's global state is in conftest.py.
 
-* accelerate keeps one global state per process (its settings cannot change once set):
-  tests that build an ``Accelerator`` in-process import :func:`fresh_accelerate_state`,
-  which resets it before and after each test.
+* :func:`script` loads an example recipe (``examples/recipes/*_reward.py``) as a module;
+  :func:`records`, :func:`comparable`, :func:`lora_file` and :func:`assert_run_outputs`
+  read back what a run wrote.
 * :func:`launch` runs a launcher command line (torchrun, ``accelerate launch``) the way CI
   does; :data:`ACCELERATE_TWO_CPU_PROCESSES` are the ``accelerate launch`` flags
   docs/recipes.md gives for 2 CPU processes.
@@ -11,11 +12,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # ``--multi_gpu`` selects accelerate's torch.distributed launcher (``--cpu`` starts one
@@ -38,15 +42,6 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each test starts without accelerate state (runs with other mixed precision reset
-    it in between). Import it into a test module to apply it there."""
-    reset_accelerate()
-    yield
-    reset_accelerate()
-
-
 def launch(command: list[str], tmp_path: Path) -> None:
     """Run a launcher command line as CI does: none of the calling shell's launcher or
     accelerate variables, no hub, one thread per process, CPUs only (also on a machine
@@ -66,3 +61,61 @@ def launch(command: list[str], tmp_path: Path) -> None:
         command, env=env, capture_output=True, text=True, timeout=240, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# The repository root (apps/recipes/tests/ -> the root) and the example recipe scripts.
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPTS = ROOT / "examples" / "recipes"
+FAMILIES = ["sd3", "flux", "sd_unet"]
+SCRIPT_OF = {"sd3": "sd3_reward", "flux": "flux_reward", "sd_unet": "sd_unet_reward"}
+
+
+def script(family: str):
+    """The example script as a module (``main(argv)`` called in-process)."""
+    name = SCRIPT_OF[family]
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def records(out: Path) -> list[dict]:
+    """The records of a run's log.jsonl."""
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Log records without their timings (equal across equal runs)."""
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+
+def lora_file(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The LoRA tensors an accelerate checkpoint folder holds."""
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "lora_0.safetensors"))
+
+
+def assert_run_outputs(out: Path, steps: int) -> None:
+    """Everything a finished ``steps``-step recipe run writes under ``out``."""
+    from PIL import Image
+
+    rows = records(out)
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert all(torch.isfinite(torch.tensor(row["reward"])) for row in rows)
+    assert all(row["grad_norm"] > 0 for row in rows)
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    grid = out / "samples" / f"step_{steps:06d}.png"
+    with Image.open(grid) as image:
+        assert image.format == "PNG" and image.size[0] > 16
+    checkpoint = out / "checkpoints" / f"step_{steps:06d}"
+    state = json.loads((checkpoint / "recipe_state.json").read_text())
+    assert state["step"] == steps
+    assert (checkpoint / "optimizer.bin").is_file()
+    assert (checkpoint / "random_states_0.pkl").is_file()
+    assert lora_file(checkpoint)  # LoRA tensors only: no full model weights
+    assert not list(checkpoint.glob("model*.safetensors"))
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert (out / "config.toml").is_file()

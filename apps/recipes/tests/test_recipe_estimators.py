@@ -22,7 +22,7 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
-from recipe_support import RECIPE_WARNINGS, fresh_accelerate_state  # noqa: E402, F401
+from recipe_support import RECIPE_WARNINGS  # noqa: E402
 
 pytestmark = RECIPE_WARNINGS
 

@@ -28,12 +28,10 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
-from recipe_support import RECIPE_WARNINGS, fresh_accelerate_state  # noqa: E402, F401
-from test_recipes import assert_run_outputs, script  # noqa: E402
-
 from gradest_recipes import prompts  # noqa: E402
 from gradest_recipes.embeddings import TINY_POOLED_DIM, TINY_TEXT_DIM  # noqa: E402
 from gradest_recipes.families import tiny_denoiser, tiny_scheduler, tiny_vae  # noqa: E402
+from recipe_support import RECIPE_WARNINGS, assert_run_outputs, script  # noqa: E402
 
 pytestmark = [
     *RECIPE_WARNINGS,

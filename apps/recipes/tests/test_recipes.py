@@ -15,7 +15,6 @@ through it like a hand-written autograd loop.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -33,17 +32,21 @@ pytest.importorskip("tensorboard")
 
 from recipe_support import (  # noqa: E402
     ACCELERATE_TWO_CPU_PROCESSES,
+    FAMILIES,
     LAUNCHER_ENV,
     RECIPE_WARNINGS,
-    fresh_accelerate_state,  # noqa: F401 - an autouse fixture
+    SCRIPTS,
+    assert_run_outputs,
+    comparable,
     launch,
+    lora_file,
+    records,
     reset_accelerate,
+    script,
 )
 
 pytestmark = RECIPE_WARNINGS
 
-import gradest  # noqa: E402
-from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler  # noqa: E402
 from gradest_recipes import ClassifierFreeGuidance, RecipeConfigError, load_config  # noqa: E402
 from gradest_recipes.config import config_from_argv  # noqa: E402
 from gradest_recipes.embeddings import tiny_embeddings  # noqa: E402
@@ -58,58 +61,8 @@ from gradest_recipes.families import (  # noqa: E402
 from gradest_recipes.rewards import decode_images, resolve_reward, reward_objective  # noqa: E402
 from gradest_recipes.train import train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "examples" / "recipes"
-FAMILIES = ["sd3", "flux", "sd_unet"]
-SCRIPT_OF = {"sd3": "sd3_reward", "flux": "flux_reward", "sd_unet": "sd_unet_reward"}
-
-
-def script(family: str):
-    """The example script as a module (``main(argv)`` called in-process)."""
-    name = SCRIPT_OF[family]
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-
-
-def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
-
-
-def lora_file(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(checkpoint / "lora_0.safetensors"))
-
-
-def assert_run_outputs(out: Path, steps: int) -> None:
-    from PIL import Image
-
-    rows = records(out)
-    assert [row["step"] for row in rows] == list(range(1, steps + 1))
-    assert all(torch.isfinite(torch.tensor(row["reward"])) for row in rows)
-    assert all(row["grad_norm"] > 0 for row in rows)
-    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 0
-    grid = out / "samples" / f"step_{steps:06d}.png"
-    with Image.open(grid) as image:
-        assert image.format == "PNG" and image.size[0] > 16
-    checkpoint = out / "checkpoints" / f"step_{steps:06d}"
-    state = json.loads((checkpoint / "recipe_state.json").read_text())
-    assert state["step"] == steps
-    assert (checkpoint / "optimizer.bin").is_file()
-    assert (checkpoint / "random_states_0.pkl").is_file()
-    assert lora_file(checkpoint)  # LoRA tensors only: no full model weights
-    assert not list(checkpoint.glob("model*.safetensors"))
-    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
-    assert (out / "config.toml").is_file()
-
+import gradest  # noqa: E402
+from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler  # noqa: E402
 
 # -- 1. each recipe end to end ---------------------------------------------------------------
 
@@ -651,11 +604,11 @@ def test_flux_packing_ids_and_sigmas_are_the_pipelines():
 
 
 def test_sd_unet_uses_ddim_with_eta():
-    from gradest.integrations.diffusers import ddim_from_scheduler
+    from gradest.diffusion_samplers import DDIM
 
     config = load_config("sd_unet", overrides={"tiny": True, "eta": 0.5})
     family = build_family("sd_unet", config, tiny_embeddings("sd_unet"))
-    want = ddim_from_scheduler(tiny_scheduler("sd_unet"), 3, eta=0.5)
+    want = DDIM.from_scheduler(tiny_scheduler("sd_unet"), 3, eta=0.5)
     assert family.sampler.eta == 0.5
     assert torch.equal(family.sampler.times, want.times)
     assert isinstance(family.velocity, ClassifierFreeGuidance)

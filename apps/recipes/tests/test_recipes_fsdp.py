@@ -29,18 +29,17 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
+from gradest_recipes import RecipeConfigError  # noqa: E402
 from recipe_support import (  # noqa: E402
     ACCELERATE_TWO_CPU_PROCESSES,
     RECIPE_WARNINGS,
-    fresh_accelerate_state,  # noqa: F401 - an autouse fixture
     launch,
+    records,
 )
-
-from gradest_recipes import RecipeConfigError  # noqa: E402
 
 pytestmark = RECIPE_WARNINGS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository root (apps/recipes/tests/..)
 SD3 = ROOT / "examples" / "recipes" / "sd3_reward.py"
 GLOO = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -64,10 +63,6 @@ def launch_sd3(args: list[str], tmp_path: Path) -> None:
     command = [sys.executable, "-m", "accelerate.commands.launch",
                *ACCELERATE_TWO_CPU_PROCESSES, str(SD3), *args]  # fmt: skip
     launch(command, tmp_path)
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:

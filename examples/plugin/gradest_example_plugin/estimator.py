@@ -1,6 +1,6 @@
 """``sdo_mean``: the mean of ``draws`` independent SDO estimates, in one batched VJP.
 
-Cotangents (as ``sdo``, gradest DESIGN.md section 2): the one-step cotangents of the
+Cotangents (as ``sdo``, gradest's docs/design.md#estimator-table): the one-step cotangents of the
 model-detached chain, ``c~_k = beta_k (prod_{j>k} alpha_j) a_N`` for a terminal objective
 (``h_k a_N`` for rectified flow), and ``c_k = d l_k / d v_k`` itself for a stepwise one.
 
@@ -32,6 +32,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
 from gradest.objectives import Objective
@@ -54,6 +55,13 @@ class MeanOfSdoDraws(EstimatorBase):
     """
 
     name: ClassVar[str] = "sdo_mean"
+    # What ``gradest list --verbose`` prints for it: its design axes and memory policy.
+    axes: ClassVar[EstimatorAxes] = EstimatorAxes(
+        cotangents="one-step (model-detached chain), as sdo",
+        evaluation="mean of `draws` uniform subsets of `samples` steps, scaled N/m; "
+        "each distinct step once, in one batched VJP",
+        memory="graph of the distinct drawn steps only",
+    )
 
     draws: int = option(
         4,

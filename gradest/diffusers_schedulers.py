@@ -1,0 +1,236 @@
+"""Samplers built from diffusers schedulers: the steps ``scheduler.step()`` takes.
+
+The implementation of :meth:`gradest.RectifiedFlow.from_scheduler`,
+:meth:`gradest.samplers.StochasticFlowMatch.from_scheduler`,
+:meth:`gradest.DDIM.from_scheduler` and
+:func:`gradest.integrations.diffusers.flow_from_scheduler` (which re-exports
+:func:`flow_from_scheduler`). It lives in the core, beside the samplers it builds, so
+that the samplers' classmethods need not import :mod:`gradest.integrations`; ``diffusers``
+itself is imported only when a function here is called. See
+:mod:`gradest.integrations.diffusers` for the conventions.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from gradest.diffusion_samplers import DDIM
+from gradest.errors import InvalidType, InvalidValue, MissingDependency
+from gradest.samplers import RectifiedFlow, StochasticFlowMatch
+
+
+def _check_num_inference_steps(num_inference_steps: Any) -> None:
+    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
+        raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
+    if num_inference_steps < 1:
+        raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+
+
+def flow_from_scheduler(
+    scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
+) -> RectifiedFlow | StochasticFlowMatch:
+    """The gradest sampler that takes exactly the steps ``scheduler.step()`` takes.
+
+    Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is), so every
+    schedule option is honoured: ``shift``, dynamic shifting (pass ``mu=``),
+    ``shift_terminal``, Karras / exponential / beta sigmas, custom ``sigmas=``.
+
+    Args:
+        scheduler: a diffusers ``FlowMatchEulerDiscreteScheduler``.
+        num_inference_steps: ``N``, the number of sampling steps.
+        **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (``mu``, ``sigmas``).
+
+    Returns:
+        ``gradest.RectifiedFlow(times=sigmas)`` (deterministic Euler), or a
+        :class:`StochasticFlowMatch` when the scheduler samples stochastically.
+
+    Raises:
+        TypeError: ``scheduler`` is not a flow-matching Euler scheduler (e.g. DDIM).
+        ValueError: the schedule cannot be expressed on gradest's time grid (inverted
+            sigmas, timesteps that are not ``sigma * num_train_timesteps``).
+    """
+    try:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+    except ImportError as err:
+        raise MissingDependency(
+            "flow_from_scheduler needs diffusers: pip install diffusers "
+            "(or gradest's integrations extra)"
+        ) from err
+    if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        raise InvalidType(
+            f"flow_from_scheduler needs a diffusers FlowMatchEulerDiscreteScheduler (the Euler "
+            f"sampler of rectified-flow models such as SD3 and Flux), got "
+            f"{type(scheduler).__name__}, which samples a different process. If the model was "
+            f"trained with flow matching, build FlowMatchEulerDiscreteScheduler(...) for it; "
+            f"for a DDPM/DDIM model use gradest.DDIM.from_scheduler (docs/integrations.md)"
+        )
+    _check_num_inference_steps(num_inference_steps)
+    # diffusers' config-registered attributes are invisible to type checkers.
+    source: Any = scheduler
+    config = source.config
+    if getattr(config, "invert_sigmas", False):
+        raise InvalidValue(
+            "scheduler.config.invert_sigmas=True runs sigma from 0 up to 1, the reverse of "
+            "gradest's grid (t=1 noise -> t=0 data); build the scheduler with "
+            "invert_sigmas=False"
+        )
+    schedule: Any = copy.deepcopy(source)
+    schedule.set_timesteps(num_inference_steps, device="cpu", **set_timesteps_kwargs)
+    sigmas = schedule.sigmas.detach().to(device="cpu", dtype=torch.float64)
+    # gradest calls the model at timestep = sigma * num_train_timesteps; diffusers pipelines
+    # pass scheduler.timesteps. They agree unless custom timesteps were given.
+    expected = sigmas[:-1] * config.num_train_timesteps
+    timesteps = schedule.timesteps.detach().to(device="cpu", dtype=torch.float64)
+    if timesteps.shape != expected.shape or not torch.allclose(
+        timesteps, expected, rtol=1e-6, atol=1e-3
+    ):
+        raise InvalidValue(
+            "scheduler.timesteps are not sigmas * num_train_timesteps (custom timesteps= were "
+            "passed to set_timesteps?); DiffusersVelocity calls the model at "
+            "timestep = sigma * num_train_timesteps, so pass sigmas= instead"
+        )
+    try:
+        flow = RectifiedFlow(times=sigmas)
+    except ValueError as err:
+        raise InvalidValue(
+            f"the sigmas of {type(scheduler).__name__} with num_inference_steps="
+            f"{num_inference_steps} are not a gradest time grid: {err}"
+        ) from err
+    if getattr(config, "stochastic_sampling", False):  # absent in older diffusers
+        return StochasticFlowMatch(times=flow.times)
+    return flow
+
+
+def _flow_sampler(
+    cls: type, scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
+) -> Any:
+    """``RectifiedFlow.from_scheduler`` / ``StochasticFlowMatch.from_scheduler``: the
+    sampler of :func:`flow_from_scheduler`, refused when it is not of class ``cls``."""
+    sampler = flow_from_scheduler(scheduler, num_inference_steps, **set_timesteps_kwargs)
+    if not isinstance(sampler, cls):
+        stochastic = getattr(scheduler.config, "stochastic_sampling", False)
+        raise InvalidValue(
+            f"{cls.__name__}.from_scheduler: {type(scheduler).__name__} has "
+            f"config.stochastic_sampling={stochastic}, so its steps are a "
+            f"{type(sampler).__name__}; use {type(sampler).__name__}.from_scheduler, or "
+            f"gradest.integrations.diffusers.flow_from_scheduler, which picks the sampler"
+        )
+    return sampler
+
+
+DDPM_VARIANCES = ("fixed_small", "fixed_small_log")
+
+
+def _ddim_from_scheduler(
+    scheduler: Any,
+    num_inference_steps: int,
+    *,
+    eta: float | None = None,
+    **set_timesteps_kwargs: Any,
+) -> DDIM:
+    """:meth:`gradest.DDIM.from_scheduler` (documented there)."""
+    try:
+        from diffusers import DDIMScheduler, DDPMScheduler
+    except ImportError as err:
+        raise MissingDependency(
+            "DDIM.from_scheduler needs diffusers: pip install diffusers "
+            "(or gradest's integrations extra)"
+        ) from err
+    is_ddpm = isinstance(scheduler, DDPMScheduler)
+    if not (is_ddpm or isinstance(scheduler, DDIMScheduler)):
+        raise InvalidType(
+            f"DDIM.from_scheduler needs a diffusers DDIMScheduler or DDPMScheduler, got "
+            f"{type(scheduler).__name__}; for FlowMatchEulerDiscreteScheduler use "
+            f"flow_from_scheduler, for another DDPM-family scheduler build "
+            f"DDIMScheduler.from_config(scheduler.config)"
+        )
+    _check_num_inference_steps(num_inference_steps)
+    name = type(scheduler).__name__
+    source: Any = scheduler
+    config = source.config
+    fix = f"{name}.from_config(scheduler.config, {{option}}=False)"
+    if getattr(config, "thresholding", False):
+        raise InvalidValue(
+            f"scheduler.config.thresholding=True clips each predicted x0 at a per-sample "
+            f"quantile, which makes the step non-affine in the model output; gradest's "
+            f"samplers take affine steps. Build {fix.format(option='thresholding')}"
+        )
+    if getattr(config, "clip_sample", False):
+        raise InvalidValue(
+            f"scheduler.config.clip_sample=True clamps the predicted x0 to "
+            f"[-{config.clip_sample_range:g}, {config.clip_sample_range:g}], which makes the "
+            f"step non-affine in the model output (gradest's samplers take affine steps). "
+            f"Build {fix.format(option='clip_sample')} (latent diffusion models such as "
+            f"Stable Diffusion sample with clip_sample=False)"
+        )
+    prediction = config.prediction_type
+    if prediction not in ("epsilon", "v_prediction", "sample"):
+        raise InvalidValue(
+            f"scheduler.config.prediction_type={prediction!r} is not supported; gradest's "
+            f"DDIM sampler takes 'epsilon', 'v_prediction' or 'sample'"
+        )
+    if is_ddpm:
+        if config.variance_type not in DDPM_VARIANCES:
+            raise InvalidValue(
+                f"DDPMScheduler.config.variance_type={config.variance_type!r} is not "
+                f"supported: gradest's DDPM step is DDIM with eta=1, the posterior variance "
+                f"'fixed_small' ('fixed_small_log' is the same); learned variances are not an "
+                f"affine step in one model output. Build "
+                f"DDPMScheduler.from_config(scheduler.config, variance_type='fixed_small')"
+            )
+        if eta is not None and eta != 1:
+            raise InvalidValue(
+                f"eta={eta!r} with a DDPMScheduler: DDPM ancestral sampling is eta=1; for "
+                f"another eta use DDIMScheduler.from_config(scheduler.config)"
+            )
+        eta = 1.0
+    elif eta is None:
+        eta = 0.0
+    schedule: Any = copy.deepcopy(source)
+    schedule.set_timesteps(num_inference_steps, device="cpu", **set_timesteps_kwargs)
+    timesteps = [int(t) for t in schedule.timesteps]
+    alphas = schedule.alphas_cumprod.detach().to(device="cpu", dtype=torch.float64)
+    train_steps = int(config.num_train_timesteps)
+    # The level each step ends at, as step() computes it.
+    ends = []
+    for t in timesteps:
+        if is_ddpm:
+            previous = int(schedule.previous_timestep(t))
+            final = 1.0  # DDPMScheduler.one
+        else:
+            previous = t - train_steps // schedule.num_inference_steps
+            final = float(schedule.final_alpha_cumprod)
+        ends.append(previous)
+    for k in range(len(timesteps) - 1):
+        if ends[k] != timesteps[k + 1]:
+            raise InvalidValue(
+                f"{name}.step() takes step {k} from timestep {timesteps[k]} to "
+                f"{ends[k]} but the next model call is at timestep {timesteps[k + 1]} "
+                f"(timestep_spacing={config.timestep_spacing!r} with num_train_timesteps="
+                f"{train_steps} and num_inference_steps={num_inference_steps}); gradest's "
+                f"grid needs each step to end where the next starts: use "
+                f"timestep_spacing='leading', or a num_inference_steps that divides "
+                f"{train_steps}"
+            )
+    final_level = float(alphas[ends[-1]]) if ends[-1] >= 0 else final
+    shift = 0 if timesteps[-1] > 0 else -1
+    steps = torch.tensor(timesteps, dtype=torch.float64)
+    times = torch.cat([(steps - shift) / train_steps, torch.zeros(1, dtype=torch.float64)])
+    levels = torch.cat([alphas[timesteps], torch.tensor([final_level], dtype=torch.float64)])
+    try:
+        return DDIM(
+            times=times,
+            alphas_cumprod=levels,
+            prediction=prediction,
+            eta=eta,
+            num_train_timesteps=train_steps,
+            timestep_shift=float(shift),
+        )
+    except ValueError as err:
+        raise InvalidValue(
+            f"the schedule of {name} with num_inference_steps={num_inference_steps} "
+            f"(timesteps {timesteps[:4]}...) is not a gradest DDIM sampler: {err}"
+        ) from err

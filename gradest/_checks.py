@@ -6,7 +6,10 @@ so users never see a torch traceback from deep inside a sampling loop.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,11 +24,41 @@ def require(condition: bool, message: str, error: type[Exception] = InvalidValue
 
 
 def check_model(model: Any) -> None:
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        raise InvalidType(
+            f"model must be a torch.nn.Module instance called as model(z, t, **cond), got the "
+            f"class {model.__name__}; construct it first, e.g. model = {model.__name__}(...)"
+        )
     if not isinstance(model, torch.nn.Module):
         raise InvalidType(
             f"model must be a torch.nn.Module called as model(z, t, **cond), "
             f"got {type(model).__name__}; wrap plain functions in an nn.Module"
         )
+    inner = _unwrapped(model)
+    if type(inner).__module__.split(".")[0] == "diffusers" and hasattr(inner, "config"):
+        raise InvalidType(
+            f"model is the bare diffusers {type(inner).__name__}, which gradest cannot call as "
+            f"model(z, t, **cond); pass gradest.integrations.DiffusersVelocity(transformer) "
+            f"(DiffusersVelocity.for_sampler(unet, sampler) with gradest.DDIM)"
+        )
+
+
+# Wrappers that call the module they hold with the caller's arguments unchanged.
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP / DataParallel / FSDP / ``torch.compile`` wrappers (what
+    ``accelerator.prepare`` returns); any other module as it is."""
+    for _ in range(8):
+        if type(model).__name__ in _WRAPPERS:
+            inner = getattr(model, "module", None)
+        else:
+            inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    return model
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -96,23 +129,42 @@ def check_cond(cond: Any) -> dict[str, Any]:
     return dict(cond)
 
 
-def check_model_output(v: Any, z: Tensor) -> None:
+def check_model_output(v: Any, z: Tensor, *, step: int | None = None) -> None:
+    """The model's output is a real floating-point tensor shaped like the state.
+
+    Host metadata only (type, dtype, shape): no device sync, cheap enough for every step.
+    ``step`` names the sampling step in the message (every step after the first is
+    checked by :func:`gradest.trajectory.integrate`).
+    """
+    at = "" if step is None else f" at step {step}"
     if not isinstance(v, Tensor):
         raise InvalidType(
-            f"model(z, t) must return a velocity tensor, got {type(v).__name__}; "
+            f"model(z, t) must return a velocity tensor{at}, got {type(v).__name__}; "
             f"wrap models that return tuples or dataclasses so they return the velocity"
+        )
+    if v.is_complex():
+        raise InvalidType(
+            f"model(z, t) returned a complex tensor (dtype {v.dtype}){at}; a velocity must "
+            f"be real floating point like the state ({z.dtype}): return v.real or stack the "
+            f"real and imaginary parts as channels"
         )
     require(
         v.is_floating_point(),
-        f"model(z, t) returned a tensor of dtype {v.dtype}; a velocity must be floating point "
-        f"(no .long()/.round() at the output): integers have no gradient",
+        f"model(z, t) returned a tensor of dtype {v.dtype}{at}; a velocity must be floating "
+        f"point (no .long()/.round() at the output): integers have no gradient",
         InvalidType,
     )
-    require(
-        v.shape == z.shape,
-        f"model(z, t) returned shape {tuple(v.shape)} for a state of shape {tuple(z.shape)}; "
-        f"a velocity model must return a tensor shaped like its input",
-    )
+    if v.shape != z.shape:
+        changed = (
+            ""
+            if step is None or step == 0
+            else " (its shape changed during sampling: every step must return the state's shape)"
+        )
+        raise InvalidValue(
+            f"model(z, t) returned shape {tuple(v.shape)}{at} for a state of shape "
+            f"{tuple(z.shape)}{changed}; a velocity model must return a tensor shaped like "
+            f"its input"
+        )
 
 
 def first_model_call(
@@ -138,6 +190,12 @@ def check_scalar_loss(loss: Any, where: str) -> Tensor:
     if not isinstance(loss, Tensor):
         raise InvalidType(
             f"the loss {where} must return a scalar tensor, got {type(loss).__name__}"
+        )
+    if loss.is_complex():
+        raise InvalidType(
+            f"the loss {where} must be a real scalar, got a complex tensor (dtype "
+            f"{loss.dtype}); gradients are defined for real losses: return e.g. "
+            f"loss.abs() or loss.real"
         )
     require(
         loss.numel() == 1,
@@ -170,19 +228,217 @@ def check_generator(generator: Any, like: Tensor | None = None) -> torch.Generat
     return generator
 
 
+def _uses_batch_statistics(module: torch.nn.Module) -> bool:
+    """Whether a batch-norm layer normalizes with the statistics of the call's batch.
+
+    ``torch.nn.modules.batchnorm._BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm, the lazy
+    variants, and any subclass) uses the batch's statistics in training mode, and in
+    eval mode too when it keeps no running statistics (``track_running_stats=False``).
+    """
+    if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return False
+    return bool(module.training) or getattr(module, "running_mean", None) is None
+
+
 def check_model_modes(model: torch.nn.Module) -> None:
-    """Refuse layers whose output mixes the samples of a batch (batch norm in training)."""
+    """Refuse layers whose output mixes the samples of a batch (batch-statistics norms).
+
+    Estimators stack several steps' states into one model call (and evaluate a step
+    several times), so a layer normalizing with the call's batch statistics would see
+    other steps' samples: the gradient would be of another function than the sampled one.
+    """
     check_model(model)
     mixing = [
-        name or type(module).__name__
+        (name or type(module).__name__, module)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+        if _uses_batch_statistics(module)
     ]
-    require(
-        not mixing,
-        f"model has batch-norm layers in training mode ({', '.join(mixing[:4])}"
-        f"{', ...' if len(mixing) > 4 else ''}): their output depends on the other samples "
-        f"of the call, and estimators stack several steps' states into one call (and "
-        f"evaluate a step several times, each updating the running statistics); call .eval() "
-        f"on them, or use GroupNorm / LayerNorm",
+    if not mixing:
+        return
+    name, module = mixing[0]
+    others = f" and {len(mixing) - 1} more" if len(mixing) > 1 else ""
+    why = (
+        "in training mode"
+        if module.training
+        else "with track_running_stats=False, which uses batch statistics in eval mode too"
     )
+    raise InvalidValue(
+        f"model has batch-norm layers that normalize with the statistics of the call's batch "
+        f"({name}: {type(module).__name__} {why}{others}): their output depends on the other "
+        f"samples of the call, and estimators stack several steps' states into one call (and "
+        f"evaluate a step several times); call .eval() on layers that keep running statistics "
+        f"(track_running_stats=True), or use GroupNorm / LayerNorm"
+    )
+
+
+# -- bounds on what a call allocates -----------------------------------------------------------
+
+
+def memory_limit(device: torch.device | str | None = None) -> int:
+    """Bytes one allocation may at most take on ``device``: the device's total memory
+    (CUDA), or the machine's physical memory (CPU and anything else)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count:.0f} bytes"
+
+
+def check_allocation(
+    what: str,
+    value: int,
+    bytes_per_unit: int,
+    *,
+    name: str,
+    device: torch.device | str | None = None,
+    detail: str = "",
+) -> None:
+    """Refuse an option whose allocation cannot fit, before torch's allocator fails.
+
+    ``value`` units of ``bytes_per_unit`` bytes each (e.g. copies x batch x state numel x
+    element size) must fit into :func:`memory_limit` of ``device``; the message names the
+    option (``what``, e.g. ``"estimator 'draft_lv': option copies=10**12"``), what it would
+    allocate, and the largest ``name`` that fits.
+    """
+    limit = memory_limit(device)
+    needed = int(value) * max(int(bytes_per_unit), 1)
+    if needed <= limit:
+        return
+    largest = max(limit // max(int(bytes_per_unit), 1), 0)
+    where = torch.device(device).type if device is not None else "cpu"
+    raise InvalidValue(
+        f"{what} would allocate {_bytes(needed)}{f' ({detail})' if detail else ''}, more than "
+        f"the {where} memory ({_bytes(limit)}); use {name} <= {largest}"
+    )
+
+
+# -- output paths -------------------------------------------------------------------------------
+
+
+def check_path_length(path: Any, *, what: str) -> None:
+    """A path whose parts the file system cannot name fails with one line, before work:
+    each component at most the file system's name limit (255 bytes on Linux, macOS and
+    Windows), the whole path at most its path limit."""
+    text = os.fspath(path)
+    encoded = os.fsencode(text)
+    name_max, path_max = 255, 4096
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        anchor = Path(text).resolve().anchor or "/"
+        name_max = os.pathconf(anchor, "PC_NAME_MAX")
+        path_max = os.pathconf(anchor, "PC_PATH_MAX")
+    for part in encoded.split(os.fsencode(os.sep)):
+        if len(part) > name_max:
+            shown = os.fsdecode(part)
+            raise InvalidValue(
+                f"{what} has a path component of {len(part)} bytes ({shown[:24]!r}...), "
+                f"longer than the file system allows ({name_max}); use a shorter folder name"
+            )
+    if len(encoded) > path_max:
+        raise InvalidValue(
+            f"{what} is {len(encoded)} bytes long, longer than the file system allows "
+            f"({path_max}); use a shorter path"
+        )
+
+
+# -- what an estimator (a plugin) returns ------------------------------------------------------
+
+
+def estimator_label(est: Any) -> str:
+    """``estimator 'name' (module.Class)``: how messages name an estimator, plugin or not."""
+    if est is None:
+        return "the estimate"
+    cls = est if isinstance(est, type) else type(est)
+    name = getattr(cls, "name", None)
+    shown = name if isinstance(name, str) else cls.__name__
+    return f"estimator {shown!r} ({cls.__module__}.{cls.__qualname__})"
+
+
+def check_estimate_grads(
+    est: Any, result: Any, params: Mapping[str, Tensor], *, finite: bool = True
+) -> dict[str, Tensor]:
+    """The gradients of an estimate, checked against the trainable parameters.
+
+    Every trainable parameter has one tensor of its shape, dtype and device, no other
+    name appears, and (``finite``) every value is finite; anything else is one line naming
+    the estimator, so a plugin that returns gradients for some tensors only cannot train
+    the others with zeros. A result marked unusable (``on_nonfinite="skip"``) passes with
+    its empty ``grads``.
+
+    Returns:
+        The gradients, in ``params``' order.
+    """
+    label = estimator_label(est)
+    grads = getattr(result, "grads", None)
+    if grads is None and not hasattr(result, "grads"):
+        raise InvalidType(
+            f"{label} returned {type(result).__name__} from estimate(); expected a "
+            f"gradest.GradientEstimate whose grads hold one tensor per trainable parameter"
+        )
+    if not isinstance(grads, Mapping):
+        raise InvalidType(
+            f"{label} returned grads of type {type(grads).__name__}; expected a dict "
+            f"{{parameter name: tensor}} over the model's trainable parameters"
+        )
+    if not grads and getattr(result, "usable", True) is False:
+        return {}
+    missing = [name for name in params if name not in grads]
+    extra = [str(name) for name in grads if name not in params]
+    if missing:
+        raise InvalidValue(
+            f"{label} returned no gradient for {len(missing)} of the model's "
+            f"{len(params)} trainable parameters ({', '.join(missing[:4])}"
+            f"{', ...' if len(missing) > 4 else ''}); return one tensor for every parameter "
+            f"with requires_grad=True (zeros where the gradient is zero)"
+        )
+    if extra:
+        raise InvalidValue(
+            f"{label} returned gradients for {', '.join(extra[:4])}"
+            f"{', ...' if len(extra) > 4 else ''}, which are not trainable parameters of the "
+            f"model; key grads by model.named_parameters() names with requires_grad=True"
+        )
+    checked: dict[str, Tensor] = {}
+    for name, param in params.items():
+        grad = grads[name]
+        if not isinstance(grad, Tensor):
+            raise InvalidType(
+                f"{label} returned a {type(grad).__name__} as the gradient of {name}; "
+                f"expected a tensor shaped like the parameter {tuple(param.shape)}"
+            )
+        if grad.shape != param.shape:
+            raise InvalidValue(
+                f"{label} returned a gradient of shape {tuple(grad.shape)} for {name}, whose "
+                f"shape is {tuple(param.shape)}"
+            )
+        if grad.dtype != param.dtype or grad.device != param.device:
+            raise InvalidType(
+                f"{label} returned a gradient for {name} of dtype {grad.dtype} on "
+                f"{grad.device}, but the parameter is {param.dtype} on {param.device}"
+            )
+        checked[name] = grad
+    if finite and checked:
+        bad = [
+            name
+            for name, ok in zip(
+                checked,
+                torch.stack([torch.isfinite(g).all() for g in checked.values()]).tolist(),
+                strict=True,
+            )
+            if not ok
+        ]
+        if bad:
+            raise InvalidValue(
+                f"{label} returned non-finite (NaN/Inf) gradients for {', '.join(bad[:4])}"
+                f"{', ...' if len(bad) > 4 else ''}; a gradient with NaN/Inf cannot be "
+                f"compared or trained with"
+            )
+    return checked

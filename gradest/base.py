@@ -20,11 +20,14 @@ from typing import Any, ClassVar, Unpack
 import torch
 from torch import Tensor
 
+from gradest._checks import check_estimate_grads, trainable_parameters
 from gradest._deprecation import sampler_keyword, warn_deprecated
+from gradest._lone_rank import warn_if_lone_rank
 from gradest.context import EstimationContext
-from gradest.errors import InvalidType, InvalidValue
+from gradest.errors import GradestError, InvalidType, InvalidValue
+from gradest.model_lock import grad_lock_for
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError
-from gradest.objectives import Objective
+from gradest.objectives import Objective, StepwiseObjective
 from gradest.protocol import (
     Decisions,
     Definition,
@@ -64,25 +67,82 @@ def _check_inputs(method: str, inputs: Mapping[str, Any], *, more: tuple[str, ..
 
 
 def _refuse_unrelated_stepwise_loss(ctx: EstimationContext) -> None:
-    if not ctx.is_terminal and not ctx.stepwise_loss_depends:
-        raise InvalidValue(
-            "the stepwise loss does not depend on the velocities at any evaluated step "
-            "(loss_fn returned tensors detached from v_k, integer/bool results, or values "
-            "computed from something else), so the gradient would be zero; return a "
-            "differentiable function of v_k (autograd refuses the same loss: 'element 0 of "
-            "tensors does not require grad')"
-        )
+    if ctx.is_terminal or ctx.stepwise_loss_depends:
+        return
+    # A random draw that missed every step the loss uses gives a zero estimate (the right
+    # one for that draw); only a loss that depends on no step's velocity is refused.
+    objective = ctx.objective
+    if isinstance(objective, StepwiseObjective) and objective.depends_at_some_step(
+        ctx.trajectory()
+    ):
+        return
+    raise InvalidValue(
+        "the stepwise loss does not depend on the velocities at any step "
+        "(loss_fn returned tensors detached from v_k, integer/bool results, or values "
+        "computed from something else), so the gradient would be zero; return a "
+        "differentiable function of v_k (autograd refuses the same loss: 'element 0 of "
+        "tensors does not require grad')"
+    )
 
 
-def surrogate_from_estimate(model: torch.nn.Module, result: GradientEstimate) -> Tensor:
+class SurrogateOutdated(GradestError, RuntimeError):
+    """A surrogate loss was backpropagated after its model's trainable parameters changed."""
+
+
+def _guard_backward(loss: Tensor, ctx: EstimationContext, estimator: str) -> None:
+    """Checks at the start of ``loss``'s backward (a hook on the loss; no host sync).
+
+    * The trainable parameters' version counters must be those of ``surrogate()`` time:
+      after an in-place update (``optimizer.step()``) the backward would mix the old
+      cotangents with the new weights (``exact:checkpoint=true`` recomputes its steps
+      with them; the others fail inside torch's in-place check), so every estimator
+      raises :class:`SurrogateOutdated` first.
+    * Non-finite gradients produced by the backward itself are watched
+      (:class:`~gradest.nonfinite.BackwardWatch`, one check at the end of the backward).
+    """
+    if not loss.requires_grad:
+        return
+    parameters = list(ctx.field.trainable.values())
+    versions = [p._version for p in parameters]
+    watch = ctx.field.watch
+    if watch is not None:
+        watch.flow_times = ctx.times
+        watch.estimator = estimator
+
+    def on_backward(grad: Tensor) -> None:
+        if any(p._version != v for p, v in zip(parameters, versions, strict=True)):
+            raise SurrogateOutdated(
+                f"the model's trainable parameters changed between surrogate() and the "
+                f"backward of its loss (estimator {estimator}); call est.surrogate(...) again "
+                f"after optimizer.step() (or any in-place update) and backpropagate that loss"
+            )
+        if watch is not None:
+            watch.start(grad, parameters)
+
+    loss.register_hook(on_backward)
+
+
+def surrogate_from_estimate(
+    model: torch.nn.Module, result: GradientEstimate, *, estimator: Any = None
+) -> Tensor:
     """``sum_p <p, g_p>``: a loss whose gradient is ``result.grads``, for any estimator.
 
     The fallback for estimators without a ``surrogate()`` of their own: autograd writes
     ``.grad`` and DDP's hooks average it, but the estimate itself was computed apart from
-    autograd's backward (sharded FSDP parameters are not supported this way).
+    autograd's backward (sharded FSDP parameters are not supported this way). The
+    gradients are checked against the model's trainable parameters first (one per
+    parameter, of its shape, dtype and device, finite), so an estimate that covers some
+    parameters only never trains the others with zeros; ``estimator`` (the one that made
+    ``result``) is named in that error.
     """
-    parameters = dict(model.named_parameters())
-    terms = [inner(parameters[name], grad) for name, grad in result.grads.items()]
+    trainable = trainable_parameters(model)
+    if getattr(result, "usable", True) is False:
+        raise InvalidValue(
+            f"the estimate is unusable ({result.info.get('nonfinite', 'non-finite')}); it has "
+            f"no gradients to train with: skip this batch (check result.usable first)"
+        )
+    grads = check_estimate_grads(estimator, result, trainable)
+    terms = [inner(trainable[name], grad) for name, grad in grads.items()]
     return torch.stack(terms).sum()
 
 
@@ -140,6 +200,7 @@ class EstimatorBase:
             ``info``, ``decisions``, ``usable``).
         """
         _check_inputs("estimate", options, more=("noise_grad", "on_nonfinite", "engine"))
+        warn_if_lone_rank()
         inputs: dict[str, Any] = dict(options)
         noise_grad = inputs.pop("noise_grad", False)  # validated by the context
         on_nonfinite = inputs.pop("on_nonfinite", "raise")
@@ -222,6 +283,7 @@ class EstimatorBase:
             NonFiniteError: a NaN/Inf in a velocity, cotangent or the loss's gradient.
         """
         _check_inputs("surrogate", inputs, more=("engine",))
+        warn_if_lone_rank()
         _check_engine(engine)
         flow = sampler
         ctx = EstimationContext(
@@ -235,6 +297,8 @@ class EstimatorBase:
         except NonFiniteError as err:
             err.locate(flow.times, repr(self))
             raise
+        if loss is not None:
+            _guard_backward(loss, ctx, repr(self))
         if loss is None:
             raise InvalidType(
                 f"estimator {self!r} combined its gradients outside the engine, so it has no "
@@ -259,6 +323,8 @@ class EstimatorBase:
         else:
             grads, state_grad = self._stepwise(ctx), None
         _refuse_unrelated_stepwise_loss(ctx)
+        ctx.finish_stepwise_value()
+        ctx.field.randomness.finish()
         return grads, state_grad
 
     @sampler_keyword
@@ -271,7 +337,9 @@ class EstimatorBase:
         surrogate's backward writes the same gradients, through autograd, which DDP/FSDP,
         GradScaler and accelerate understand). Existing ``.grad`` values are accumulated
         into; with ``on_nonfinite="skip"`` an unusable estimate leaves ``.grad`` untouched
-        (check ``result.usable``).
+        (check ``result.usable``). The accumulation holds the model's gradient lock
+        (:func:`gradest.model_lock.grad_lock_for`), so threads calling ``backward()`` on
+        one model add every estimate (autograd's own accumulation is atomic already).
         """
         warn_deprecated(
             f"{type(self).__name__}.backward() is deprecated; use "
@@ -282,7 +350,7 @@ class EstimatorBase:
         if not result.usable:
             return result
         parameters = dict(model.named_parameters())
-        with torch.no_grad():
+        with grad_lock_for(model), torch.no_grad():
             for name, grad in result.grads.items():
                 param = parameters[name]
                 if param.grad is None:

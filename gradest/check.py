@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from gradest._checks import check_estimate_grads, trainable_parameters
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Definition, supports
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
-from gradest.registry import available_estimators, estimator
+from gradest.registry import available_estimators, estimator, plugin_calls
 from gradest.samplers import RectifiedFlow
 from gradest.specs import as_spec_list
 from gradest.testing.checks import noise_grad_error, surrogate_gradient, verify_decisions
@@ -109,16 +110,14 @@ def run_check(
     if steps < 1:
         raise InvalidValue(f"--steps must be >= 1, got {steps}")
     listed = as_spec_list(specs, what="specs") if specs is not None else []
-    estimators = [
-        estimator(spec) if isinstance(spec, str) else spec
-        for spec in (listed or default_specs(steps))
-    ]
+    estimators = [estimator(spec) for spec in (listed or default_specs(steps))]
     dim, batch, classes = 4, 4, 3
     model = tiny_mlp(dim, hidden=12, num_classes=classes, seed=seed)
     flow = RectifiedFlow(steps=steps)
     noise = seeded_normal((batch, dim), seed + 100)
     cond = {"y": torch.arange(batch) % (classes + 1)}
     trajectory = rollout(model, flow, noise, cond=cond)
+    params = trainable_parameters(model)
     chain = dense_chain(model, flow, trajectory, cond)
     objectives: dict[str, Objective] = {
         "terminal": smooth_terminal_objective(dim, seed=seed + 1),
@@ -132,68 +131,76 @@ def run_check(
     rows, ok = [], True
     pairs = [(est, kind) for est in estimators for kind in objectives if supports(est, kind)]
     for est, kind in tqdm(pairs, desc="gradest check", disable=not show_progress, leave=False):
-        objective = objectives[kind]
-        verdict = _Verdict()
-        inputs = {"cond": cond, "generator": generator()}
-        # Decisions and definition over a few draws: one draw shows only the outcomes it
-        # happened to make (a depth of 1 hides every weight of a telescope).
-        problems, later_errors = None, []
-        for offset in range(1, DRAW_SEEDS):
-            again = est.estimate(
+        with plugin_calls(est, f"gradest check ({kind} objective)"):
+            objective = objectives[kind]
+            verdict = _Verdict()
+            inputs = {"cond": cond, "generator": generator()}
+            # Decisions and definition over a few draws: one draw shows only the outcomes it
+            # happened to make (a depth of 1 hides every weight of a telescope).
+            problems, later_errors = None, []
+            for offset in range(1, DRAW_SEEDS):
+                again = est.estimate(
+                    model,
+                    flow,
+                    objective,
+                    trajectory=trajectory,
+                    cond=cond,
+                    generator=torch.Generator().manual_seed(seed + offset),
+                )
+                check_estimate_grads(est, again, params)
+                seen, definition = _verified(est, chain, objective, again, seed + offset)
+                if seen is not None:
+                    problems = (problems or []) + seen
+                if definition is not None:
+                    later_errors.append(relative_error(again.flat(), definition.grad))
+            result = est.estimate(model, flow, objective, trajectory=trajectory, **inputs)
+            check_estimate_grads(est, result, params)
+            flat = result.flat()
+            seen, definition = _verified(est, chain, objective, result, seed)
+            if seen is not None:
+                problems = (problems or []) + seen
+            # The same estimate sampling from the noise itself (the path is the recorded one:
+            # the sampler is deterministic), with the noise gradient where there is one.
+            terminal = isinstance(objective, TerminalObjective)
+            sampled = est.estimate(
                 model,
                 flow,
                 objective,
-                trajectory=trajectory,
-                cond=cond,
-                generator=torch.Generator().manual_seed(seed + offset),
+                noise=noise,
+                noise_grad=terminal,
+                **{**inputs, "generator": generator()},
             )
-            seen, definition = _verified(est, chain, objective, again, seed + offset)
-            if seen is not None:
-                problems = (problems or []) + seen
+            check_estimate_grads(est, sampled, params)
+            vs_definition, from_noise, noise_grad = None, None, None
             if definition is not None:
-                later_errors.append(relative_error(again.flat(), definition.grad))
-        result = est.estimate(model, flow, objective, trajectory=trajectory, **inputs)
-        flat = result.flat()
-        seen, definition = _verified(est, chain, objective, result, seed)
-        if seen is not None:
-            problems = (problems or []) + seen
-        # The same estimate sampling from the noise itself (the path is the recorded one:
-        # the sampler is deterministic), with the noise gradient where there is one.
-        terminal = isinstance(objective, TerminalObjective)
-        sampled = est.estimate(
-            model,
-            flow,
-            objective,
-            noise=noise,
-            noise_grad=terminal,
-            **{**inputs, "generator": generator()},
-        )
-        vs_definition, from_noise, noise_grad = None, None, None
-        if definition is not None:
-            vs_definition = max([relative_error(flat, definition.grad), *later_errors])
-            from_noise = relative_error(sampled.flat(), definition.grad)
-            if terminal and definition.noise_grad is not None and sampled.noise_grad is not None:
-                noise_grad = noise_grad_error(sampled.noise_grad, definition.noise_grad)
-        surrogate = _surrogate_error(est, model, flow, objective, trajectory, cond, seed, flat)
-        exact = truth[kind]
-        cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
-        cost = result.cost
-        rows.append(
-            (
-                repr(est),
-                kind,
-                verdict.decisions_cell(problems),
-                verdict.error_cell(vs_definition),
-                verdict.error_cell(from_noise, noise_grad),
-                verdict.error_cell(surrogate),
-                f"{relative_error(flat, exact):.2e}",
-                f"{cosine:.4f}",
-                str(cost.param_vjps),
-                f"{cost.forwards_with_graph}/{cost.forwards_without_graph}",
-                f"{cost.model_units():g}",
+                vs_definition = max([relative_error(flat, definition.grad), *later_errors])
+                from_noise = relative_error(sampled.flat(), definition.grad)
+                if (
+                    terminal
+                    and definition.noise_grad is not None
+                    and sampled.noise_grad is not None
+                ):
+                    noise_grad = noise_grad_error(sampled.noise_grad, definition.noise_grad)
+            surrogate = _surrogate_error(est, model, flow, objective, trajectory, cond, seed, flat)
+            exact = truth[kind]
+            cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
+            cost = result.cost
+            rows.append(
+                (
+                    repr(est),
+                    kind,
+                    verdict.decisions_cell(problems),
+                    verdict.error_cell(vs_definition),
+                    verdict.error_cell(from_noise, noise_grad),
+                    verdict.error_cell(surrogate),
+                    f"{relative_error(flat, exact):.2e}",
+                    f"{cosine:.4f}",
+                    str(cost.param_vjps),
+                    f"{cost.forwards_with_graph}/{cost.forwards_without_graph}",
+                    f"{cost.model_units():g}",
+                )
             )
-        )
-        ok &= verdict.ok
+            ok &= verdict.ok
     header = (
         "estimator",
         "objective",

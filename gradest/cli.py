@@ -18,9 +18,10 @@ import warnings
 from collections.abc import Sequence
 
 from gradest import entry_points, registry
+from gradest._checks import check_path_length
 from gradest.commands import registered_commands
 from gradest.errors import GradestError, InvalidValue
-from gradest.files import check_output_dir
+from gradest.files import OutputError, check_output_dir
 from gradest.protocol import supports
 from gradest.specs import SPEC_LIST_EXAMPLE, spec_list_text, split_spec_list
 
@@ -94,7 +95,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if value <= 0:
             raise InvalidValue(f"{flag} must be >= 1, got {value}")
     # Before the work, not after it (created only when the report is written).
+    check_path_length(args.out, what=f"--out {args.out!r}")
     out = check_output_dir(args.out, what="--out", create=False)
+    for name in ("report.md", "report.json"):
+        if (out / name).is_dir():
+            raise OutputError(f"--out {str(out)!r} cannot hold {name}: it is a folder there")
     missing = None if args.no_plots else plots_unavailable()
     if missing is not None and not args.quiet:
         print(f"gradest compare: plots will be skipped: {missing}")
@@ -276,13 +281,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("default")
             return int(args.run(args))
     except GradestError as err:
-        # gradest's own documented errors (bad input, unwritable output, missing extra):
-        # one line. Anything else is a bug and keeps its traceback.
-        print(f"gradest {args.command}: error: {err}", file=sys.stderr)
+        # gradest's own documented errors (bad input, unwritable output, missing extra, a
+        # plugin that failed: registry.PluginError): one line. Anything else is a bug and
+        # keeps its traceback.
+        print(f"gradest {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"gradest {args.command}: interrupted; nothing was written", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        where = f" ({err})" if isinstance(err, registry.PluginInterrupt) else ""
+        print(f"gradest {args.command}: interrupted{where}; nothing was written", file=sys.stderr)
         return 130
+    except SystemExit as err:
+        if args.command not in _OWN_COMMANDS:
+            raise  # an application's command may end itself with a status
+        # gradest's own commands return their status and never call sys.exit: something
+        # they ran did (a plugin), and a silent exit 0 would pass for success.
+        print(
+            f"gradest {args.command}: error: SystemExit({err.code!r}) raised inside the "
+            f"command by {_raised_in(err)}; nothing was written",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """The message on one line (a plugin's message may hold several)."""
+    return " ".join(str(err).split("\n"))
+
+
+def _raised_in(err: BaseException) -> str:
+    """The module outside gradest (a plugin) whose code raised ``err``, as best known."""
+    traceback = err.__traceback__
+    culprit = None
+    while traceback is not None:
+        module = traceback.tb_frame.f_globals.get("__name__", "?")
+        if module != "gradest" and not module.startswith("gradest."):
+            culprit = module
+        traceback = traceback.tb_next
+    return f"code in module {culprit!r} (a plugin?)" if culprit else "code the command ran"
 
 
 if __name__ == "__main__":  # pragma: no cover

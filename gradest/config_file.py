@@ -20,6 +20,11 @@ Each value is checked against its flag (type and choices) before anything runs, 
 unknown key is refused with the list of known ones, so a typo never silently keeps a
 default. The file becomes the parser's defaults and the command line is parsed again, so
 any flag given explicitly overrides the file whatever the order.
+
+Which settings were given at all (on the command line or in the file), rather than left at
+their defaults, is known from :func:`track_explicit` / :func:`explicit_settings`: a command
+that continues an earlier run (``gradest finetune --resume DIR``) takes the run's settings
+for every flag not given and compares only the given ones.
 """
 
 from __future__ import annotations
@@ -99,8 +104,16 @@ def load_defaults(path: str | Path, parser: argparse.ArgumentParser) -> dict[str
         raise InvalidValue(f"--config {str(path)!r} is not valid TOML: {err}") from err
     settable = _settable(parser)
     defaults = {}
+    spelled: dict[str, str] = {}  # dest -> the key that set it
     for key, value in table.items():
         dest = key.replace("-", "_")
+        if dest in spelled:
+            # batch_size and batch-size are one setting: neither may silently win.
+            raise InvalidValue(
+                f"--config {str(path)!r}: {spelled[dest]!r} and {key!r} are the same setting; "
+                f"give it once"
+            )
+        spelled[dest] = key
         if dest not in settable:
             if isinstance(value, dict):
                 raise InvalidValue(
@@ -113,6 +126,54 @@ def load_defaults(path: str | Path, parser: argparse.ArgumentParser) -> dict[str
     return defaults
 
 
+# The namespace attribute that holds the settings given explicitly (track_explicit).
+EXPLICIT = "explicit_settings"
+
+
+_TRACKING: dict[type, type] = {}
+
+
+def _tracking(kind: type[argparse.Action]) -> type[argparse.Action]:
+    """``kind`` that also records its ``dest`` as given: argparse calls an action only for
+    an option present on the command line, never for a default."""
+    if getattr(kind, "tracks_explicit", False) or kind in _TRACKING:
+        return _TRACKING.get(kind, kind)
+
+    class Tracking(kind):  # type: ignore[valid-type,misc]
+        tracks_explicit = True
+
+        def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+            super().__call__(parser, namespace, values, option_string)
+            given = getattr(namespace, EXPLICIT, None) or frozenset()
+            setattr(namespace, EXPLICIT, given | {self.dest})
+
+    Tracking.__name__ = Tracking.__qualname__ = f"Explicit{kind.__name__}"
+    _TRACKING[kind] = Tracking
+    return Tracking
+
+
+def track_explicit(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` record which of its settings a parse was given explicitly.
+
+    Call it once the flags are added. Every parse then sets ``args.explicit_settings``: a
+    frozenset of the dests given on the command line or in a ``--config`` file
+    (:func:`parse_with_config` adds the file's keys); a default never counts. Read it
+    with :func:`explicit_settings`.
+    """
+    for action in _settable(parser).values():
+        action.__class__ = _tracking(type(action))
+    # Immutable, so a default shared between parses is never changed in place.
+    parser.set_defaults(**{EXPLICIT: frozenset()})
+
+
+def explicit_settings(args: argparse.Namespace) -> frozenset[str] | None:
+    """The dests ``args`` was given explicitly (command line or ``--config`` file); None
+    when its parser did not :func:`track_explicit` (then nothing is known to be a
+    default)."""
+    given = getattr(args, EXPLICIT, None)
+    return None if given is None else frozenset(given)
+
+
 def parse_with_config(
     parser: argparse.ArgumentParser,
     subparser: argparse.ArgumentParser,
@@ -120,5 +181,8 @@ def parse_with_config(
     args: argparse.Namespace,
 ) -> argparse.Namespace:
     """``args`` again, with ``args.config``'s settings as ``subparser``'s defaults."""
-    subparser.set_defaults(**load_defaults(args.config, subparser))
+    defaults = load_defaults(args.config, subparser)
+    if EXPLICIT in subparser._defaults:  # track_explicit: the file's settings are given ones
+        defaults[EXPLICIT] = frozenset(defaults)
+    subparser.set_defaults(**defaults)
     return parser.parse_args(argv)

@@ -140,7 +140,13 @@ class EstimationContext:
             )
         self.meter = CostMeter()
         self.field = VelocityField(
-            model, cond, batch, self.meter, engine=engine, surrogate=surrogate
+            model,
+            cond,
+            batch,
+            self.meter,
+            engine=engine,
+            surrogate=surrogate,
+            generator=self.generator,
         )
         self.surrogate = surrogate
         # Data-parallel ranks must decide alike (gradest.ranks): draws and gates go through it.
@@ -164,6 +170,8 @@ class EstimationContext:
         self._velocities_are_current = False
         # Whether any evaluated step's loss depended on its velocity (stepwise).
         self.stepwise_loss_depends = False
+        # l_k of the evaluated steps (stepwise), each step once: info["evaluated_value"].
+        self._step_losses: dict[int, float] = {}
         self.info: dict[str, Any] = {}
         self.decisions: Decisions | None = None
 
@@ -255,8 +263,36 @@ class EstimationContext:
         assert isinstance(self.objective, StepwiseObjective)
         loss, cotangent, depends = self.objective.evaluate_step(k, velocity, self.trajectory())
         self.stepwise_loss_depends |= depends
-        self.info["loss"] = self.info.get("loss", 0.0) + float(loss)
+        self._step_losses.setdefault(k, float(loss))
+        self.info["evaluated_value"] = sum(self._step_losses.values())
+        self.info["loss"] = self.info["evaluated_value"]  # the full sum: finish_stepwise_value
         return cotangent
+
+    def finish_stepwise_value(self) -> None:
+        """``info["loss"] = sum_k l_k`` over all ``N`` steps of a stepwise objective.
+
+        The evaluated steps' losses are those at the current model's velocities; every
+        other step's loss is ``loss_fn(k, v_k, trajectory)`` at the recorded velocity
+        (detached, no model call). So every estimator reports the same value for the same
+        trajectory (recorded by the current model). ``info["evaluated_value"]`` keeps the
+        evaluated steps' part. Without a recorded path (a plugin that never sampled one)
+        ``info["loss"]`` stays the evaluated part.
+        """
+        trajectory = self._trajectory
+        if self.is_terminal or trajectory is None or not self._step_losses:
+            return
+        if trajectory.velocities.shape[0] != self.num_steps:
+            return
+        assert isinstance(self.objective, StepwiseObjective)
+        total = 0.0
+        with torch.no_grad():
+            for k in range(self.num_steps):
+                if k in self._step_losses:
+                    total += self._step_losses[k]
+                else:
+                    velocity = trajectory.velocities[k].detach()
+                    total += float(self.objective.loss_fn(k, velocity, trajectory))
+        self.info["loss"] = total
 
     # -- the adjoint ----------------------------------------------------------------------
 

@@ -14,7 +14,12 @@ Three rules, for every file gradest writes (checkpoints, logs, reports, pretrain
 * **Append whole records.** :class:`JsonLog` (``log.jsonl``) appends one JSON line per
   ``os.write`` call and fsyncs it: a record is in the file whole or not at all. A short
   write (disk full) is cut back before the error is raised, and a partial last line left
-  by anything else is dropped when the log is opened again.
+  by anything else is ignored when the log is read and cut off just before the next
+  append: opening or reading a log never changes it, so a caller can look at a folder
+  and refuse it without having touched it.
+* **Never through a link.** :class:`JsonLog` refuses to append to or rewrite a log that
+  is a symbolic link (its target may lie outside the run's folder);
+  :func:`refuse_symlinks` checks the entries a run will write, before it writes any.
 
 Temporary files are named ``.<name>.<random>.tmp`` beside their target;
 :func:`remove_stale_temporaries` clears those a killed process left behind.
@@ -28,7 +33,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -180,45 +185,128 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     return atomic_write(path, lambda file: file.write(buffer.getbuffer()))
 
 
-def remove_stale_temporaries(folder: str | os.PathLike[str]) -> list[Path]:
-    """Delete the ``.<name>.*.tmp`` files a killed writer left in ``folder``."""
+def remove_stale_temporaries(
+    folder: str | os.PathLike[str], names: Iterable[str] | None = None
+) -> list[Path]:
+    """Delete the ``.<name>.*.tmp`` files a killed writer left in ``folder``.
+
+    Args:
+        names: only the temporaries of these target names (``["result.json"]``), so that
+            a folder shared with other tools keeps theirs; None (the default): every
+            ``.*.tmp`` file.
+    """
     removed: list[Path] = []
     directory = Path(folder)
-    if not directory.is_dir():
+    if not directory.is_dir() or directory.is_symlink():
         return removed
-    for item in directory.glob(f".*{_TMP_SUFFIX}"):
+    patterns = [f".*{_TMP_SUFFIX}"] if names is None else [f".{n}.*{_TMP_SUFFIX}" for n in names]
+    for item in sorted({found for pattern in patterns for found in directory.glob(pattern)}):
+        if item.is_symlink() or not item.is_file():
+            continue
         with contextlib.suppress(OSError):
             item.unlink()
             removed.append(item)
     return removed
 
 
+def refuse_symlinks(paths: Iterable[str | os.PathLike[str]], *, what: str) -> None:
+    """Refuse, before any write, an entry of a run's folder that is a symbolic link.
+
+    A run writes its own files under its folder; a link among them (``log.jsonl`` pointing
+    at another tool's log, ``checkpoints`` at another folder) would make it write, cut or
+    replace something outside. Nothing is followed or changed here.
+
+    Args:
+        paths: the files and folders the run will write (need not exist).
+        what: how the caller names the folder in the message (``"--out 'runs/ft'"``).
+
+    Raises:
+        OutputError: naming the first link and where it points.
+    """
+    for entry in paths:
+        path = Path(entry)
+        if path.is_symlink():
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            raise OutputError(
+                f"{what}: {str(path)!r} is a symbolic link (to {target!r}); a run never writes "
+                f"through a link, which may lead out of its folder: replace the link by the "
+                f"file itself or pass a new folder"
+            )
+
+
+class JsonLogError(GradestError, ValueError):
+    """A JSON-lines log holds a line that is not a JSON record (the message names it)."""
+
+
 class JsonLog:
     """An append-only JSON-lines log in which every record is whole.
 
     Args:
-        path: the ``.jsonl`` file; created if missing. A partial last line (a writer
-            killed mid-record by something other than gradest's own checks) is dropped.
+        path: the ``.jsonl`` file; created by the first :meth:`append`. A partial last
+            line (a writer killed mid-record by something other than gradest's own
+            checks) is ignored by :meth:`records` and cut off by the next :meth:`append`
+            or :meth:`keep`; opening the log and reading it never change the file.
+
+    A log that is a symbolic link is refused by :meth:`append` and :meth:`keep`
+    (:class:`OutputError`), never written through.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        if self.path.exists():
-            self._drop_partial_tail()
+
+    def _refuse_link(self) -> None:
+        refuse_symlinks([self.path], what="the log")
 
     def _drop_partial_tail(self) -> None:
+        """Cut a partial last line off (only when about to write)."""
+        self._refuse_link()
+        if not self.path.is_file():
+            return
         data = self.path.read_bytes()
         if data and not data.endswith(b"\n"):
             keep = data.rfind(b"\n") + 1
-            with open(self.path, "r+b") as file:
-                file.truncate(keep)
-                os.fsync(file.fileno())
+            handle = os.open(self.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.ftruncate(handle, keep)
+                os.fsync(handle)
+            finally:
+                os.close(handle)
 
     def records(self) -> list[dict[str, Any]]:
-        """Every whole record, in order."""
+        """Every whole record, in order (a partial last line is left out).
+
+        Raises:
+            JsonLogError: a whole line is not a JSON object, naming the file and the line
+                (the file is left as it is).
+        """
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text("utf-8").splitlines() if line]
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
+        lines.pop()  # the partial last line, or b"" after the final newline
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise JsonLogError(
+                    f"{str(self.path)!r} line {number} is not a JSON record ({err}); the log "
+                    f"is damaged or is not a gradest log: it is left as it is; start a new "
+                    f"run in another folder"
+                ) from None
+            if not isinstance(record, dict):
+                raise JsonLogError(
+                    f"{str(self.path)!r} line {number} is not a JSON record (a "
+                    f"{type(record).__name__}); the log is damaged or is not a gradest log: it "
+                    f"is left as it is; start a new run in another folder"
+                )
+            records.append(record)
+        return records
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.records())
@@ -231,7 +319,12 @@ class JsonLog:
                 to its previous whole records first.
         """
         line = (json.dumps(record) + "\n").encode("utf-8")
-        handle = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._drop_partial_tail()
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            handle = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            raise OutputError(f"cannot append to {str(self.path)!r}: {_reason(err)}") from None
         try:
             before = os.fstat(handle).st_size
             try:
@@ -251,5 +344,6 @@ class JsonLog:
 
     def keep(self, predicate: Callable[[dict[str, Any]], bool]) -> None:
         """Rewrite the log (atomically) with only the records for which ``predicate`` holds."""
+        self._refuse_link()
         kept = [record for record in self.records() if predicate(record)]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -6,10 +6,23 @@ gradients. The first non-finite tensor raises :class:`NonFiniteError` naming the
 and the sampling step(s); ``estimate``/``backward`` add the estimator and either re-raise
 (``on_nonfinite="raise"``, the default) or return an estimate marked unusable with
 ``.grad`` untouched (``on_nonfinite="skip"``).
+
+``surrogate()`` leaves the parameter VJPs to the caller's backward, where the checks
+above cannot run: a NaN produced only by a step's *backward* (a custom autograd function,
+``sqrt`` at 0) would reach ``.grad`` silently. :class:`BackwardWatch` covers it: hooks on
+every surrogate model call's output and input (and, during the backward, on the trainable
+parameters) record whether each gradient is finite as device tensors (one reduction per
+hook, no host sync), and one check at the end of the backward raises
+:class:`NonFiniteError` naming the step(s) where the non-finite value first appeared (a
+step whose input gradient is non-finite while its output gradient is finite). Under a
+loss scaler (the gradient reaching ``sur.loss`` is larger than 1: ``GradScaler``,
+``accelerate``'s fp16) overflow is the scaler's signal to skip the step, so the watch
+stands aside.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -19,6 +32,8 @@ from gradest.errors import GradestError
 
 ON_NONFINITE = ("raise", "skip")
 _HALF = (torch.float16, torch.bfloat16)
+# A tensor description that names its step itself ("loss at step 2").
+_STEP_IN_TEXT = re.compile(r"\bat step (\d+)\b")
 
 
 class NonFiniteError(GradestError, ValueError):
@@ -34,7 +49,13 @@ class NonFiniteError(GradestError, ValueError):
     def __init__(self, tensor: str, *, times: Sequence[float] = (), steps: Sequence[int] = ()):
         self.tensor = tensor
         self.times = tuple(float(t) for t in times)
-        self.steps = tuple(steps)
+        self.steps = tuple(int(k) for k in steps)
+        # The description may name the step itself ("loss at step 2"): then .steps says so.
+        named = _STEP_IN_TEXT.search(tensor)
+        self._step_in_text = named is not None and not self.steps and not self.times
+        if self._step_in_text:
+            assert named is not None
+            self.steps = (int(named.group(1)),)
         self.estimator = ""
         super().__init__(self._message())
 
@@ -51,7 +72,9 @@ class NonFiniteError(GradestError, ValueError):
 
     def _message(self) -> str:
         where = ""
-        if self.steps:
+        if self._step_in_text:
+            pass
+        elif self.steps:
             where = (
                 f" at step {self.steps[0]}"
                 if len(self.steps) == 1
@@ -109,3 +132,104 @@ def check_finite(
         raise NonFiniteError(
             f"{tensor} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})", times=times
         )
+
+
+class BackwardWatch:
+    """Finite-value flags of one surrogate loss's backward, checked once at its end.
+
+    :meth:`observe` hooks each model call of the surrogate (the engine calls it for every
+    forward whose graph reaches the parameters); :meth:`start` runs at the beginning of
+    the loss's backward (a hook on the loss), hooks the trainable parameters for the
+    duration of that backward and queues :meth:`_finish` for its end. The hooks store
+    ``isfinite(sum)`` per step as device tensors; the one host sync is in ``_finish``.
+    """
+
+    def __init__(self) -> None:
+        self._flags: list[tuple[str, tuple[float, ...], Tensor]] = []
+        self._calls: list[tuple[tuple[float, ...], bool]] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._loss_grad: Tensor | None = None
+        self.flow_times: Tensor | None = None
+        self.estimator = ""
+
+    def observe(self, z: Tensor, v: Tensor, times: Sequence[float]) -> None:
+        """Hook one model call ``v = model(z)`` over ``len(times)`` stacked steps.
+
+        ``z`` must be the call's own input (an alias such as ``z.view_as(z)`` when the
+        state is also used elsewhere), so its gradient is the model's contribution only.
+        An input that does not require grad (recorded states, the noise) is not hooked:
+        its gradient is never computed, and computing it would cost a VJP of its own.
+        """
+        steps = tuple(float(t) for t in times)
+        observed = z.requires_grad
+        self._calls.append((steps, observed))
+        if observed:
+            z.register_hook(self._hook("input", steps))
+        if v.requires_grad:
+            v.register_hook(self._hook("output", steps))
+
+    def _hook(self, kind: str, times: tuple[float, ...]):
+        count = len(times)
+
+        def record(grad: Tensor) -> None:
+            rows = grad.detach().reshape(count, -1)
+            sums = rows.sum(1, dtype=torch.float32) if rows.dtype in _HALF else rows.sum(1)
+            self._flags.append((kind, times, torch.isfinite(sums)))
+
+        return record
+
+    def _parameter_hook(self, grad: Tensor) -> None:
+        total = grad.detach().sum(dtype=torch.float32) if grad.dtype in _HALF else grad.sum()
+        self._flags.append(("parameter", (), torch.isfinite(total.detach()).reshape(1)))
+
+    def start(self, loss_grad: Tensor, parameters: Iterable[Tensor]) -> None:
+        """At the start of the loss's backward: forget earlier flags (the cotangent work's
+        own VJPs, checked where they ran), hook the parameters, queue the final check."""
+        self._remove_hooks()
+        self._flags = []
+        self._loss_grad = loss_grad.detach()
+        self._handles = [p.register_hook(self._parameter_hook) for p in parameters]
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _finish(self) -> None:
+        self._remove_hooks()
+        flags, self._flags = self._flags, []
+        if not flags:
+            return
+        device = flags[0][2].device
+        if bool(torch.cat([flag.to(device) for *_, flag in flags]).all()):
+            return
+        scale = self._loss_grad
+        if scale is not None and not bool(scale.abs() <= 1):
+            return  # a loss scaler's overflow: GradScaler skips the step and lowers the scale
+        raise self._error(flags)
+
+    def _error(self, flags: list[tuple[str, tuple[float, ...], Tensor]]) -> NonFiniteError:
+        """Name the steps where the non-finite gradient first appeared (failure path only)."""
+        bad: dict[str, set[float]] = {"input": set(), "output": set()}
+        for kind, times, flag in flags:
+            if kind in bad:
+                bad[kind].update(t for t, ok in zip(times, flag.tolist(), strict=True) if not ok)
+        # A step whose model backward turned a finite output gradient non-finite.
+        origins = bad["input"] - bad["output"]
+        if not origins:
+            # Only parameters (or unhooked inputs) went non-finite: the steps of the calls
+            # whose inputs are not hooked and whose output gradient was still finite.
+            origins = {
+                t
+                for times, observed in self._calls
+                if not observed
+                for t in times
+                if t not in bad["output"]
+            }
+        error = NonFiniteError(
+            "gradient in the backward of the surrogate loss", times=sorted(origins, reverse=True)
+        )
+        if self.flow_times is not None:
+            error.locate(self.flow_times, self.estimator)
+        return error

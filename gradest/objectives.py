@@ -32,7 +32,10 @@ def _loss_and_grad(
     """``(loss, d loss / d x, whether the loss depends on x at all)``."""
     leaf = x.detach().requires_grad_(True)
     with torch.enable_grad():
-        loss = check_scalar_loss(fn(leaf), where)
+        # The loss gets a copy: an in-place op on its argument (z.mul_(2), v.clamp_(...))
+        # is differentiated like its out-of-place form and never changes the recorded
+        # path (autograd refuses in-place ops on a leaf).
+        loss = check_scalar_loss(fn(leaf.clone()), where)
         if not loss.requires_grad:
             return loss.detach(), torch.zeros_like(x), False
         (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
@@ -118,6 +121,25 @@ class StepwiseObjective:
         by the estimator, as autograd refuses the summed loss.
         """
         return _loss_and_grad(lambda v: self.loss_fn(k, v, trajectory), velocity, f"at step {k}")
+
+    def depends_at_some_step(self, trajectory: Trajectory) -> bool:
+        """Whether some step's loss depends on its velocity, at the recorded velocities.
+
+        A stochastic estimator whose draw missed every step the loss uses returns a zero
+        estimate (the right one for that draw); only a loss that depends on no step's
+        velocity at all is refused. Evaluates ``loss_fn`` (no model call) until a step
+        depends.
+        """
+        for k in range(trajectory.num_steps):
+            velocity = trajectory.velocities[k].detach()
+            leaf = velocity.clone().requires_grad_(True)
+            with torch.enable_grad():
+                loss = self.loss_fn(k, leaf, trajectory)
+                if isinstance(loss, Tensor) and loss.requires_grad:
+                    (grad,) = torch.autograd.grad(loss.sum(), leaf, allow_unused=True)
+                    if grad is not None:
+                        return True
+        return False
 
 
 Objective = TerminalObjective | StepwiseObjective

@@ -71,6 +71,18 @@ def bool_types() -> tuple[type, ...]:
         return (bool,)
 
 
+def scalar_item(value: Any) -> Any:
+    """A 0-d numpy array or tensor as its Python number; anything else unchanged."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, str) and tuple(shape) == ():
+        item = getattr(value, "item", None)
+        if callable(item):
+            number = item()
+            if isinstance(number, bool | int | float):
+                return number
+    return value
+
+
 def option(
     default: Any,
     *,
@@ -95,6 +107,15 @@ def option(
 
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         owner = getattr(type(instance), "name", type(instance).__name__)
+        shape = getattr(value, "shape", None)
+        if shape is not None and not isinstance(value, str) and tuple(shape) != ():
+            raise InvalidType(
+                f"estimator {owner!r}: option {attribute.name} got an array of shape "
+                f"{tuple(shape)} ({type(value).__name__}); expected a single "
+                f"{_kind_name(kind)}"
+                + (f" ({expect})" if expect else "")
+                + "; pass one value (sweep over values with one estimator each)"
+            )
         if not _accepts(kind, value):
             raise InvalidType(
                 f"estimator {owner!r}: option {attribute.name}={value!r} has type "
@@ -110,7 +131,9 @@ def option(
     kinds = kind if isinstance(kind, tuple) else (kind,)
 
     def convert(value: Any) -> Any:
-        # numpy scalars (np.int64 from np.arange sweeps, np.float32) are plain numbers.
+        # numpy scalars (np.int64 from np.arange sweeps, np.float32) are plain numbers, and
+        # so are 0-d arrays and tensors (np.array(4), torch.tensor(0.9)).
+        value = scalar_item(value)
         if isinstance(value, bool) or isinstance(value, bool_types()):
             return value
         if int in kinds and isinstance(value, numbers.Integral):

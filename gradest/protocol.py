@@ -109,7 +109,11 @@ class GradientEstimate:
             ``model.named_parameters()``.
         noise_grad: gradient with respect to the initial noise, or None when not requested.
         value: (property) the objective's value on this batch, ``info["loss"]`` (NaN
-            where the estimator recorded none), as on :class:`Surrogate`.
+            where the estimator recorded none), as on :class:`Surrogate`. For a stepwise
+            objective it is the full ``sum_k loss_fn(k, v_k, trajectory)`` over all ``N``
+            steps (the steps an estimator did not evaluate at their recorded velocities),
+            the same for every estimator on the same trajectory; the evaluated steps'
+            part is ``info["evaluated_value"]``.
         cost: the :class:`Cost` counts of this call.
         info: estimator diagnostics (loss, gate cosines, fallback fraction, and the
             decisions' fields for logs); ``info["nonfinite"]`` describes a dropped estimate
@@ -153,7 +157,9 @@ class Surrogate:
     Attributes:
         loss: 0-dim tensor; its autograd gradient w.r.t. every trainable parameter is
             the estimate. Its *value* is not the objective (log ``value``).
-        value: the objective's value on this batch, as ``info["loss"]`` (for logging).
+        value: the objective's value on this batch, as ``info["loss"]`` (for logging); for
+            a stepwise objective the full sum over all ``N`` steps, as on
+            :class:`GradientEstimate` (``info["evaluated_value"]``: the evaluated steps').
         cost: the :class:`Cost` counts, including the VJPs the caller's backward will run.
         info: estimator diagnostics, as on :class:`GradientEstimate`.
         decisions: the estimator's typed :class:`Decisions` record.

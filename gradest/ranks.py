@@ -37,8 +37,13 @@ except ImportError:  # pragma: no cover - older torch
 def _process_group(model: nn.Module) -> tuple[bool, dist.ProcessGroup | None]:
     if not (dist.is_available() and dist.is_initialized()):
         return False, None
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        group = getattr(model, "process_group", None)
+    # The DDP wrapper may sit inside the model (DiffusersVelocity(accelerator.prepare(m))):
+    # the ranks must agree on draws and gates wherever the wrapper is.
+    wrapper = next(
+        (m for m in model.modules() if isinstance(m, nn.parallel.DistributedDataParallel)), None
+    )
+    if wrapper is not None:
+        group = getattr(wrapper, "process_group", None)
         return dist.get_world_size(group) > 1, group
     if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
         return dist.get_world_size() > 1, None

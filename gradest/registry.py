@@ -8,10 +8,12 @@ loading and the rules for broken plugins are :mod:`gradest.entry_points`'
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import inspect
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -36,6 +38,58 @@ _NOTHING_INSTALLED = (
 
 class UnknownEstimatorError(GradestError, ValueError):
     """An estimator name that no installed package registers."""
+
+
+class PluginError(GradestError, RuntimeError):
+    """A plugin estimator failed inside gradest: it raised, or called ``sys.exit()``, in its
+    constructor or ``estimate()`` (the message names it; the original is the cause)."""
+
+
+class PluginInterrupt(KeyboardInterrupt):
+    """A ``KeyboardInterrupt`` raised inside a plugin estimator (the message names it)."""
+
+
+def is_builtin(est: Any) -> bool:
+    """Whether ``est`` (an estimator or its class) is one of gradest's own."""
+    cls = est if isinstance(est, type) else type(est)
+    return cls.__module__ == "gradest" or cls.__module__.startswith("gradest.")
+
+
+@contextlib.contextmanager
+def plugin_calls(est: Any, action: str) -> Iterator[None]:
+    """Code run on behalf of estimator ``est`` (``action`` says what: ``"estimate()"``), so
+    that a plugin never ends gradest silently or with a foreign traceback: any exception
+    it raises (even ``SystemExit``) becomes a :class:`PluginError` naming it, a
+    ``KeyboardInterrupt`` a :class:`PluginInterrupt`; gradest's own documented errors pass
+    unchanged. Built-in estimators run as they are (their exceptions are gradest's)."""
+    if is_builtin(est):
+        yield
+        return
+    try:
+        yield
+    except GradestError:
+        raise
+    except KeyboardInterrupt as err:
+        raise PluginInterrupt(f"interrupted inside {_label(est)} {action}") from err
+    except BaseException as err:  # SystemExit / GeneratorExit from a plugin, too
+        text = str(err)
+        raise PluginError(
+            f"{_label(est)} failed in {action}: {type(err).__name__}"
+            f"{f': {text}' if text else ''}; this is the plugin's error (fix or uninstall "
+            f"it, or leave it out of the estimators)"
+        ) from err
+
+
+def call_plugin(est: Any, action: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` inside :func:`plugin_calls` ``(est, action)``."""
+    with plugin_calls(est, action):
+        return function(*args, **kwargs)
+
+
+def _label(est: Any) -> str:
+    from gradest._checks import estimator_label
+
+    return estimator_label(est)
 
 
 def _estimator_problem(candidate: Any) -> str | None:
@@ -117,11 +171,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), options
 
 
-def estimator(spec: str, **options: Any) -> TrajectoryGradientEstimator:
+def estimator(spec: Any, **options: Any) -> TrajectoryGradientEstimator:
     """Build an estimator by name or spec string.
 
     ``gradest.estimator("jagg", window=4)`` and ``gradest.estimator("jagg:window=4")``
-    are the same; keyword options override options in the string. An option's old name,
+    are the same; keyword options override options in the string. An estimator instance
+    is returned as it is (with ``options``, an ``attrs.evolve``-d copy); an estimator
+    class is refused with a message saying to pass an instance or its name. An option's old name,
     which its class lists in ``deprecated_options`` (``jagg:low_memory``), still works and
     warns (:class:`~gradest.errors.GradestDeprecationWarning`).
 
@@ -131,6 +187,16 @@ def estimator(spec: str, **options: Any) -> TrajectoryGradientEstimator:
             wrong type.
         ValueError: an option is out of range.
     """
+    if isinstance(spec, type) and is_estimator(spec):
+        shown = getattr(spec, "name", None)
+        by_name = f" or its name {shown!r}" if isinstance(shown, str) else ""
+        raise InvalidType(
+            f"estimator spec must be a name, a spec string like 'jagg:window=4' or an "
+            f"estimator instance, got the class {spec.__name__}; pass an instance, "
+            f"{spec.__name__}(...),{by_name}"
+        )
+    if not isinstance(spec, str) and is_estimator(spec):
+        return _with_options(spec, options)
     name, text_options = parse_spec(spec)
     registry = available_estimators()
     if name not in registry:
@@ -157,7 +223,25 @@ def estimator(spec: str, **options: Any) -> TrajectoryGradientEstimator:
     for key in options:
         _check_option_name(name, key, valid)
     values.update(options)
-    return cls(**values)  # type: ignore[no-any-return]
+    return call_plugin(cls, "its constructor", cls, **values)  # type: ignore[no-any-return]
+
+
+def _with_options(est: Any, options: dict[str, Any]) -> Any:
+    """An estimator instance given to :func:`estimator`: itself, or a copy with ``options``
+    changed (``attrs.evolve``) where it is an attrs class."""
+    if not options:
+        return est
+    name = getattr(type(est), "name", type(est).__name__)
+    if not attrs.has(type(est)):
+        raise InvalidType(
+            f"estimator {name!r} was given as an instance, which takes no options "
+            f"({', '.join(sorted(options))}); construct it with them instead"
+        )
+    options = rename_deprecated(type(est), options, stacklevel=3)
+    valid = option_names(type(est))
+    for key in options:
+        _check_option_name(str(name), key, valid)
+    return attrs.evolve(est, **options)
 
 
 def option_names(cls: type) -> list[str] | None:

@@ -35,6 +35,7 @@ The one sampling loop that runs any of them is :func:`gradest.trajectory.integra
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,7 +43,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import require
+from gradest._checks import check_allocation, require
 from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
 
@@ -99,11 +100,40 @@ def as_time_grid(times: Any) -> Tensor:
     return grid
 
 
+# float64 arrays a sampler keeps per step: the grid, its coefficients (alpha, beta, sigma)
+# and the step sizes and diffusion some samplers derive from it.
+_GRID_BYTES_PER_STEP = 8 * 8
+
+
+def as_int(value: Any) -> Any:
+    """Integral numbers (numpy integers, 0-d integer arrays or tensors) as a Python int;
+    anything else unchanged (bools stay bools, so that the caller's check refuses them)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    shape = getattr(value, "shape", None)
+    if shape is not None and tuple(shape) == () and hasattr(value, "item"):
+        item = value.item()
+        if isinstance(item, int) and not isinstance(item, bool):
+            return item
+    return value
+
+
 def uniform_grid(steps: Any) -> Tensor:
     """``N + 1`` equally spaced times from 1 to 0."""
+    steps = as_int(steps)
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise InvalidType(f"steps must be an int >= 1, got {steps!r}")
     require(steps >= 1, f"steps must be >= 1, got {steps}; use steps=50 for example")
+    # Bounded by what the grid itself allocates, before torch's allocator is asked.
+    check_allocation(
+        f"steps={steps}",
+        steps + 1,
+        _GRID_BYTES_PER_STEP,
+        name="steps",
+        detail="the time grid and its coefficients alone",
+    )
     return torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
 
 
@@ -320,6 +350,33 @@ class FlowSDE(TimeGrid):  # type: ignore[override]  # attrs' generated init gain
                 f"uses 0.7 (0 gives the deterministic ODE sampler)"
             )
         self.__attrs_init__(times=grid, noise_level=float(noise_level))  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_scheduler(
+        cls,
+        scheduler: Any,
+        num_inference_steps: int,
+        *,
+        noise_level: float = 0.7,
+        **set_timesteps_kwargs: Any,
+    ) -> FlowSDE:
+        """Flow-GRPO's SDE sampler on the time grid of a diffusers
+        ``FlowMatchEulerDiscreteScheduler`` (SD3, Flux).
+
+        ``times`` are the scheduler's sigmas after ``set_timesteps(num_inference_steps,
+        **set_timesteps_kwargs)`` (on a copy; ``shift``, dynamic shifting with ``mu=``,
+        custom ``sigmas=`` are honoured), exactly the grid of
+        :meth:`RectifiedFlow.from_scheduler`; the steps are this class's SDE steps with
+        ``noise_level`` (Flow-GRPO's ``sde_step_with_logprob`` on the pipeline's sigmas).
+        Only the grid is read from the scheduler: its own ``stochastic_sampling`` steps
+        (:class:`StochasticFlowMatch`) are a different sampler. Needs ``diffusers``.
+        Call the model with ``DiffusersVelocity(transformer)`` (``timestep = sigma *
+        1000``, as the pipeline does).
+        """
+        from gradest.diffusers_schedulers import flow_from_scheduler
+
+        grid = flow_from_scheduler(scheduler, num_inference_steps, **set_timesteps_kwargs)
+        return cls(times=grid.times, noise_level=noise_level)
 
     def diffusion(self) -> Tensor:
         """``sigma_t`` at the start of every step, ``[N]`` float64 (finite; see above)."""

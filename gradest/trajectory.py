@@ -16,7 +16,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import first_model_call, require
+from gradest._checks import check_model_output, first_model_call, require
 from gradest._deprecation import sampler_keyword
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
@@ -49,11 +49,32 @@ class Trajectory:
 
 
 def check_sampler(flow: Any) -> None:
+    if isinstance(flow, type) and callable(getattr(flow, "coefficients", None)):
+        raise InvalidType(
+            f"sampler must be a sampler instance such as gradest.RectifiedFlow(steps=50), got "
+            f"the class {flow.__name__}; construct it first, e.g. {flow.__name__}(steps=50)"
+        )
+    if not isinstance(flow, AffineSampler) and _is_diffusers_scheduler(flow):
+        name = type(flow).__name__
+        fix = (
+            "gradest.DDIM.from_scheduler(scheduler, num_inference_steps)"
+            if "DDIM" in name or "DDPM" in name
+            else "gradest.integrations.flow_from_scheduler(scheduler, num_inference_steps)"
+        )
+        raise InvalidType(
+            f"sampler must be a gradest sampler, got the diffusers scheduler {name}; "
+            f"use {fix}, which takes exactly the steps its step() takes"
+        )
     if not isinstance(flow, AffineSampler):
         raise InvalidType(
             f"sampler must be a sampler such as gradest.RectifiedFlow(steps=50), "
             f"got {type(flow).__name__} {flow!r}"
         )
+
+
+def _is_diffusers_scheduler(value: Any) -> bool:
+    """A diffusers ``SchedulerMixin`` (duck-typed: a ``config`` and ``set_timesteps``)."""
+    return hasattr(value, "config") and callable(getattr(value, "set_timesteps", None))
 
 
 def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> None:
@@ -191,6 +212,10 @@ def integrate(
         if pin is not None and k != steps.start:
             z = states[-1] = pin(k, z)
         v = velocity(k, z)
+        if not isinstance(v, Tensor) or v.shape != z.shape or not v.is_floating_point():
+            # Host metadata only (no sync): a model whose output changes at a late step
+            # fails naming that step, not deep inside the affine step.
+            check_model_output(v, z, step=k)
         velocities.append(v)
         z = affine_step(coefficients, k, z, v, step_noise)
         states.append(z)
@@ -221,11 +246,20 @@ def rollout(
     Returns:
         A detached :class:`Trajectory`.
     """
-    from gradest._checks import check_cond, check_generator, check_noise
+    from gradest._checks import check_allocation, check_cond, check_generator, check_noise
 
     flow = sampler
     check_sampler(flow)
     check_noise(model, noise)
+    # The recording holds N+1 states and N velocities of the noise's size.
+    check_allocation(
+        f"sampler={flow!r} on noise of shape {tuple(noise.shape)}",
+        2 * flow.num_steps + 1,
+        noise.numel() * noise.element_size(),
+        name="2 * steps + 1",
+        device=noise.device,
+        detail="the recorded states and velocities",
+    )
     cond = check_cond(cond)
     check_generator(generator)
     coefficients = flow.coefficients()

@@ -48,7 +48,7 @@ from gradest._checks import check_model_output, first_model_call, trainable_para
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
-from gradest.nonfinite import check_finite
+from gradest.nonfinite import BackwardWatch, check_finite
 from gradest.replay import StepRandomness
 from gradest.trajectory import SamplerSteps, integrate
 
@@ -267,7 +267,11 @@ class VelocityField:
         batch_size: ``B``, the number of samples in one state.
         meter: where calls are counted.
         engine: ``"autograd"`` or ``"func"`` (see the module docstring).
-        surrogate: defer parameter VJPs into :class:`SurrogateTerms`.
+        surrogate: defer parameter VJPs into :class:`SurrogateTerms`; every such forward
+            is then watched for non-finite gradients in the caller's backward
+            (:class:`~gradest.nonfinite.BackwardWatch`, ``watch``).
+        generator: the estimate's generator; a stochastic model's draws come from a
+            stream seeded from it (:mod:`gradest.replay`).
     """
 
     def __init__(
@@ -279,6 +283,7 @@ class VelocityField:
         *,
         engine: str = "autograd",
         surrogate: bool = False,
+        generator: torch.Generator | None = None,
     ):
         if engine not in ENGINES:
             raise InvalidValue(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -311,7 +316,8 @@ class VelocityField:
         self.meter = meter
         self._checked_output = False
         first = next(iter(self.trainable.values()))
-        self.randomness = StepRandomness(self.module, first.device)
+        self.randomness = StepRandomness(self.module, first.device, generator)
+        self.watch = BackwardWatch() if surrogate else None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -377,13 +383,30 @@ class VelocityField:
     def _graph_forward(
         self, z: Tensor, times: Sequence[float], params: Grads | None, *, low_memory: bool
     ) -> Tensor:
-        """A forward whose graph reaches the parameters (estimate or surrogate term)."""
+        """A forward whose graph reaches the parameters (estimate or surrogate term).
+
+        In surrogate mode the call is watched (:class:`~gradest.nonfinite.BackwardWatch`):
+        its input is an alias of ``z`` (so the hook sees the model's own input gradient)
+        and its output is hooked; the hooks only record device flags.
+        """
+        watch = self.watch
+        if watch is not None and z.requires_grad:
+            z = z.view_as(z)
         if low_memory and self.surrogate:
             # Keep only the inputs; autograd recomputes the forward in the caller's backward.
-            return _checkpoint(
-                lambda z_: self._evaluate(z_, times, through_wrapper=True), z, use_reentrant=False
+            # The step's randomness is replayed by gradest.replay, not by torch's RNG fork
+            # (process-global, not thread-safe).
+            v = _checkpoint(
+                lambda z_: self._evaluate(z_, times, through_wrapper=True),
+                z,
+                use_reentrant=False,
+                preserve_rng_state=False,
             )
-        return self._evaluate(z, times, params=params, through_wrapper=self.surrogate)
+        else:
+            v = self._evaluate(z, times, params=params, through_wrapper=self.surrogate)
+        if watch is not None:
+            watch.observe(z, v, times)
+        return v
 
     @staticmethod
     def _stack(states: Tensor) -> Tensor:
@@ -537,7 +560,7 @@ class VelocityField:
             with torch.enable_grad():
                 v = self._graph_forward(leaf, [float(times[k])], None, low_memory=False)
             if k == start:
-                check_model_output(v, z)
+                check_model_output(v, z, step=k)
             check_finite(v.detach(), "velocity", [float(times[k])])
             leaves.append(leaf)
             outputs.append(v)
@@ -590,7 +613,7 @@ class VelocityField:
             def velocity(k: int, z: Tensor) -> Tensor:
                 v = self._graph_forward(z, [float(times[k])], params, low_memory=low_memory)
                 if k == start:
-                    check_model_output(v, z)
+                    check_model_output(v, z, step=k)
                 check_finite(v, "velocity", [float(times[k])])
                 return v
 

@@ -63,8 +63,17 @@ def test_a_probe_reports_what_it_spent(setup):
     probe = est.estimate(model, flow, objective, noise=noise(0))
     after = est.estimate(model, flow, objective, noise=noise(1))
     exact_units = gradest.estimator("exact").estimate(model, flow, objective, noise=noise(1))
-    # exact on the path, then per candidate 2 draws on the path and 2 from the noise.
-    assert probe.cost.model_units() > 4 * exact_units.cost.model_units()
+    # exact on the path and from the noise (the cost baseline), then 2 draws of the
+    # candidate on the path and 2 from the noise; the candidate `exact` reuses the reference.
+    truncated = gradest.estimator("truncated:k=1")
+    trajectory = gradest.rollout(model, flow, noise(0))
+    expected = 2 * exact_units.cost.model_units() + sum(
+        truncated.estimate(model, flow, objective, **source).cost.model_units()
+        for source in ({"trajectory": trajectory}, {"noise": noise(0)})
+        for _ in range(2)
+    )
+    assert probe.cost.model_units() == probe.info["auto_probe_units"] == expected
+    assert after.info["auto_probe_units"] == after.info["auto_probe_planned_units"] == 0
     chosen = gradest.estimator(after.decisions.choice)
     assert after.cost == chosen.estimate(model, flow, objective, noise=noise(1)).cost
 
@@ -134,6 +143,140 @@ def test_the_choice_is_cached_per_model_signature(setup):
     assert again.estimate(other, flow, objective, noise=noise(1)).decisions.probing
     longer = gradest.RectifiedFlow(steps=STEPS + 2)
     assert again.estimate(model, longer, objective, noise=noise(1)).decisions.probing
+
+
+def test_a_second_model_instance_probes_again_the_same_model_reuses_its_pick(setup):
+    model, flow, objective = setup
+    est = Auto(candidates=("exact", "truncated:k=1"), draws=2)
+    assert est.estimate(model, flow, objective, noise=noise(0)).info["auto_probing"]
+    assert not est.estimate(model, flow, objective, noise=noise(1)).info["auto_probing"]
+    # Same class, same parameter names and shapes, another initialisation: probes anew.
+    second = tiny_mlp(DIM, hidden=8, seed=1)
+    probe = est.estimate(second, flow, objective, noise=noise(1))
+    assert probe.info["auto_probing"] and probe.info["auto_probe_units"] > 0
+    assert not est.estimate(second, flow, objective, noise=noise(2)).info["auto_probing"]
+    assert not est.estimate(model, flow, objective, noise=noise(2)).info["auto_probing"]
+
+
+def test_reset_and_replaced_parameters_probe_again(setup):
+    model, flow, objective = setup
+    est = Auto(candidates=("exact", "truncated:k=1"), draws=2)
+    other = Auto(candidates=("exact", "sdo"), draws=2)
+    for auto in (est, other):
+        auto.estimate(model, flow, objective, noise=noise(0))
+        assert not auto.estimate(model, flow, objective, noise=noise(1)).decisions.probing
+    # reset() forgets this configuration's picks (any equal instance's), not others'.
+    Auto(candidates=("exact", "truncated:k=1"), draws=2).reset()
+    assert est.estimate(model, flow, objective, noise=noise(2)).decisions.probing
+    assert not other.estimate(model, flow, objective, noise=noise(2)).decisions.probing
+    # reset(model) on another model leaves this one's pick alone.
+    est.reset(tiny_mlp(DIM, hidden=8))
+    assert not est.estimate(model, flow, objective, noise=noise(3)).decisions.probing
+    # A parameter replaced by a new one (same name, shape, dtype) probes again.
+    first = next(iter(model.parameters()))
+    name = next(name for name, p in model.named_parameters() if p is first)
+    module_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(first.detach().clone()))
+    assert est.estimate(model, flow, objective, noise=noise(4)).decisions.probing
+    assert not est.estimate(model, flow, objective, noise=noise(5)).decisions.probing
+    # Freezing a parameter changes the trainable set: probes again.
+    next(iter(model.parameters())).requires_grad_(False)
+    assert est.estimate(model, flow, objective, noise=noise(6)).decisions.probing
+
+
+def test_the_cache_does_not_keep_a_model_alive(setup):
+    import gc
+    import weakref
+
+    _, flow, objective = setup
+    model = tiny_mlp(DIM, hidden=8)
+    Auto(candidates=("exact", "sdo"), draws=2).estimate(model, flow, objective, noise=noise(0))
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_probe_states_its_plan_first_and_keeps_within_probe_budget(setup, caplog):
+    import logging
+
+    model, flow, objective = setup
+    candidates = ("exact", "truncated:k=1", "sdo", "truncated:k=2")
+    exact = gradest.estimator("exact").estimate(model, flow, objective, noise=noise(0))
+    unit = exact.cost.model_units()  # 3N; from the noise the same for a terminal objective
+    free = Auto(candidates=candidates, draws=4)
+    with caplog.at_level(logging.INFO, logger="gradest.auto"):
+        unbounded = free.estimate(model, flow, objective, noise=noise(0)).info
+    # Reference on the path and from the noise, then 3 candidates x 4 draws x 2 sources,
+    # each predicted at exact's cost: the plan, logged before the first candidate ran.
+    assert unbounded["auto_probe_planned_units"] == 2 * unit + 3 * 4 * 2 * unit
+    assert unbounded["auto_probe_draws"] == 4 and unbounded["auto_probe_dropped"] == ""
+    assert unbounded["auto_probe_units"] <= unbounded["auto_probe_planned_units"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "gradest.auto"]
+    assert messages[0].startswith("auto: probing 3 candidate(s) x 4 draws")
+    assert f"planned {unbounded['auto_probe_planned_units']:.0f} model units" in messages[0]
+    assert "spent" in messages[1]
+    # A budget for 2 draws of every candidate: fewer draws, same candidates.
+    budget = 2 * unit + 3 * 2 * 2 * unit
+    info = (
+        Auto(candidates=candidates, draws=4, probe_budget=budget)
+        .estimate(model, flow, objective, noise=noise(0))
+        .info
+    )
+    assert info["auto_probe_draws"] == 2 and info["auto_probe_dropped"] == ""
+    assert info["auto_probe_planned_units"] <= budget
+    assert info["auto_probe_units"] <= budget
+    assert set(info["auto_measurements"]) == set(candidates)
+    # Room for 2 draws of one candidate only: the first in the order given is kept.
+    budget = 2 * unit + 1 * 2 * 2 * unit + unit
+    info = (
+        Auto(candidates=candidates, draws=4, probe_budget=budget)
+        .estimate(model, flow, objective, noise=noise(0))
+        .info
+    )
+    assert info["auto_probe_draws"] == 2 and info["auto_probe_dropped"] == "sdo,truncated:k=2"
+    assert set(info["auto_measurements"]) == {"exact", "truncated:k=1"}
+    assert info["auto_probe_units"] <= budget
+
+
+def test_a_probe_budget_below_the_smallest_probe_is_refused_naming_the_option(setup):
+    model, flow, objective = setup
+    est = Auto(candidates=("exact", "sdo"), draws=2, probe_budget=10.0)
+    with pytest.raises(InvalidValue, match=r"probe_budget=10 model units is below"):
+        est.estimate(model, flow, objective, noise=noise(0))
+    with pytest.raises(InvalidValue, match="probe_budget"):
+        Auto(probe_budget=-1.0)
+    assert gradest.estimator("auto:probe_budget=500").probe_budget == 500.0
+    assert gradest.estimator("auto:probe_budget=none").probe_budget is None
+
+
+def test_the_probe_is_deterministic_given_a_generator(setup):
+    model, flow, objective = setup
+    est = Auto(candidates=("exact", "sdo:samples=2", "truncated:random=uniform"), draws=3)
+    results = []
+    for _ in range(2):
+        est.reset()
+        probe = est.estimate(
+            model, flow, objective, noise=noise(0), generator=torch.Generator().manual_seed(5)
+        )
+        after = est.estimate(
+            model, flow, objective, noise=noise(1), generator=torch.Generator().manual_seed(6)
+        )
+        results.append((probe, after))
+    (probe_a, after_a), (probe_b, after_b) = results
+    assert torch.equal(probe_a.flat(), probe_b.flat())
+    assert probe_a.info["auto_measurements"] == probe_b.info["auto_measurements"]
+    assert probe_a.info["auto_probe_units"] == probe_b.info["auto_probe_units"]
+    assert after_a.decisions.choice == after_b.decisions.choice
+    assert torch.equal(after_a.flat(), after_b.flat())
+
+
+def test_estimate_and_surrogate_share_one_schedule(setup):
+    model, flow, objective = setup
+    est = Auto(candidates=("exact", "truncated:k=2"), draws=2, max_slowdown=1.0)
+    assert est.surrogate(model, flow, objective, noise=noise(0)).decisions.choice == "exact"
+    following = est.estimate(model, flow, objective, noise=noise(1))
+    assert not following.decisions.probing and following.decisions.choice == "truncated:k=2"
 
 
 def test_the_surrogate_follows_the_same_schedule(setup):

@@ -32,12 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import gradest
 from gradest import cli
+from gradest.base import surrogate_from_estimate
 from gradest.testing.problems import (
     NoisyAffineSampler,
     random_stepwise_objective,
@@ -103,6 +105,12 @@ class _BatchNormVelocity(nn.Module):
         return self.norm(self.linear(z))
 
 
+class _BatchNormVelocityNoStats(_BatchNormVelocity):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(DIM, track_running_stats=False).double()
+
+
 class _IntegerVelocity(nn.Module):
     def __init__(self):
         super().__init__()
@@ -110,6 +118,89 @@ class _IntegerVelocity(nn.Module):
 
     def forward(self, z, t):
         return self.linear(z).round().long()
+
+
+class _SyncBatchNormVelocity(nn.Module):
+    def __init__(self, **options: Any):
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM).double()
+        self.norm = nn.SyncBatchNorm(DIM, **options).double()
+
+    def forward(self, z, t):
+        return self.norm(self.linear(z))
+
+
+class _ComplexVelocity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_mlp(DIM)
+
+    def forward(self, z, t):
+        return self.inner(z, t) * (1 + 0j)
+
+
+class _ShapeChangesAtStep3(nn.Module):
+    """The right shape until t = 0.25 (step 3 of 4), then one entry short."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_mlp(DIM)
+
+    def forward(self, z, t):
+        v = self.inner(z, t)
+        return v if float(t[0]) > 0.3 else v[:, :-1]
+
+
+class _Plugin:
+    """A plugin estimator whose ``estimate`` returns ``grads(params)``."""
+
+    name = "plugin"
+    objectives = ("terminal", "stepwise")
+
+    def __init__(self, grads: Callable[[dict[str, torch.Tensor]], Any]):
+        self.grads = grads
+
+    def __repr__(self) -> str:
+        return "Plugin()"
+
+    def estimate(self, model, sampler, objective, **inputs):
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        return gradest.GradientEstimate(
+            grads=self.grads(params), noise_grad=None, cost=gradest.protocol.Cost()
+        )
+
+
+_Plugin.__module__ = "a_plugin"
+
+
+def _one_tensor_only(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    name = next(iter(params))
+    return {name: torch.ones_like(params[name])}
+
+
+class _ExitingPlugin:
+    """A plugin whose ``estimate`` calls ``sys.exit(0)``."""
+
+    name = "exiting"
+    objectives = ("terminal", "stepwise")
+
+    def estimate(self, *args: Any, **kwargs: Any) -> Any:
+        sys.exit(0)
+
+
+_ExitingPlugin.__module__ = "exiting_plugin"
+
+
+@contextlib.contextmanager
+def _with_exiting_plugin():
+    """``exiting`` registered next to the installed estimators, for one case."""
+    real = gradest.registry.available_estimators
+    everything = {**real(), "exiting": _ExitingPlugin}
+    gradest.registry.available_estimators = lambda: everything
+    try:
+        yield
+    finally:
+        gradest.registry.available_estimators = real
 
 
 def _malformed(**fields: Any) -> gradest.Trajectory:
@@ -196,6 +287,7 @@ class Case:
         elide: regular expressions of message parts the table abbreviates to ``...``.
         defect: why the case fails the automated standard (then a strict xfail), or "".
         gap: what the message lacks that no test can judge (usually the fix), or "".
+        within: a context the case runs in (e.g. a plugin installed for it).
     """
 
     input: str
@@ -205,6 +297,7 @@ class Case:
     elide: tuple[str, ...] = ()
     defect: str = ""
     gap: str = ""
+    within: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @property
     def is_cli(self) -> bool:
@@ -558,6 +651,18 @@ CASES: list[Case] = [
         "norm",
     ),
     api(
+        "estimate(<model with BatchNorm1d(track_running_stats=False) in eval mode>, ...)",
+        lambda: estimate(_BatchNormVelocityNoStats().eval()),
+        "track_running_stats=False",
+        "GroupNorm",
+    ),
+    api(
+        "estimate(<model with SyncBatchNorm in training mode>, ...)",
+        lambda: estimate(_SyncBatchNormVelocity().train(), estimator="sdo"),
+        "SyncBatchNorm",
+        "training mode",
+    ),
+    api(
         "estimate(<model returning .round().long()>, ...)",
         lambda: estimate(_IntegerVelocity()),
         "dtype torch.int64",
@@ -839,6 +944,137 @@ CASES: list[Case] = [
         elide=(r"(?s)(?<=got )tensor\(.*\)",),
         gap="prints the whole tensor (several lines) instead of its type",
     ),
+    # classes of mistakes (issue 24): types, classes for instances, numpy arrays, complex
+    # dtypes, shapes at every step, allocations that cannot fit, what a plugin returns
+    api(
+        "estimator(<an estimator class, e.g. Exact>)",
+        lambda: gradest.estimator(type(gradest.estimator("exact"))),
+        "the class Exact",
+        "instance",
+    ),
+    api(
+        'estimator("jagg", window=np.array([4, 8]))',
+        lambda: gradest.estimator("jagg", window=np.array([4, 8])),
+        "window",
+        "(2,)",
+    ),
+    api(
+        "rollout(model, RectifiedFlow, noise)",
+        lambda: gradest.rollout(model, gradest.RectifiedFlow, noise),
+        "sampler",
+        "the class RectifiedFlow",
+    ),
+    api(
+        "estimate(model, FlowSDE, objective, noise=noise)",
+        lambda: estimate(model, gradest.FlowSDE),
+        "sampler",
+        "the class FlowSDE",
+    ),
+    api(
+        "rollout(MLPVelocity, flow, noise)",
+        lambda: gradest.rollout(type(model), flow, noise),
+        "model",
+        "the class MLPVelocity",
+    ),
+    api(
+        "RectifiedFlow(steps=2**62)",
+        lambda: gradest.RectifiedFlow(steps=2**62),
+        "steps=4611686018427387904",
+        "use steps <=",
+        elide=(r"(?<=allocate )[^(]*(?= \()", r"(?<=memory \()[^)]*", r"(?<=<= )\d+"),
+    ),
+    api(
+        'estimator("draft_lv", copies=10**12).estimate(...)',
+        lambda: estimate(estimator="draft_lv:copies=1000000000000"),
+        "copies=1000000000000",
+        "use copies <=",
+        elide=(r"(?<=allocate )[^(]*(?= \()", r"(?<=memory \()[^)]*", r"(?<=<= )\d+"),
+    ),
+    api(
+        "estimate(..., TerminalObjective(lambda z: (z * 1j).sum()))",
+        lambda: estimate(model, flow, gradest.TerminalObjective(lambda z: (z * 1j).sum())),
+        "loss on the final sample",
+        "complex",
+    ),
+    api(
+        "estimate(..., StepwiseObjective(lambda k, v, traj: (v * 1j).sum()), trajectory=traj)",
+        lambda: estimate(
+            model,
+            flow,
+            gradest.StepwiseObjective(lambda k, v, traj: (v * 1j).sum()),
+            trajectory=trajectory,
+        ),
+        "loss at step 0",
+        "complex",
+    ),
+    api(
+        "rollout(<model returning a complex velocity>, flow, noise)",
+        lambda: gradest.rollout(_ComplexVelocity(), flow, noise),
+        "model(z, t)",
+        "complex",
+    ),
+    api(
+        "rollout(<model whose output shape changes at step 3>, flow, noise)",
+        lambda: gradest.rollout(_ShapeChangesAtStep3(), flow, noise),
+        "at step 3",
+        "(2, 2)",
+    ),
+    api(
+        'estimate(<model whose output shape changes at step 3>, ..., estimator="truncated")',
+        lambda: estimate(_ShapeChangesAtStep3(), estimator="truncated"),
+        "at step 3",
+        "(2, 2)",
+    ),
+    api(
+        "compare(..., estimators=[<plugin returning a gradient for one tensor only>])",
+        lambda: _compare(estimators=[_Plugin(_one_tensor_only)]),
+        "'plugin'",
+        "no gradient for",
+    ),
+    api(
+        "compare(..., estimators=[<plugin returning floats as gradients>])",
+        lambda: _compare(estimators=[_Plugin(lambda params: {n: 0.0 for n in params})]),
+        "'plugin'",
+        "float",
+    ),
+    api(
+        "compare(..., estimators=[<plugin returning NaN gradients>])",
+        lambda: _compare(
+            estimators=[
+                _Plugin(lambda params: {n: torch.full_like(p, NAN) for n, p in params.items()})
+            ]
+        ),
+        "'plugin'",
+        "NaN",
+    ),
+    api(
+        "surrogate_from_estimate(model, <estimate with a gradient of the wrong shape>)",
+        lambda: surrogate_from_estimate(
+            model,
+            _Plugin(lambda params: {n: torch.zeros(1) for n in params}).estimate(
+                model, flow, objective
+            ),
+        ),
+        "the estimate",
+        "shape (1,)",
+    ),
+    command(
+        "compare --estimators <plugin calling sys.exit(0) in estimate()>",
+        "'exiting'",
+        "SystemExit",
+        argv=(
+            *"compare --estimators exiting --steps 2 --seeds 1 --draws 1 --batch 2".split(),
+            *"--repeats 1 --no-plots --no-sweeps --quiet --out {file}.out".split(),
+        ),
+        within=_with_exiting_plugin,
+    ),
+    command(
+        "compare --out <a folder name of 300 characters>",
+        "--out",
+        "path component of 300 bytes",
+        elide=(r"'[^']*'",),
+        argv=("compare", "--out", "{file}.d/" + "x" * 300, "--quiet"),
+    ),
     # the command line
     command("compare --estimators ,", "--estimators"),
     command("compare --estimators exact,,sdo", "--estimators", "position 6"),
@@ -888,7 +1124,7 @@ CASES: list[Case] = [
     command(
         "finetune --resume A --out B",
         "--resume",
-        "'B'",
+        "'A'",  # a missing --resume folder is refused first (issue 24)
         argv=("finetune", "--resume", "A", "--out", "B"),
     ),
     command(
@@ -966,6 +1202,11 @@ def _argv(case: Case, scratch: Path) -> list[str]:
 
 
 def outcome(case: Case) -> Outcome:
+    with case.within():
+        return _outcome(case)
+
+
+def _outcome(case: Case) -> Outcome:
     if not case.is_cli:
         try:
             case.run()
@@ -1054,6 +1295,55 @@ noise (estimates need only the recorded states), and a float32 velocity for a fl
 state. Degenerate shapes (one sample, one step, a window longer than the chain) give
 exact's answer where it is defined (`tests/test_nonfinite.py`).
 
+Classes of mistakes are checked by principle, so that an unseen variant of a class gets
+the same one-line error as the rows below (`tests/test_unseen_inputs.py` tries several
+variants of each):
+
+- **Types.** An estimator object is accepted wherever a spec is (`gradest.estimator(est)`
+  returns it; with options, an `attrs.evolve`-d copy). A *class* where an instance is
+  expected (an estimator, a sampler such as `RectifiedFlow`, a model class) is refused
+  saying to construct it. Numbers of any kind (numpy integers and floats, 0-d numpy
+  arrays and tensors) are accepted wherever a number is (estimator options, `steps=`); an
+  array of several values where one is expected is one line naming the option.
+- **Dtypes.** Complex losses, velocities and states are refused (gradients are defined
+  for real losses), as are integer velocities.
+- **Shapes at every step.** The model's output is checked at every step of every chain
+  (type, dtype and shape: host metadata, no device sync), so a velocity whose shape
+  changes at a late step fails naming that step.
+- **Allocations.** Values that size an allocation (`steps`, `draft_lv:copies`, a
+  rollout's recorded states) are bounded by what they would allocate (e.g. copies x
+  batch x state size x element size x tensors) against the device's memory (on the CPU,
+  the machine's physical memory), before any work; the message gives the largest value
+  that fits.
+- **Batch statistics.** A model with a batch-norm layer (any
+  `torch.nn.modules.batchnorm._BatchNorm`, `SyncBatchNorm` included) that normalizes with
+  the call's batch statistics (training mode, or `track_running_stats=False` in any mode)
+  is refused naming the layer: estimators stack several steps' states into one call, so
+  the statistics would not be those of the sampled batch. Eval mode with running
+  statistics, `GroupNorm`, `LayerNorm` and `InstanceNorm` are per-sample and accepted.
+- **In-place ops in a loss.** A loss gets a copy of its argument, so an in-place op on
+  the sample or the velocity (`z.mul_(2)`) is differentiated like its out-of-place form
+  and never changes the recorded path.
+- **Random draws that miss the loss.** A stochastic estimator (`sdo`, randomized
+  `truncated`, `telescope`, `jagg:debias`) whose draw misses every step a stepwise loss
+  depends on returns a zero estimate, the right one for that draw; only a loss that
+  depends on no step's velocity at all is refused.
+- **Plugins.** What a plugin estimator returns is checked wherever gradest uses it
+  (`gradest.compare`, `gradest check`, `auto`, `gradest.base.surrogate_from_estimate`):
+  one gradient tensor per trainable parameter, none for anything else, of the parameter's
+  shape, dtype and device, and finite; anything else is one line naming the plugin. A
+  plugin that raises, or calls `sys.exit()`, in its constructor or `estimate()` (in
+  `gradest.estimator`, `gradest.compare`, `gradest check`) raises
+  `gradest.registry.PluginError` (a `GradestError`, chained to the original), so the
+  command exits 2 with one line naming it; a `KeyboardInterrupt` inside a plugin exits
+  130 naming it. A command never ends with status 0 because a plugin exited.
+- **Output paths.** `gradest compare` checks `--out` before the work: a path component
+  longer than the file system's name limit (255 bytes) or a path longer than its path
+  limit, a folder where the report's files go, a file on the way, an unwritable folder.
+- **Reports.** Non-finite values are shown as such: `nan`, `inf` in report.md (`-` is
+  "not measured"), and report.json stays strict JSON (`json.dumps(allow_nan=False)`):
+  a non-finite float is the string `"NaN"`, `"Infinity"` or `"-Infinity"`.
+
 | input | exception | message |
 |---|---|---|
 """
@@ -1131,7 +1421,7 @@ def _standard_cases() -> list[Any]:
 def test_the_error_meets_the_standard(case, capsys):
     """A ValueError/TypeError naming the argument and value; CLI: exit 2, one line."""
     if case.is_cli:
-        with tempfile.TemporaryDirectory() as scratch:
+        with tempfile.TemporaryDirectory() as scratch, case.within():
             try:
                 status = cli.main(_argv(case, Path(scratch)))
             except SystemExit as exit_:
@@ -1145,7 +1435,7 @@ def test_the_error_meets_the_standard(case, capsys):
         assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), stderr
         message = lines[-1]
     else:
-        with pytest.raises(Exception) as info:  # noqa: B017 - the type is checked below
+        with pytest.raises(Exception) as info, case.within():  # noqa: B017 - checked below
             case.run()
         assert isinstance(info.value, TypeError | ValueError), traceback.format_exception(
             info.value

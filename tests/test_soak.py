@@ -31,6 +31,7 @@ import contextlib
 import gc
 import mmap
 import os
+import warnings
 
 import pytest
 import torch
@@ -86,16 +87,19 @@ def soak():
         spec, kind = PAIRS[index % len(PAIRS)]
         inputs = {"noise": noise} if kind == "terminal" else {"trajectory": trajectory}
         # backward on odd cycles: .grad accumulates in place, which must not grow either
+        # (deprecated, but while the door exists it must not leak)
         method = "backward" if (index // len(PAIRS)) % 2 else "estimate"
-        return getattr(estimators[spec], method)(
-            model,
-            flow,
-            objectives[kind],
-            cond=cond,
-            generator=torch.Generator().manual_seed(index),
-            noise_grad=kind == "terminal",
-            **inputs,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gradest.GradestDeprecationWarning)
+            return getattr(estimators[spec], method)(
+                model,
+                flow,
+                objectives[kind],
+                cond=cond,
+                generator=torch.Generator().manual_seed(index),
+                noise_grad=kind == "terminal",
+                **inputs,
+            )
 
     return call
 

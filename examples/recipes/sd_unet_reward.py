@@ -15,8 +15,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from gradest_recipes.train import main as run_recipe
-from gradest_recipes.train import script_main
+try:
+    from gradest_recipes.train import main as run_recipe
+    from gradest_recipes.train import script_main
+except ModuleNotFoundError as err:  # one line naming the fix, not a traceback
+    missing = (err.name or "a package").partition(".")[0]
+    sys.exit(
+        f"{__file__.rsplit('/', 1)[-1]}: error: {missing} is not installed; the recipes need "
+        f"it: pip install ./apps/recipes (from the gradest repository root)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,27 +19,48 @@ per step, exact's being 1; ``max_slowdown``: at most this many times the cost of
 cheapest candidate), which may be ``exact``, and uses it until the next recheck. A
 probe call returns the exact gradient it measured against (the candidates' draws are
 discarded), so probing never hurts the update, only the time: a probe costs exact's
-work plus every candidate's times ``draws`` (docs/design.md#cost-formulas, row ``auto``),
-and the probing call's ``result.cost`` says so.
+work plus every candidate's times ``draws`` (docs/design.md#cost-formulas, row ``auto``;
+a candidate equal to ``exact`` reuses the reference and costs nothing), and the probing
+call's ``result.cost`` says so. ``estimate`` and ``surrogate`` share one schedule: on the
+same model the first call of either probes (and gives exact's gradient or loss), the next
+one runs the pick.
 
-The choice is cached per model signature (the trainable parameters' names, shapes and
-dtypes, the sampler and its grid, the objective kind, the state shape) and per ``auto``
-configuration, so a new ``auto`` instance in the next training step continues the same
-schedule. Under data parallelism rank 0's choice is taken by every rank. ``info`` says what
-was used (``auto_choice``, ``auto_probing``), what was picked and why (``auto_selected``,
-``auto_reason``) and every candidate's measurements (``auto_measurements``);
+**What a probe costs, said before it runs.** After the exact reference (the call's own
+gradient) the probe plans its candidate draws, predicting each candidate call at exact's
+measured cost on this call (later draws of a candidate at the most its earlier draws
+cost), and states the plan before any candidate runs: ``info["auto_probe_planned_units"]``
+and a log line at INFO on the ``logging`` logger ``"gradest.auto"``; after it,
+``info["auto_probe_units"]`` is what it spent. Units are model units, forward-equivalents
+as :meth:`gradest.Cost.model_units` counts them (an exact call is ``3N`` of them).
+``probe_budget`` bounds one probing call's units; see :class:`Auto`.
+
+The choice is cached per model *instance* (a weak reference: the cache never keeps a
+model alive) and its trainable parameters' identity (names, object ids, shapes and dtypes
+of the parameters with ``requires_grad``: a differently initialised second model, or one
+whose parameters were replaced, probes again), the sampler and its grid, the objective
+kind, the state shape and the ``auto`` configuration, so a new ``auto`` instance in the
+next training step continues the same schedule. :meth:`Auto.reset` forgets this
+configuration's picks, :func:`clear_cache` every pick. Under data parallelism rank 0's
+choice is taken by every rank. ``info`` says what was used (``auto_choice``,
+``auto_probing``), what was picked and why (``auto_selected``, ``auto_reason``), every
+candidate's measurements (``auto_measurements``) and the probe's work
+(``auto_probe_planned_units``, ``auto_probe_units``, ``auto_probe_draws``,
+``auto_probe_dropped``; zero and empty on calls that do not probe);
 ``result.decisions`` is :class:`AutoDecisions` (the choice and its own decisions).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar, Unpack
 
 import attrs
 import torch
 
+from gradest._checks import check_estimate_grads, trainable_parameters
 from gradest._deprecation import sampler_keyword
 from gradest.axes import EstimatorAxes
 from gradest.base import DEFAULT_ENGINE, EstimatorBase
@@ -128,14 +149,39 @@ class _Schedule:
     table: dict[str, dict[str, float]] = attrs.field(factory=dict)
 
 
-_SCHEDULES: dict[tuple[Any, ...], _Schedule] = {}
+_LOG = logging.getLogger("gradest.auto")
+
+# model -> {(auto configuration, parameter identity, sampler, kind, shape): schedule}. Weak
+# in the model, so a model that is dropped takes its cached picks with it; a model that
+# cannot be weakly referenced is kept in _STRONG (alive for as long as its picks are).
+_SCHEDULES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Schedule]] = (
+    weakref.WeakKeyDictionary()
+)
+_STRONG: dict[int, tuple[Any, dict[tuple[Any, ...], _Schedule]]] = {}
 _LOCK = threading.Lock()
 
 
+def _schedules_of(model: Any) -> dict[tuple[Any, ...], _Schedule]:
+    """The cached schedules of ``model`` (created empty); call under ``_LOCK``."""
+    try:
+        per_model = _SCHEDULES.get(model)
+        if per_model is None:
+            per_model = _SCHEDULES[model] = {}
+        return per_model
+    except TypeError:  # not weakly referenceable
+        return _STRONG.setdefault(id(model), (model, {}))[1]
+
+
+def _all_schedules() -> list[dict[tuple[Any, ...], _Schedule]]:
+    return [*_SCHEDULES.values(), *(entry[1] for entry in _STRONG.values())]
+
+
 def clear_cache() -> None:
-    """Forget every cached choice (tests; a model whose behaviour changed completely)."""
+    """Forget every cached choice of every ``auto`` configuration on every model (tests;
+    a paired benchmark's next seed; a model whose behaviour changed completely)."""
     with _LOCK:
         _SCHEDULES.clear()
+        _STRONG.clear()
 
 
 @attrs.frozen
@@ -159,6 +205,25 @@ class Auto(EstimatorBase):
         probe_batches: minibatches measured before choosing.
         draws: draws per stochastic candidate and probe batch.
         recheck_every: calls between re-checks (probes again on the then-current model).
+        probe_budget: at most this many model units (forward-equivalents,
+            :meth:`gradest.Cost.model_units`; one exact call is ``3N``) of work in one
+            probing call, the exact reference included (None, the default: no bound).
+            The plan predicts every candidate call at exact's cost on this call; when it
+            would exceed the budget the probe takes fewer draws (the most, from ``draws``
+            down to 2, that fit), then, at 2 draws, only the first candidates in the
+            order given that fit (the rest are listed in ``info["auto_probe_dropped"]``);
+            while it runs, a draw predicted (at the most that candidate cost so far) to
+            overrun the budget is not taken, and a candidate left with fewer than 2
+            draws is dropped. When not even 2 draws of one candidate fit it raises
+            ``InvalidValue`` naming ``probe_budget``. A candidate whose first call costs
+            more than exact (jagg falling back, checkpointing) can overrun the budget by
+            that call's excess. Why no bound by default: units scale with the model and
+            ``N``, so no one number fits every chain; the default probe (5 candidates
+            besides exact x 4 draws, on the path and from noise) plans 42 exact calls
+            (21 on a recorded ``trajectory=``), and every
+            probe says what it plans before it runs (``info``, the ``"gradest.auto"``
+            logger) so that a training script can decide. ``probe_budget=20 * 3 * N``
+            bounds a probe to about 20 exact calls.
     """
 
     name: ClassVar[str] = "auto"
@@ -194,6 +259,11 @@ class Auto(EstimatorBase):
     probe_batches: int = int_option(1, minimum=1, doc="minibatches measured before choosing")
     draws: int = int_option(4, minimum=2, doc="draws per stochastic candidate per probe")
     recheck_every: int = int_option(200, minimum=1, doc="calls between re-checks")
+    probe_budget: float | None = optional_float_option(
+        minimum=0,
+        doc="at most this many model units in one probing call (None: no bound); fewer "
+        "draws, then fewer candidates, to fit",
+    )
 
     def __attrs_post_init__(self) -> None:
         from gradest.registry import estimator  # the registry imports the strategies
@@ -202,6 +272,121 @@ class Auto(EstimatorBase):
             if spec.partition(":")[0] == self.name:
                 raise InvalidValue(f"estimator 'auto': candidates={self.candidates!r} holds auto")
             estimator(spec)  # an unknown name or a bad option fails here, not mid-training
+
+    def reset(self, model: torch.nn.Module | None = None) -> None:
+        """Forget this configuration's cached picks (every instance with the same options
+        shares them), on ``model`` only when given: the next call probes again.
+        :func:`clear_cache` forgets every configuration's."""
+        mine = repr(self)
+        with _LOCK:
+            tables = [_schedules_of(model)] if model is not None else _all_schedules()
+            for table in tables:
+                for key in [key for key in table if key[0] == mine]:
+                    del table[key]
+
+    # -- the schedule of one model, saved and restored (resume bit for bit) ------------------
+
+    STATE_FORMAT: ClassVar[str] = "gradest.auto.schedule/1"
+
+    def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """This configuration's cached schedules on ``model``, as plain data: the pick, the
+        reason, the calls so far, the probe in progress and its measurements.
+
+        Saved in a training checkpoint (``torch.save``; it loads with ``weights_only=True``)
+        and restored by :meth:`load_state_dict` on the resumed model, a run continues the
+        same schedule (the same probes at the same calls) as an uninterrupted one. The
+        parameters are named, not identified by object, so the state fits a new model
+        instance with the same trainable parameters.
+        """
+        mine = repr(self)
+        with _LOCK:
+            table = dict(_schedules_of(model))
+        schedules = []
+        for key, schedule in table.items():
+            if key[0] != mine:
+                continue
+            model_name, params, *rest = key[1:]
+            schedules.append(
+                {
+                    "signature": [
+                        model_name,
+                        [[name, list(shape), dtype] for name, _, shape, dtype in params],
+                        *[list(part) if isinstance(part, tuple) else part for part in rest],
+                    ],
+                    "choice": schedule.choice,
+                    "reason": schedule.reason,
+                    "calls": schedule.calls,
+                    "probes_done": schedule.probes_done,
+                    "measured": {
+                        spec: {
+                            "progress": list(m.progress),
+                            "bias": list(m.bias),
+                            "cost": list(m.cost),
+                        }
+                        for spec, m in schedule.measured.items()
+                    },
+                    "exact_grads": [g.detach().clone() for g in schedule.exact_grads],
+                    "table": {spec: dict(row) for spec, row in schedule.table.items()},
+                }
+            )
+        return {"format": self.STATE_FORMAT, "auto": mine, "schedules": schedules}
+
+    def load_state_dict(self, model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s schedules on ``model`` (replacing this
+        configuration's cached ones there).
+
+        Raises:
+            InvalidValue: ``state`` is not an ``auto`` schedule of this configuration, or
+                names trainable parameters ``model`` does not have.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != self.STATE_FORMAT:
+            raise InvalidValue(
+                f"estimator 'auto': the saved schedule is not a {self.STATE_FORMAT!r} state"
+            )
+        mine = repr(self)
+        if state.get("auto") != mine:
+            raise InvalidValue(
+                f"estimator 'auto': the saved schedule is of {state.get('auto')!r}, not {mine}"
+            )
+        trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        restored: dict[tuple[Any, ...], _Schedule] = {}
+        for saved in state.get("schedules", []):
+            model_name, params, *rest = saved["signature"]
+            identity = []
+            for name, shape, dtype in params:
+                p = trainable.get(name)
+                if p is None or list(p.shape) != list(shape) or str(p.dtype) != dtype:
+                    raise InvalidValue(
+                        f"estimator 'auto': the saved schedule is of a model with trainable "
+                        f"parameter {name!r} {tuple(shape)} {dtype}, which this model does not "
+                        f"have"
+                    )
+                identity.append((name, id(p), tuple(shape), dtype))
+            key = (
+                mine,
+                model_name,
+                tuple(identity),
+                *[tuple(part) if isinstance(part, list) else part for part in rest],
+            )
+            restored[key] = _Schedule(
+                choice=saved["choice"],
+                reason=saved["reason"],
+                calls=int(saved["calls"]),
+                probes_done=int(saved["probes_done"]),
+                measured={
+                    spec: _Measured(
+                        progress=list(m["progress"]), bias=list(m["bias"]), cost=list(m["cost"])
+                    )
+                    for spec, m in saved["measured"].items()
+                },
+                exact_grads=list(saved["exact_grads"]),
+                table={spec: dict(row) for spec, row in saved["table"].items()},
+            )
+        with _LOCK:
+            table = _schedules_of(model)
+            for key in [key for key in table if key[0] == mine]:
+                del table[key]
+            table.update(restored)
 
     # -- the two entry points delegate ----------------------------------------------------
 
@@ -241,12 +426,12 @@ class Auto(EstimatorBase):
         engine: str,
         surrogate: bool,
     ) -> Any:
-        from gradest.registry import estimator
+        from gradest.registry import estimator, is_builtin
 
         kind = "terminal" if isinstance(objective, TerminalObjective) else "stepwise"
         key = (repr(self), *_signature(model, flow, kind, inputs))
         with _LOCK:
-            schedule = _SCHEDULES.setdefault(key, _Schedule())
+            schedule = _schedules_of(model).setdefault(key, _Schedule())
             schedule.calls += 1
             due = schedule.choice is None or (schedule.calls - 1) % self.recheck_every == 0
             if due and schedule.choice is not None:
@@ -266,12 +451,14 @@ class Auto(EstimatorBase):
                     generator=inputs.get("generator"),
                 )
             on_path = {k: v for k, v in inputs.items() if k != "noise"} | {"trajectory": trajectory}
-            exact, probe_cost = self._probe(
+            exact, probe_cost, probe_info = self._probe(
                 model, flow, objective, kind, on_path, inputs.get("noise"), schedule
             )
             choice = "exact"
             result: Any
             if surrogate:
+                # The loss to train on: exact's, on the probed path (its work is on top of
+                # the probe's, which result.cost includes).
                 result = estimator(choice).surrogate(
                     model, flow, objective, engine=engine, **on_path
                 )
@@ -282,11 +469,14 @@ class Auto(EstimatorBase):
         else:
             assert schedule.choice is not None
             choice = schedule.choice
+            probe_info = _no_probe()
             chosen: Any = estimator(choice)
             if surrogate:
                 result = chosen.surrogate(model, flow, objective, engine=engine, **inputs)
             else:
                 result = chosen.estimate(model, flow, objective, engine=engine, **inputs)
+                if not is_builtin(chosen):  # built-ins check their own results
+                    check_estimate_grads(chosen, result, trainable_parameters(model))
         info = {
             **result.info,
             # Flat strings and flags, so training logs keep them (gradest finetune does).
@@ -295,6 +485,7 @@ class Auto(EstimatorBase):
             "auto_selected": schedule.choice or "",
             "auto_reason": schedule.reason,
             "auto_measurements": schedule.table,
+            **probe_info,
         }
         return attrs.evolve(
             result,
@@ -328,61 +519,111 @@ class Auto(EstimatorBase):
         inputs: Mapping[str, Any],
         noise: torch.Tensor | None,
         schedule: _Schedule,
-    ) -> tuple[GradientEstimate, Cost]:
-        """Measure every eligible candidate against exact on this batch's path; choose
-        after the last probe batch. Returns exact's estimate on the path and the cost of
-        the whole probe (every estimate it made, exact's included), which the probing
-        call reports as its cost, so training logs count what probing spends.
+    ) -> tuple[GradientEstimate, Cost, dict[str, Any]]:
+        """Measure the eligible candidates against exact on this batch's path; choose
+        after the last probe batch. Returns exact's estimate on the path, the cost of the
+        whole probe (every estimate it made, exact's included), which the probing call
+        reports as its cost, so training logs count what probing spends, and the probe's
+        ``info`` entries (planned and spent units, draws, dropped candidates).
 
         The gradients are compared on the recorded path (every candidate sees the same
         states). When training samples from ``noise``, the cost is measured from the
         noise too, since estimators differ in how they sample (exact and jagg keep the
         sampling graph, truncation samples its head without one, sdo all of it).
+
+        Order (deterministic): exact on the path (the reference), exact from the noise
+        (the cost baseline, when sampling from noise), the plan (logged), then per
+        candidate in the order given its draws, each on the path and then from the noise,
+        with generator seeds ``1000 * probe + draw``. A candidate equal to ``exact``
+        reuses the reference.
         """
         from gradest.registry import estimator
 
         common = {k: v for k, v in inputs.items() if k != "generator"}
-        exact = estimator("exact").estimate(model, flow, objective, **common)
+        exact_est = estimator("exact")
+        exact = exact_est.estimate(model, flow, objective, **common)
         reference = exact.flat()
         sampled = (
             None
             if noise is None
             else {k: v for k, v in common.items() if k != "trajectory"} | {"noise": noise}
         )
+        probe = schedule.probes_done
+
+        def generator(draw: int) -> torch.Generator:
+            return torch.Generator().manual_seed(1000 * probe + draw)
 
         spent = [exact.cost]
 
-        def units_of(est: Any, draw: int) -> float:
-            """Model units of one estimate sampling from the noise itself."""
-            assert sampled is not None
-            generator = torch.Generator().manual_seed(1000 * schedule.probes_done + draw)
-            result = est.estimate(model, flow, objective, generator=generator, **sampled)
-            spent.append(result.cost)
-            return float(result.cost.model_units())
+        def units_spent() -> float:
+            return float(sum(cost.model_units() for cost in spent))
 
-        exact_units = (
-            exact.cost.model_units() if sampled is None else units_of(estimator("exact"), 0)
+        path_units = float(exact.cost.model_units())
+        noise_units = 0.0
+        if sampled is not None:
+            # Exact's cost from the noise: the baseline of the candidates' cost ratios.
+            from_noise = exact_est.estimate(
+                model, flow, objective, generator=generator(0), **sampled
+            )
+            spent.append(from_noise.cost)
+            noise_units = float(from_noise.cost.model_units())
+        exact_units = noise_units if sampled is not None else path_units
+
+        eligible = self._eligible(flow, kind)
+        reused = [spec for spec in eligible if estimator(spec) == exact_est]
+        drawn = [spec for spec in eligible if spec not in reused]
+        draws, kept = self._plan(units_spent(), path_units + noise_units, drawn)
+        dropped = [spec for spec in drawn if spec not in kept]
+        planned = units_spent() + draws * len(kept) * (path_units + noise_units)
+        budget = (
+            "no probe_budget"
+            if self.probe_budget is None
+            else f"probe_budget {self.probe_budget:g}"
         )
-        probe = schedule.probes_done
-        measured: dict[str, tuple[list[torch.Tensor], float]] = {}
-        for spec in self._eligible(flow, kind):
+        _LOG.info(
+            "auto: probing %d candidate(s) x %d draws on this call: planned %.0f model units "
+            "(%.1fx an exact call's %.0f; %s)%s",
+            len(kept),
+            draws,
+            planned,
+            planned / path_units,
+            path_units,
+            budget,
+            f"; dropped to fit: {', '.join(dropped)}" if dropped else "",
+        )
+
+        measured: dict[str, tuple[list[torch.Tensor], float]] = {
+            spec: ([reference, reference], 1.0) for spec in reused
+        }
+        for spec in kept:
             est = estimator(spec)
-            results = [
-                est.estimate(
-                    model,
-                    flow,
-                    objective,
-                    generator=torch.Generator().manual_seed(1000 * probe + draw),
-                    **common,
+            flats: list[torch.Tensor] = []
+            on_path: list[float] = []
+            from_noise_units: list[float] = []
+            for draw in range(draws):
+                predicted = max(on_path, default=path_units) + (
+                    0.0 if sampled is None else max(from_noise_units, default=noise_units)
                 )
-                for draw in range(self.draws)
-            ]
-            spent += [r.cost for r in results]
-            if sampled is None:
-                units = sum(r.cost.model_units() for r in results) / len(results)
-            else:
-                units = sum(units_of(est, draw) for draw in range(self.draws)) / self.draws
-            measured[spec] = ([r.flat() for r in results], units / exact_units)
+                if self.probe_budget is not None and units_spent() + predicted > self.probe_budget:
+                    break
+                result = est.estimate(model, flow, objective, generator=generator(draw), **common)
+                # A candidate's (a plugin's) gradients cover every trainable parameter.
+                check_estimate_grads(est, result, trainable_parameters(model))
+                spent.append(result.cost)
+                flats.append(result.flat())
+                on_path.append(float(result.cost.model_units()))
+                if sampled is not None:
+                    # Model units of one estimate sampling from the noise itself.
+                    again = est.estimate(
+                        model, flow, objective, generator=generator(draw), **sampled
+                    )
+                    spent.append(again.cost)
+                    from_noise_units.append(float(again.cost.model_units()))
+            if len(flats) < 2:
+                dropped.append(spec)
+                continue
+            units = mean_of(from_noise_units if sampled is not None else on_path)
+            measured[spec] = (flats, units / exact_units)
         with _LOCK:
             schedule.exact_grads.append(reference)
             moment = second_moment(schedule.exact_grads, TensorLayout.of(exact.grads))
@@ -399,10 +640,51 @@ class Auto(EstimatorBase):
             schedule.probes_done += 1
             if schedule.probes_done >= self.probe_batches:
                 self._choose(model, schedule)
-        return exact, sum(spent[1:], spent[0])
+        total = sum(spent[1:], spent[0])
+        _LOG.info(
+            "auto: the probe spent %.0f model units (planned %.0f)%s",
+            total.model_units(),
+            planned,
+            f"; picked {schedule.choice}" if schedule.choice else "",
+        )
+        info = {
+            "auto_probe_planned_units": float(planned),
+            "auto_probe_units": float(total.model_units()),
+            "auto_probe_draws": draws,
+            "auto_probe_dropped": ",".join(dropped),
+        }
+        return exact, total, info
+
+    def _plan(self, base: float, per_draw: float, drawn: list[str]) -> tuple[int, list[str]]:
+        """Draws per candidate and the candidates to draw, so that ``base`` (the reference
+        work done) plus ``draws x candidates x per_draw`` (each draw predicted at exact's
+        cost) fits ``probe_budget``: the most draws from ``draws`` down to 2, then at 2 draws
+        the longest prefix of ``drawn``; raises when not even one candidate fits."""
+        budget = self.probe_budget
+        if budget is None or not drawn:
+            return self.draws, list(drawn)
+        for draws in range(self.draws, 1, -1):
+            if base + draws * len(drawn) * per_draw <= budget:
+                return draws, list(drawn)
+        fit = int((budget - base) // (2 * per_draw)) if budget > base else 0
+        if fit < 1:
+            need = base + 2 * per_draw
+            raise InvalidValue(
+                f"estimator 'auto': probe_budget={budget:g} model units is below the smallest "
+                f"probe on this model, {need:g} (the exact reference {base:g} plus 2 draws of "
+                f"one candidate at exact's {per_draw:g}); raise probe_budget or set it to None"
+            )
+        return 2, list(drawn[:fit])
 
     def _choose(self, model: torch.nn.Module, schedule: _Schedule) -> None:
         table = {spec: record.summary() for spec, record in schedule.measured.items()}
+        if not table:  # every candidate was dropped to fit probe_budget
+            schedule.choice, schedule.table = "exact", {}
+            schedule.reason = (
+                f"no candidate fit probe_budget={self.probe_budget:g}: exact over "
+                f"{schedule.probes_done} probe batch(es)"
+            )
+            return
         cheapest = min(row["cost"] for row in table.values())
         within = {
             spec: row
@@ -443,13 +725,24 @@ class Auto(EstimatorBase):
         return chosen.definition(chain, objective, decisions.inner)
 
 
+def _no_probe() -> dict[str, Any]:
+    """The probe's ``info`` entries on a call that does not probe."""
+    return {
+        "auto_probe_planned_units": 0.0,
+        "auto_probe_units": 0.0,
+        "auto_probe_draws": 0,
+        "auto_probe_dropped": "",
+    }
+
+
 def _signature(
     model: torch.nn.Module, flow: AffineSampler, kind: str, inputs: Mapping[str, Any]
 ) -> tuple[Any, ...]:
-    """What the choice is cached by: the trainable parameters, the sampler, the objective
-    kind and the state shape."""
+    """What the choice is cached by within one model instance: the trainable parameters'
+    identity (names, object ids, shapes, dtypes: replaced parameters probe again), the
+    sampler and its grid, the objective kind and the state shape."""
     params = tuple(
-        (name, tuple(p.shape), str(p.dtype))
+        (name, id(p), tuple(p.shape), str(p.dtype))
         for name, p in model.named_parameters()
         if p.requires_grad
     )

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from gradest._checks import check_estimate_grads, trainable_parameters
 from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
 from gradest.harness.cost import (
@@ -41,6 +42,7 @@ from gradest.harness.tensor_metrics import (
 )
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.protocol import is_estimator, supports
+from gradest.registry import call_plugin
 from gradest.registry import estimator as build_estimator
 from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory, rollout
@@ -50,10 +52,8 @@ CondFn = Callable[[int], Mapping[str, Any] | None]
 
 
 def _resolve(spec: Any, what: str) -> Any:
-    if isinstance(spec, str):
+    if isinstance(spec, str) or is_estimator(spec):  # a class gets the registry's message
         return build_estimator(spec)
-    if is_estimator(spec):
-        return spec
     raise InvalidType(f"{what} must be an estimator spec string or an estimator, got {spec!r}")
 
 
@@ -180,15 +180,25 @@ def compare(
             trajectories[seed] = rollout(model, flow, noise_fn(seed), cond=cond_of(seed))
         return trajectories[seed]
 
+    params = trainable_parameters(model)
+
     def run(est: Any, seed: int, generator: torch.Generator) -> Any:
-        return est.estimate(
+        trajectory = trajectory_of(seed)
+        result = call_plugin(
+            est,
+            "estimate()",
+            est.estimate,
             model,
             flow,
             objective,
-            trajectory=trajectory_of(seed),
+            trajectory=trajectory,
             cond=cond_of(seed),
             generator=generator,
         )
+        # What a plugin returns is checked like the parameters it must cover: a gradient
+        # missing, extra, of another shape or non-finite is one line naming it.
+        check_estimate_grads(est, result, params)
+        return result
 
     total_work = len(resolved) * len(seed_list) + (len(resolved) + 1) * int(measure_cost)
     progress = tqdm(
@@ -322,7 +332,10 @@ def _measure_costs(
         cycle = itertools.cycle(range(draw_counts[spec]))
 
         def call(est: Any = est, inputs: dict = inputs, cycle: Any = cycle) -> Any:
-            result = est.estimate(
+            result = call_plugin(
+                est,
+                "estimate()",
+                est.estimate,
                 model,
                 flow,
                 objective,

@@ -16,7 +16,9 @@ JSON schema ``gradest.report/1`` (documented in docs/harness.md)::
                      "fallback_fraction": float | null,
                      "gate_cosines": [float | null], "groups": [[int]]}]}
 
-Ratios are to the reference (exact) estimator measured in the same process.
+Ratios are to the reference (exact) estimator measured in the same process. The file is
+strict JSON: a non-finite float is the string ``"NaN"``, ``"Infinity"`` or
+``"-Infinity"``; report.md shows it as ``nan`` / ``inf`` (``-`` means not measured).
 """
 
 from __future__ import annotations
@@ -136,9 +138,30 @@ class EstimatorRow:
 
 
 def _fmt(value: float | None, spec: str = ".3g") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """A number for report.md; ``-`` where nothing was measured, and a non-finite value
+    as itself (``nan``, ``inf``, ``-inf``), never as a number it is not."""
+    if value is None:
         return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     return format(value, spec)
+
+
+# report.json is strict JSON (json.dumps(allow_nan=False)): a non-finite float is written
+# as one of these strings, which JavaScript's Number() and Python's float() read back.
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``"NaN"`` / ``"Infinity"`` /
+    ``"-Infinity"`` (in dicts, lists and tuples), so that report.json is valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return NON_FINITE[str(value)]
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def _pm(estimate: Estimate | None, spec: str = ".3g") -> str:
@@ -173,7 +196,7 @@ class Report:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, allow_nan=True)
+        return json.dumps(json_safe(self.to_dict()), indent=2, allow_nan=False)
 
     def to_markdown(self) -> str:
         c = self.config
@@ -210,8 +233,8 @@ class Report:
                 "| estimator | tensor | size | rel. error | sign agree | Adam cosine |",
                 "|---|---|---|---|---|---|",
                 *(
-                    f"| `{r.label}` | {t.name} | {t.size} | {t.relative_error:.3g} "
-                    f"| {t.sign_agreement:.3f} | {t.adam_cosine:.4f} |"
+                    f"| `{r.label}` | {t.name} | {t.size} | {_fmt(t.relative_error)} "
+                    f"| {_fmt(t.sign_agreement, '.3f')} | {_fmt(t.adam_cosine, '.4f')} |"
                     for r, tensors in worst
                     if tensors and tensors[0].relative_error > 0
                     for t in tensors
@@ -227,8 +250,8 @@ class Report:
                 "| debias m | bias² | variance | MSE | param VJPs | draws |",
                 "|---|---|---|---|---|---|",
                 *(
-                    f"| {r['debias']} | {r['bias_squared']:.3g} | {r['variance']:.3g} "
-                    f"| {r['mse']:.3g} | {r['param_vjps']:.3g} | {r['draws']} |"
+                    f"| {r['debias']} | {_fmt(r['bias_squared'])} | {_fmt(r['variance'])} "
+                    f"| {_fmt(r['mse'])} | {_fmt(r['param_vjps'])} | {r['draws']} |"
                     for r in debias
                 ),
             ]

@@ -5,8 +5,32 @@ dependency it does not need:
 
 * :mod:`gradest.integrations.distributed`: helpers around DDP / FSDP2 data parallelism
   (``rank_generator``, ``check_same_estimator``, ``process_group_from_env``).
-* :mod:`gradest.integrations.peft`: LoRA adapters through ``peft`` (``add_lora``).
+* :mod:`gradest.integrations.peft`: LoRA adapters through ``peft`` (``add_lora``,
+  ``adapters_disabled``: the base model as a frozen reference without a copy).
 * :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching and DDIM / DDPM
   schedulers, transformers and UNets (``flow_from_scheduler``, ``DiffusersVelocity``; the
   samplers' own ``RectifiedFlow.from_scheduler`` and ``DDIM.from_scheduler`` use it).
+
+Served from here too, imported on first use: ``DiffusersVelocity``,
+``flow_from_scheduler`` and ``adapters_disabled``.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DiffusersVelocity", "adapters_disabled", "flow_from_scheduler"]
+
+_HOMES = {
+    "DiffusersVelocity": "gradest.integrations.diffusers",
+    "flow_from_scheduler": "gradest.integrations.diffusers",
+    "adapters_disabled": "gradest.integrations.peft",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

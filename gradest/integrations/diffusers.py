@@ -52,6 +52,7 @@ __all__ = [
     "DiffusersVelocity",
     "StochasticFlowMatch",
     "flow_from_scheduler",
+    "unwrap_model",
 ]
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -71,7 +72,6 @@ def ddim_from_scheduler(
         "gradest.DDIM.from_scheduler(scheduler, num_inference_steps, ...)"
     )
     return _ddim_from_scheduler(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
-
 
 
 class DiffusersVelocity(nn.Module):
@@ -126,13 +126,16 @@ class DiffusersVelocity(nn.Module):
         fixed_kwargs: Mapping[str, Any] | None = None,
     ):
         super().__init__()
-        if not isinstance(transformer, nn.Module) or not hasattr(transformer, "config"):
+        inner = unwrap_model(transformer) if isinstance(transformer, nn.Module) else transformer
+        if not isinstance(inner, nn.Module) or not hasattr(inner, "config"):
             raise InvalidType(
-                f"transformer must be a diffusers model (an nn.Module with a .config), got "
-                f"{type(transformer).__name__}"
+                f"transformer must be a diffusers model (an nn.Module with a .config, or one "
+                f"wrapped by DDP / FSDP / accelerator.prepare), got {type(inner).__name__}"
             )
+        # Called as given (a DDP wrapper's hooks fire); read through the wrappers.
         self.transformer = transformer
-        self.is_flux = type(transformer).__name__.startswith("Flux")
+        self._inner = (inner,)  # a tuple: not registered as a second submodule
+        self.is_flux = type(inner).__name__.startswith("Flux")
         if timestep_scale is None:
             timestep_scale = 1.0 if self.is_flux else float(NUM_TRAIN_TIMESTEPS)
         if not timestep_scale > 0:
@@ -144,9 +147,10 @@ class DiffusersVelocity(nn.Module):
         self.integer_timesteps = bool(integer_timesteps)
         self.fixed_kwargs = dict(fixed_kwargs or {})
         # Transformers take the latents as hidden_states=, UNets as sample=.
-        parameters = inspect.signature(transformer.forward).parameters
+        parameters = inspect.signature(inner.forward).parameters
         unet = "sample" in parameters and "hidden_states" not in parameters
         self.input_name = "sample" if unet else "hidden_states"
+        self.required_cond = _required_conditioning(inner, parameters, self.input_name)
 
     @classmethod
     def for_sampler(
@@ -182,12 +186,17 @@ class DiffusersVelocity(nn.Module):
         )
 
     @property
+    def model(self) -> nn.Module:
+        """The diffusers model itself (inside any DDP / FSDP / accelerate wrapper)."""
+        return self._inner[0]
+
+    @property
     def config(self) -> Any:
-        return self.transformer.config
+        return self.model.config
 
     def check_latents(self, z: Tensor) -> None:
         """Raise a ValueError naming the config field when ``z`` cannot fit the transformer."""
-        name, config = type(self.transformer).__name__, self.transformer.config
+        name, config = type(self.model).__name__, self.model.config
         shape = tuple(z.shape)
         in_channels = getattr(config, "in_channels", None)
         out_channels = getattr(config, "out_channels", None) or in_channels
@@ -239,11 +248,22 @@ class DiffusersVelocity(nn.Module):
                 f"{getattr(config, 'sample_size', None)})"
             )
 
+    def check_cond(self, cond: Mapping[str, Any]) -> None:
+        """Raise a ValueError naming the conditioning keys the model needs and lacks."""
+        missing = [k for k in self.required_cond if k not in cond and k not in self.fixed_kwargs]
+        if missing:
+            raise InvalidValue(
+                f"{type(self.model).__name__} needs {', '.join(missing)} in cond (got keys "
+                f"{sorted(cond)}); pass cond={{{', '.join(repr(k) + ': ...' for k in missing)}}} "
+                f"(the prompt encodings, one row per sample) to estimate / surrogate / rollout"
+            )
+
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
         self.check_latents(z)
+        self.check_cond(cond)
         if self.is_flux and self.config.guidance_embeds and "guidance" not in cond:
             raise InvalidValue(
-                f"{type(self.transformer).__name__} has config.guidance_embeds=True and needs "
+                f"{type(self.model).__name__} has config.guidance_embeds=True and needs "
                 f"cond['guidance'] (a [B] tensor of guidance scales)"
             )
         timestep = t * self.timestep_scale
@@ -259,6 +279,54 @@ class DiffusersVelocity(nn.Module):
             return_dict=False,
         )
         return output[0]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DDP / DataParallel / FSDP / ``torch.compile`` wrappers and what
+    ``accelerator.prepare`` returns (``model`` itself otherwise)."""
+    try:
+        from accelerate.utils import extract_model_from_parallel
+    except ImportError:
+        extract_model_from_parallel = None
+    for _ in range(8):
+        if extract_model_from_parallel is not None:
+            inner = extract_model_from_parallel(model)
+        else:
+            inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+            known = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+            if type(model).__name__ not in known and not hasattr(model, "_orig_mod"):
+                inner = None
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def _required_conditioning(
+    model: nn.Module, parameters: Mapping[str, inspect.Parameter], input_name: str
+) -> tuple[str, ...]:
+    """The ``cond`` keys ``model``'s forward cannot run without: the forward's required
+    arguments, and what the config says (text-conditioned SD3 / Flux transformers need
+    the prompt encodings, a class-conditional DiT its labels)."""
+    required = [
+        name
+        for name, p in parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and name not in ("self", input_name, "timestep")
+    ]
+    config = getattr(model, "config", None)
+    if getattr(config, "joint_attention_dim", None) and "encoder_hidden_states" in parameters:
+        required.append("encoder_hidden_states")
+    if getattr(config, "pooled_projection_dim", None) and "pooled_projections" in parameters:
+        required.append("pooled_projections")
+    if (
+        type(model).__name__.startswith("DiT")
+        and getattr(config, "norm_type", None) == "ada_norm_zero"
+        and "class_labels" in parameters
+    ):
+        required.append("class_labels")
+    return tuple(dict.fromkeys(required))
 
 
 # Deprecated names, served with a warning that names the replacement.

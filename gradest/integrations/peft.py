@@ -12,7 +12,8 @@ Requires ``peft`` (``pip install peft``); it is imported only when :func:`add_lo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,13 @@ from torch import nn
 
 from gradest.errors import InvalidType, InvalidValue, MissingDependency
 
-__all__ = ["DIT_ATTENTION_TARGETS", "add_lora", "lora_parameters", "lora_state_dict"]
+__all__ = [
+    "DIT_ATTENTION_TARGETS",
+    "adapters_disabled",
+    "add_lora",
+    "lora_parameters",
+    "lora_state_dict",
+]
 
 #: The attention projections of :class:`gradest.models.dit.DiT` (``blocks.*.attn.qkv`` and
 #: ``blocks.*.attn.proj``): the usual LoRA targets of a diffusion transformer.
@@ -127,3 +134,79 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     :func:`add_lora` with the same rank and targets on the same base model.
     """
     return {name: p.detach().clone() for name, p in lora_parameters(model).items()}
+
+
+def _inner_model(model: Any) -> Any:
+    """The adapted model behind gradest / DDP / FSDP / accelerate wrappers."""
+    for _ in range(8):
+        inner = getattr(model, "transformer", None)  # DiffusersVelocity
+        if type(model).__name__ == "DiffusersVelocity" and isinstance(inner, nn.Module):
+            model = inner
+            continue
+        if type(model).__name__ in (
+            "DistributedDataParallel",
+            "DataParallel",
+            "FullyShardedDataParallel",
+        ) and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+            continue
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+            continue
+        break
+    return model
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, ``model`` computes with its LoRA adapters switched off: the base
+    model, as the frozen reference of :mod:`gradest.rl` objectives, without a copy::
+
+        with adapters_disabled(model):
+            reference = gradest.rl.reference_velocities(model, flow, traj)
+
+    Works for a peft ``PeftModel`` (its ``disable_adapter()`` context), a diffusers model
+    with adapters loaded (``load_lora_adapter`` / ``add_adapter``; what its
+    ``disable_adapters()`` / ``enable_adapters()`` do), a model adapted with
+    :func:`add_lora` (``inject_adapter_in_model``), and any of these inside a
+    :class:`~gradest.integrations.diffusers.DiffusersVelocity` or a DDP / FSDP /
+    ``accelerator.prepare`` wrapper. On exit every adapter layer is restored to the state
+    it had before (also on an error). Yields ``model``.
+
+    Raises:
+        ValueError: the model has no peft adapter layers.
+    """
+    inner = _inner_model(model)
+    if callable(getattr(inner, "disable_adapter", None)) and hasattr(inner, "peft_config"):
+        with inner.disable_adapter():  # peft.PeftModel
+            yield model
+        return
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError as err:
+        raise MissingDependency(
+            "adapters_disabled needs peft: pip install peft (or gradest's integrations extra)"
+        ) from err
+    layers = [m for m in inner.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise InvalidValue(
+            f"{type(inner).__name__} has no LoRA adapters to disable; add them first "
+            f"(gradest.integrations.peft.add_lora, peft, or diffusers' load_lora_adapter), or "
+            f"use a frozen copy as the reference: copy.deepcopy(model).requires_grad_(False)"
+        )
+    # What diffusers' disable_adapters() / enable_adapters() do, restoring each layer's
+    # previous state (enable_adapters() would also switch on adapters that were off).
+    was_disabled = [bool(layer.disable_adapters) for layer in layers]
+    trainable = {id(p): p.requires_grad for layer in layers for p in layer.parameters()}
+    try:
+        for layer in layers:
+            layer.enable_adapters(False)
+        yield model
+    finally:
+        for layer, disabled in zip(layers, was_disabled, strict=True):
+            layer.enable_adapters(not disabled)
+        # peft's enable_adapters(True) marks the active adapters trainable: keep the
+        # caller's requires_grad flags as they were.
+        for layer in layers:
+            for p in layer.parameters():
+                p.requires_grad_(trainable[id(p)])

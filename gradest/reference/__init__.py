@@ -1,13 +1,20 @@
 """Dense-Jacobian ground truth for small models, independent of the VJP engine.
 
 ``dense_chain`` materialises every step's Jacobians; ``exact_gradient`` and each
-estimator's definition (``jagg_definition``, ``sdo_definition``, ``truncated_definition``)
+estimator's definition (``jagg_definition``, ``sdo_definition``, ``truncated_definition``,
+``alignprop_definition``)
 are evaluated from them by explicit matrix products. ``definition_gradient`` asks an
 estimator for its own definition (``EstimatorBase.definition``); ``expected_decisions`` for
 the decisions it must make, re-derived with the replays of
 :mod:`gradest.reference.decisions` (``replay_subset``, ``replay_uniform_int``, ...).
 """
 
+from gradest.reference.alignprop_definition import (
+    alignprop_definition,
+    alignprop_expectation,
+    alignprop_noise_grad_definition,
+    keep_probabilities,
+)
 from gradest.reference.decisions import (
     decisions_mismatch,
     replay_normal,
@@ -15,6 +22,7 @@ from gradest.reference.decisions import (
     replay_subset,
     replay_survival_depth,
     replay_uniform_int,
+    replay_uniform_ints,
 )
 from gradest.reference.definitions import (
     definition_at,
@@ -46,6 +54,9 @@ from gradest.reference.truncated_definition import (
 
 __all__ = [
     "DenseChain",
+    "alignprop_definition",
+    "alignprop_expectation",
+    "alignprop_noise_grad_definition",
     "decisions_mismatch",
     "definition_at",
     "definition_gradient",
@@ -57,6 +68,7 @@ __all__ = [
     "expected_decisions",
     "jagg_definition",
     "jagg_gate_cosines",
+    "keep_probabilities",
     "one_step_cotangents",
     "relative_error",
     "replay_normal",
@@ -64,6 +76,7 @@ __all__ = [
     "replay_subset",
     "replay_survival_depth",
     "replay_uniform_int",
+    "replay_uniform_ints",
     "sdo_definition",
     "sdo_full_sum_definition",
     "sdo_noise_grad_definition",

@@ -12,7 +12,8 @@ trajectory the generator is untouched before the estimator's draws):
 * ``sdo``: the sampled steps replayed and the factor from ``scale``;
 * ``truncated``, ``telescope``, ``refl``: the drawn depth or step replayed from the
   option's distribution (``telescope``'s survival law re-solved independently);
-* ``draft_lv``: the re-noising noise replayed.
+* ``draft_lv``: the re-noising noise replayed;
+* ``alignprop``: the per-step draws ``r_k`` replayed (:func:`replay_uniform_ints`).
 
 The estimate's ``gradient`` is then compared with the definition at *these* decisions,
 so a node in the wrong place, a wrong scale factor or a draw from the wrong distribution
@@ -47,6 +48,13 @@ def replay_subset(num_steps: int, size: int, generator: torch.Generator) -> tupl
 def replay_uniform_int(low: int, high: int, generator: torch.Generator) -> int:
     """Uniform on ``{low, ..., high}``: one ``randint``."""
     return int(torch.randint(low, high + 1, (), generator=generator))
+
+
+def replay_uniform_ints(
+    low: int, high: int, count: int, generator: torch.Generator
+) -> tuple[int, ...]:
+    """``count`` independent integers uniform on ``{low, ..., high}``: one ``randint``."""
+    return tuple(int(r) for r in torch.randint(low, high + 1, (count,), generator=generator))
 
 
 def replay_probability_draw(probabilities: Sequence[float], generator: torch.Generator) -> int:

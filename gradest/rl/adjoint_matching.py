@@ -20,15 +20,18 @@ velocity ``v = E[eps - x | z_t]``; the paper's time is ``s = 1 - t`` with
 ``eta_s = beta_s (alpha'_s beta_s / alpha_s - beta'_s) = (1 - s) / s``; the memoryless
 schedule is ``sigma(s)^2 = 2 eta_s = 2 (1 - s) / s``, i.e. ``sigma_t = sqrt(2 t / (1 - t))``
 in gradest's time. :class:`~gradest.FlowSDE` uses ``sigma_t = a sqrt(t / (1 - t))``, so the
-memoryless sampler is ``FlowSDE(noise_level=sqrt(2))`` (:func:`memoryless_flow`). Its
-drift (in ``dt < 0``) is ``B(z, t) = z / (1 - t) + 2 v(z, t)``, the paper's
-``b = 2 v_paper - kappa X`` with the sign of time flipped, and its affine steps are
-``alpha_k = 1 + h_k / (1 - t_k)``, ``beta_k = 2 h_k``, ``s_k^2 = 2 t_k |h_k| / (1 - t_k)``
-(at ``t_0 = 1`` FlowSDE substitutes ``1 - t_1`` for ``1 - t``: ``alpha_0 = 0``,
-``beta_0 = h_0``, ``s_0^2 = 2``; the first step forgets ``z_0`` but through ``v``). With
-it the base chain's final sample is (in continuous time exactly, on a grid nearly)
-independent of the initial noise, which is what makes the optimum of the control problem
-the tilted distribution rather than a tilt of each ``z_0``'s conditional.
+memoryless SDE is ``FlowSDE(noise_level=sqrt(2))``'s. Its drift (in ``dt < 0``) is
+``B(z, t) = z / (1 - t) + 2 v(z, t)``, the paper's ``b = 2 v_paper - kappa X`` with the
+sign of time flipped. Its Euler-Maruyama steps (``alpha_k = 1 + h_k / (1 - t_k)``,
+``beta_k = 2 h_k``, ``s_k^2 = 2 t_k |h_k| / (1 - t_k)``) are far off near ``t = 1``, where
+``z / (1 - t)`` is stiff (at ``t_0 = 1`` FlowSDE's substitution gives ``alpha_0 = 0``,
+``s_0^2 = 2``, and the next marginals are ~50% too wide), so :func:`memoryless_flow`
+(:class:`MemorylessFlow`) takes each step as the SDE's exact Gaussian transition given the
+step's data prediction ``z_k - t_k v_k`` (DDPM's posterior; the same steps to ``O(h^2)``
+away from ``t = 1``; its first step forgets ``z_0`` but through ``v_0``). With it the base
+chain's final sample is (in continuous time exactly, on a grid nearly) independent of the
+initial noise, which is what makes the optimum of the control problem the tilted
+distribution rather than a tilt of each ``z_0``'s conditional.
 
 *The control problem, discretely.* gradest's chain takes affine Gaussian steps
 ``z_{k+1} = alpha_k z_k + beta_k v_k + s_k xi_k``. Between the fine-tuned and the base
@@ -98,15 +101,70 @@ MEMORYLESS_NOISE_LEVEL = math.sqrt(2.0)
 Loss = Callable[[Tensor], Tensor]
 
 
+@attrs.frozen(eq=False, repr=False, init=False)
+class MemorylessFlow(FlowSDE):  # type: ignore[override]
+    """The memoryless SDE of rectified flow (``sigma_t = sqrt(2 t / (1 - t))``), each step
+    solved exactly given the step's data prediction ``x^ = z_k - t_k v_k``.
+
+    Euler-Maruyama steps of this SDE (:class:`~gradest.FlowSDE` with ``noise_level=sqrt(2)``)
+    are useless near ``t = 1``, where its drift ``z / (1 - t)`` is stiff: the step from
+    ``t = 1`` has ``alpha_0 = 0`` (the sigma substitution) and noise ``sqrt(2)``, and on
+    ``N(0, 1)`` data a 10-step grid puts the std at ``t = 0.9 / 0.8`` at ``1.42 / 1.36``
+    instead of ``0.91 / 0.82`` (still ~46% off at the end of 50 steps). Here, with
+    ``x^`` held fixed over the step, the SDE is the one conditioned on ``x = x^``, whose
+    transition is Gaussian and known in closed form (DDPM's posterior for the interpolant
+    ``z_t = (1 - t) x + t eps``; with ``r = (1 - t) / (1 - t')`` and ``t' = t_{k+1}``)::
+
+        z_{k+1} ~ N((1 - t') x^ + (t'^2 r / t^2)(z_k - (1 - t) x^),  (t'^2 / t^2)(t^2 - r^2 t'^2))
+
+    i.e. ``alpha_k = (1 - t') + c t``, ``beta_k = -(1 - t') t + c (1 - t) t`` with
+    ``c = t'^2 r / t^2``, and ``sigma_k = (t' / t) sqrt(t^2 - r^2 t'^2)``. These agree with
+    the Euler-Maruyama coefficients to ``O(h^2)`` away from ``t = 1``, the first step forgets
+    ``z_0`` as the continuous SDE does (``alpha_0 = 1 - t_1``, ``beta_0 = -(1 - t_1)``: only
+    ``x^ = z_0 - v_0`` is kept), and the marginals stay first-order accurate everywhere (on
+    ``N(0, 1)`` data with the exact velocity: within 0.6% at ``t = 0.9``, 4.8% at worst on
+    50 steps, 2.5% on 100). A step into ``t = 0`` would be deterministic (``sigma = 0``);
+    adjoint matching needs step noise, so that last step keeps the Euler-Maruyama form,
+    which is not stiff there.
+    """
+
+    def __init__(
+        self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None
+    ):
+        FlowSDE.__init__(self, steps, times=times, noise_level=MEMORYLESS_NOISE_LEVEL)
+
+    def _options(self) -> str:
+        return ""  # the noise level is the schedule's own
+
+    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
+        t, t_next = self.times[:-1], self.times[1:]
+        ratio = (1.0 - t) / (1.0 - t_next)
+        forward_variance = (t**2 - ratio**2 * t_next**2).clamp_min(0.0)
+        gain = t_next**2 * ratio / t**2
+        alpha = (1.0 - t_next) + gain * t
+        beta = -(1.0 - t_next) * t + gain * (1.0 - t) * t
+        scale = t_next * torch.sqrt(forward_variance) / t
+        em_alpha, em_beta, em_scale = FlowSDE.coefficients(self)
+        final = t_next == 0.0
+        return (
+            torch.where(final, em_alpha, alpha),
+            torch.where(final, em_beta, beta),
+            torch.where(final, em_scale, scale),
+        )
+
+
 def memoryless_flow(
     steps: int | None = None, *, times: Sequence[float] | Tensor | None = None
-) -> FlowSDE:
-    """The memoryless sampler of rectified flow: ``FlowSDE(noise_level=sqrt(2))``.
+) -> MemorylessFlow:
+    """The memoryless sampler of rectified flow (:class:`MemorylessFlow`).
 
     ``sigma_t = sqrt(2 t / (1 - t))``, the paper's ``sigma(s) = sqrt(2 eta_s)`` in gradest's
-    time (see the module docstring). Give ``steps`` (uniform grid) or ``times``.
+    time (see the module docstring), with each step taken as the exact Gaussian transition
+    given its data prediction, so that its marginals are right from the first step. A
+    :class:`~gradest.FlowSDE` with ``noise_level=sqrt(2)``. Give ``steps`` (uniform grid) or
+    ``times``.
     """
-    return FlowSDE(steps, times=times, noise_level=MEMORYLESS_NOISE_LEVEL)
+    return MemorylessFlow(steps, times=times)
 
 
 @attrs.frozen(eq=False)

@@ -103,7 +103,9 @@ def reference_velocities(
     The reference is evaluated once per batch of rollouts, on the states the current
     policy visited (``reference(z_k, t_k, **cond)``); the KL of :func:`grpo_objective` treats
     the result as data. For a LoRA-adapted model the reference is the model with its
-    adapters disabled (``with model.disable_adapter(): ...``), as in Flow-GRPO.
+    adapters disabled, as in Flow-GRPO, without a copy:
+    ``with gradest.integrations.adapters_disabled(model): reference_velocities(model, ...)``
+    (a diffusers model, a peft ``PeftModel``, or either inside ``DiffusersVelocity``).
     ``sampler`` is the sampler the trajectory was recorded on (``flow=`` is a deprecated
     spelling of this keyword).
     """

@@ -35,6 +35,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest._checks import check_allocation
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -80,6 +81,7 @@ class DraftLV(EstimatorBase):
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         flow = require_interpolant(ctx.flow, self.name)
+        self._check_copies_fit(ctx)
         trajectory = ctx.trajectory()
         sample = trajectory.states[-1]
         last = ctx.num_steps - 1
@@ -99,9 +101,23 @@ class DraftLV(EstimatorBase):
             losses.append(float(loss))
             cotangents.append((beta / self.copies) * adjoint)
         ctx.info["loss"] = sum(losses) / self.copies
-        ctx.info["sample_loss"] = float(ctx.objective.loss_fn(sample.detach()).sum())
+        ctx.info["sample_loss"] = float(ctx.objective.loss_fn(sample.detach().clone()).sum())
         grads = pull(torch.stack(cotangents))
         return grads, torch.zeros_like(sample) if ctx.want_noise_grad else None
+
+    def _check_copies_fit(self, ctx: EstimationContext) -> None:
+        """``copies`` re-noised copies of the batch (their noise, states, velocities and
+        final states: 4 tensors of ``copies x batch x state``) must fit into memory;
+        checked before sampling, from the shape of the noise or the recorded path."""
+        like = ctx.noise if ctx.noise is not None else ctx.trajectory().states[0]
+        check_allocation(
+            f"estimator 'draft_lv': option copies={self.copies}",
+            self.copies,
+            4 * like.numel() * like.element_size(),
+            name="copies",
+            device=like.device,
+            detail=f"4 tensors of copies x {tuple(like.shape)} x {like.element_size()} bytes",
+        )
 
     # -- the contract -----------------------------------------------------------------------
 

@@ -96,8 +96,9 @@ class ShortcutDiffusion(EstimatorBase):
     The steps are drawn from the ``generator`` passed to ``estimate`` (with None, from
     torch's default generator: reproducible only through ``torch.manual_seed``).
     ``result.info`` holds ``sampled_steps`` (sorted step indices used) and ``scale`` (the
-    factor applied). For stepwise objectives ``info["loss"]`` sums the losses of the
-    sampled steps only.
+    factor applied). For stepwise objectives ``info["loss"]`` (``value``) is the full sum
+    over all steps, as for every estimator; ``info["evaluated_value"]`` sums the sampled
+    steps' losses only.
     """
 
     name: ClassVar[str] = "sdo"

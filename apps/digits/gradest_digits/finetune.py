@@ -63,6 +63,7 @@ The pieces: the settings (:mod:`~gradest_digits.finetune_config`), the two modes
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -87,9 +88,21 @@ from gradest_digits.finetune_modes import mode_of
 from gradest_digits.finetune_records import LOG_KEYS
 from gradest_digits.finetune_run import Run
 from gradest_digits.finetune_tensorboard import check_tensorboard_dir
-from gradest_digits.run_state import check_same_run, earlier_run, newest_checkpoint
+from gradest_digits.run_state import (
+    check_lineage,
+    check_same_run,
+    earlier_run,
+    newest_checkpoint,
+)
 
-__all__ = ["LOG_KEYS", "FinetuneConfig", "finetune", "resolve_estimator", "start_run"]
+__all__ = [
+    "LOG_KEYS",
+    "FinetuneConfig",
+    "check_sizes",
+    "finetune",
+    "resolve_estimator",
+    "start_run",
+]
 
 Reward = Callable[[Tensor], Tensor]
 
@@ -133,12 +146,17 @@ def finetune(
             ``torch.load(weights_only=True)``).
         progress: show a tqdm progress bar.
         resume: a checkpoint file, or a folder of them (or a ``gradest finetune --out``
-            folder): continue from the newest checkpoint that loads. The settings must be
-            the checkpoint's (``steps`` may be larger); the continued run ends with
-            bitwise the parameters of an uninterrupted one, and its log is cut back to
-            the checkpoint's step before it goes on. Without ``resume``, a ``log_path``
-            that already holds records or a ``checkpoint_dir`` that holds checkpoints is
-            refused (two runs never mix in one place).
+            folder): continue from the newest checkpoint (one that does not load, or of
+            another format, is kept and refused by name). The settings must be the
+            checkpoint's (``steps`` may be larger); the continued run ends with bitwise
+            the parameters of an uninterrupted one (``auto``'s schedule is in the
+            checkpoint), and its log is cut back to the checkpoint's step before it goes
+            on, only when its earlier records are the checkpoint's history. Resuming a
+            checkpoint file older than others in ``checkpoint_dir`` is refused (it would
+            overwrite them): branch into a new ``checkpoint_dir`` and ``log_path``.
+            Without ``resume``, a ``log_path`` that holds anything or a
+            ``checkpoint_dir`` that holds checkpoints is refused (two runs never mix in
+            one place).
         prior_data: real samples ``[M, *sample_shape]`` for ``prior_weight > 0`` (a
             flow-matching loss on a batch of them joins every backward, unconditional).
         tensorboard_dir: also write every logged record's numbers as TensorBoard
@@ -205,6 +223,8 @@ def finetune(
                 f"the checkpoint is at step {resumed['step']}, past steps={config.steps}; "
                 f"pass steps >= {resumed['step']} to continue the run"
             )
+        # Nothing of another run or branch is overwritten or cut (append-only folders).
+        check_lineage(resumed, log_path, checkpoint_dir)
 
     device = next(p for p in model.parameters() if p.requires_grad).device
     with process_group_from_env(device) as (rank, world):
@@ -228,6 +248,52 @@ def finetune(
             return _train(run, checkpoint_dir, progress=progress, log_path=log_path)
         finally:
             run.close()
+
+
+def check_sizes(
+    config: FinetuneConfig, shape: tuple[int, ...], device: torch.device, *, flags: bool
+) -> None:
+    """Refuse a batch or a sampler that could not fit in memory, before any work.
+
+    The bound is a floor of what the run needs: the recorded trajectory alone holds
+    ``batch_size x (sampler_steps + 1)`` states of ``shape`` in float32 (the model's
+    activations come on top). Above the memory of the device (the GPU's, or the host's
+    for the CPU) the run cannot even hold its samples.
+    """
+    memory = device_memory(device)
+    if memory is None:
+        return
+    state_bytes = 4
+    for size in shape:
+        state_bytes *= size
+    per_sample = state_bytes * (config.sampler_steps + 1)
+    name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)
+    where = f"{device.type} memory, {memory / 2**30:.0f} GiB"
+    if per_sample > memory:
+        most = max(1, memory // state_bytes - 1)
+        raise InvalidValue(
+            f"{name('sampler_steps')} {config.sampler_steps} is too large: one sample's "
+            f"trajectory alone ({config.sampler_steps + 1} states of {state_bytes} bytes) "
+            f"would not fit in this machine's {where}; use at most {most}"
+        )
+    most = memory // per_sample
+    if config.batch_size > most:
+        need = config.batch_size * per_sample / 2**30
+        raise InvalidValue(
+            f"{name('batch_size')} {config.batch_size} is too large: the trajectory alone "
+            f"(batch_size x (sampler_steps + 1) states of {state_bytes} bytes) would take "
+            f"{need:.3g} GiB, more than this machine's {where}; use at most {most}"
+        )
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device`` (the GPU's total, or the host's RAM), None if unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
 
 
 def _check_model_and_reward(model: Any, reward: Any) -> None:
@@ -295,6 +361,7 @@ def _validated(
             f"model {type(model).__name__} has no parameters with requires_grad=True; "
             f"unfreeze the ones to fine-tune"
         )
+    check_sizes(config, shape, trainable[0].device, flags=False)
     eval_cond = _cond(labels, config.batch_size, trainable[0].device, cond_key)
     record = {
         **config.record(repr(est)),

@@ -5,6 +5,14 @@ The training options are generated from :class:`~gradest_digits.finetune_config.
 the digit to reward, the conditioning, LoRA, the device, the output folder,
 ``--tensorboard`` / ``--no-tensorboard``, ``--config`` (a TOML file of any of these
 settings; flags on the command line override it), ``--resume`` and ``--quiet``.
+
+Every run records its settings in ``OUT/settings.json`` before any work
+(:data:`RUN_SETTINGS`: the :class:`FinetuneConfig` fields with the estimator's spec, and
+the target, the labels, the LoRA rank and the device). ``--resume DIR`` takes every
+setting from there (from the newest checkpoint for a folder written before that file
+existed, :func:`recorded_settings`); only the flags given explicitly, on the command line
+or in a ``--config`` file (:func:`gradest.config_file.explicit_settings`), are compared
+with the run's, and a differing one is refused unless it may change (:data:`MAY_CHANGE`).
 """
 
 from __future__ import annotations
@@ -17,18 +25,36 @@ from typing import Any
 
 import torch
 
+from gradest.config_file import explicit_settings, track_explicit
 from gradest.errors import InvalidValue
 from gradest.files import (
+    JsonLog,
     atomic_write_text,
     check_output_dir,
     check_output_file,
+    refuse_symlinks,
     remove_stale_temporaries,
 )
+from gradest.integrations.distributed import launched_world
 from gradest.protocol import check_steps
-from gradest_digits.finetune import finetune, resolve_estimator
-from gradest_digits.finetune_config import add_config_arguments, config_from_args
+from gradest_digits.finetune import check_sizes, finetune, resolve_estimator
+from gradest_digits.finetune_config import FinetuneConfig, add_config_arguments, config_from_args
 from gradest_digits.finetune_tensorboard import use_tensorboard
-from gradest_digits.run_state import earlier_run
+from gradest_digits.run_state import (
+    ADDED_SETTINGS,
+    check_lineage,
+    earlier_run,
+    newest_checkpoint,
+)
+
+# The settings a run records (OUT/settings.json) and a bare --resume takes back: every
+# FinetuneConfig field (the estimator as its spec) and the command's own settings.
+SETTINGS_FILE = "settings.json"
+SETTINGS_FORMAT = "gradest.finetune.settings/1"
+RUN_SETTINGS = (*FinetuneConfig.names(), "target", "labels", "lora_rank", "device")
+# Settings an explicit flag may change on resume: how far the run goes, how often it saves,
+# where it runs. (--out, --quiet, --tensorboard and --config are not settings at all.)
+MAY_CHANGE = frozenset({"steps", "checkpoint_every", "device"})
 
 
 def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +101,8 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="continue the run in DIR (an earlier --out) from its newest valid checkpoint, "
-        "with the same settings (--steps may be larger); it ends bitwise as an "
+        "with its settings: flags given as well must equal the run's (--steps may be "
+        "larger; --checkpoint-every and --device may change); it ends bitwise as an "
         "uninterrupted run would",
     )
     parser.add_argument(
@@ -92,6 +119,8 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
         'estimator = "jagg:window=4"); flags given on the command line override it',
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    # --resume DIR takes the run's settings for every flag not given explicitly.
+    track_explicit(parser)
 
 
 def resolve_device(name: Any) -> torch.device:
@@ -131,13 +160,23 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     the ranks train data-parallel (see :func:`~gradest_digits.finetune.finetune`;
     ``--batch-size`` is the global batch) and only rank 0 writes.
     """
+    recorded = None
+    if args.resume is not None:
+        # Before anything is created: a folder that holds no run is an error. Every setting
+        # not given explicitly becomes the run's; a given one must equal it.
+        if Path(args.resume).is_dir():
+            refuse_symlinks(run_entries(Path(args.resume)), what=f"--resume {args.resume!r}")
+        recorded = recorded_settings(args.resume)
+        args = resumed_args(args, recorded, args.resume)
     # Validate the cheap things before loading checkpoints.
     config = config_from_args(args)
+    # Sizes that could not fit in memory fail here, before --out exists.
+    device = resolve_device(args.device)
+    check_sizes(config, DIGITS_SHAPE, device, flags=True)
     # Options that need more than --sampler-steps steps fail here, before --out exists.
     check_steps(resolve_estimator(config.estimator), config.sampler_steps)
     if not 0 <= args.target <= 9:
         raise InvalidValue(f"--target must be a digit 0..9, got {args.target}")
-    device = resolve_device(args.device)
     if args.lora_rank < 0:
         raise InvalidValue(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
     tensorboard = use_tensorboard(getattr(args, "tensorboard", None))
@@ -146,22 +185,30 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
             f"--resume {args.resume!r} continues the run in that folder; drop --out "
             f"{args.out!r} or pass the same folder"
         )
-    out = check_output_dir(args.resume or args.out or "runs/finetune", what="--out")
+    out = Path(args.resume or args.out or "runs/finetune")
+    # The decision to use the folder comes first, reading only: nothing in it is written,
+    # cut or repaired before (a folder of another tool passed as --out keeps every byte).
+    decide_folder(out, resuming=args.resume is not None)
+    out = check_output_dir(out, what="--out")
     # finetune() checks the log and checkpoint folder; result.json is written here.
     check_output_file(out / "result.json", what="--out")
-    if args.resume is None:
-        found = earlier_run(out / "log.jsonl", out / "checkpoints")
-        if found is not None:
-            raise InvalidValue(
-                f"--out {str(out)!r} holds an earlier run ({found}); continue it with "
-                f"--resume {str(out)}, or pass a new --out"
-            )
-    remove_stale_temporaries(out)
+    remove_stale_temporaries(out, names=OWN_FILES)
+    settings = run_settings(args)
+    rank, _ = launched_world()
+    # The settings are on disk before any work, except where finetune() still has to
+    # accept them: a resumed run that goes less far than recorded (the checkpoint's step),
+    # or an older folder's (its checkpoint's settings). Those are written once it ran.
+    write_now = recorded is None or (
+        (out / SETTINGS_FILE).is_file() and settings["steps"] >= recorded["steps"]
+    )
+    if rank == 0 and write_now:
+        write_settings(out, settings)
     # Loaded lazily so that this module imports without the shipped checkpoints.
     from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
     from gradest_digits.rewards import ClassifierReward
 
     model: torch.nn.Module = load_pretrained_dit(device=device)
+    check_lora_rank(model, args.lora_rank)
     if args.lora_rank:
         # After loading: peft renames the targeted weights to *.base_layer.weight.
         from gradest.integrations.peft import add_lora
@@ -190,4 +237,214 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         summary = {key: value for key, value in result.items() if key not in ("history", "rank")}
         summary["target"] = args.target
         atomic_write_text(out / "result.json", json.dumps(summary, indent=2) + "\n")
+        if not write_now:
+            write_settings(out, settings)
     return result
+
+
+# -- the run folder: decided on before anything in it is written --------------------------
+
+# What a run writes at the top of its folder (and only these: stale temporaries of other
+# names are another tool's and are left alone).
+OWN_FILES = ("log.jsonl", SETTINGS_FILE, "result.json")
+# One 8x8 digit, as the shipped DiT samples it.
+DIGITS_SHAPE = (1, 8, 8)
+
+
+def run_entries(out: Path) -> list[Path]:
+    """The paths a run writes in ``out``: its files, its folders and its checkpoints."""
+    entries = [out / name for name in OWN_FILES] + [out / "checkpoints", out / "tensorboard"]
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        entries += sorted(checkpoints.iterdir())
+    return entries
+
+
+def decide_folder(out: Path, *, resuming: bool) -> None:
+    """Whether ``out`` may be used, decided reading only: a link among the run's entries is
+    refused (never followed for writing), and a new run refuses a folder that holds
+    anything of an earlier run or another tool (a log with any bytes, checkpoints,
+    ``settings.json``, ``result.json``). A resumed run's newest checkpoint must load and
+    its log must be that checkpoint's history (:func:`gradest_digits.run_state.check_lineage`).
+    """
+    if out.exists() and not out.is_dir():
+        return  # check_output_dir says it is a file
+    if not out.is_dir():
+        return  # nothing there yet: a new folder
+    refuse_symlinks(run_entries(out), what=f"--out {str(out)!r}")
+    if not resuming:
+        found = earlier_run(
+            out / "log.jsonl", out / "checkpoints", (out / SETTINGS_FILE, out / "result.json")
+        )
+        if found is not None:
+            raise InvalidValue(
+                f"--out {str(out)!r} holds an earlier run ({found}); continue it with "
+                f"--resume {str(out)}, or pass a new --out"
+            )
+        return
+    state = newest_checkpoint(out)  # one that does not load is refused, by name
+    if state is not None:
+        check_lineage(state, out / "log.jsonl", out / "checkpoints")
+    else:
+        JsonLog(out / "log.jsonl").records()  # a damaged log is one line, before any write
+
+
+def check_lora_rank(model: torch.nn.Module, rank: int) -> None:
+    """A LoRA rank at most the width of the layers it adapts (beyond it a LoRA is not
+    low-rank and only costs memory), checked before the adapters are allocated."""
+    if not rank:
+        return
+    width = getattr(getattr(model, "config", None), "hidden", None)
+    if isinstance(width, int) and rank > width:
+        raise InvalidValue(
+            f"--lora-rank {rank} is larger than the DiT's layers ({width} wide): a LoRA of "
+            f"that rank is not low-rank; use --lora-rank 1..{width}, or 0 to train all weights"
+        )
+
+
+# -- the run's settings, recorded and taken back by --resume ------------------------------
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of the run ``args`` describe, as ``settings.json`` records them."""
+    return {name: getattr(args, name) for name in RUN_SETTINGS}
+
+
+def write_settings(out: Path, settings: dict[str, Any]) -> None:
+    text = json.dumps({"format": SETTINGS_FORMAT, "settings": settings}, indent=2) + "\n"
+    atomic_write_text(out / SETTINGS_FILE, text)
+
+
+def recorded_settings(resume: Any) -> dict[str, Any]:
+    """The settings of the run in the folder ``resume``: ``settings.json``, or for a folder
+    written before that file existed, what its newest checkpoint proves.
+
+    A setting the checkpoint does not prove is left out (``resumed_args`` then asks for
+    it). Raises (one line, naming the folder) when it is not a folder or holds no run.
+    """
+    folder = Path(resume)
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "does not exist"
+        raise InvalidValue(
+            f"--resume {str(folder)!r}: the folder {what}; pass the --out folder of the run "
+            f"to continue"
+        )
+    path = folder / SETTINGS_FILE
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            settings = data["settings"] if data.get("format") == SETTINGS_FORMAT else None
+        except (ValueError, TypeError, AttributeError, KeyError):
+            settings = None
+        if not isinstance(settings, dict) or not set(RUN_SETTINGS) <= set(settings):
+            raise InvalidValue(
+                f"--resume {str(folder)!r}: {str(path)!r} is not a settings file of gradest "
+                f"finetune ({SETTINGS_FORMAT}); it cannot be resumed"
+            )
+        return {name: settings[name] for name in RUN_SETTINGS}
+    state = newest_checkpoint(folder)
+    if state is None:
+        log = folder / "log.jsonl"
+        records = len(JsonLog(log).records()) if log.is_file() else 0
+        found = (
+            f"its log holds {records} record(s) of a run killed before its first checkpoint "
+            f"by an older gradest, which recorded no settings; start it again with a new --out"
+            if records
+            else "pass the --out folder of the run to continue"
+        )
+        raise InvalidValue(
+            f"--resume {str(folder)!r}: the folder holds no run (no {SETTINGS_FILE}, no "
+            f"checkpoint); {found}"
+        )
+    return settings_from_checkpoint(state)
+
+
+def settings_from_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint written before ``settings.json`` existed proves about its run.
+
+    Its config record holds the FinetuneConfig fields (GRPO's only in GRPO mode, those
+    added later at the value they then had: :data:`ADDED_SETTINGS`) with the estimator
+    as its ``repr`` and the labels as the class (None, or the target digit); the target
+    is proven only by ``labels == target`` and the LoRA rank only when no LoRA weights
+    were saved. The estimator is proven only when it is the default's.
+    """
+    saved = {**ADDED_SETTINGS, **state["config"]}
+    defaults = FinetuneConfig()
+    settings: dict[str, Any] = {}
+    for name in FinetuneConfig.names():
+        if name == "estimator":
+            if saved.get("estimator") == repr(resolve_estimator(defaults.estimator)):
+                settings[name] = defaults.estimator
+        elif name == "checkpoint_every":
+            continue  # not recorded; it may change anyway
+        elif name in saved:
+            settings[name] = saved[name]
+        elif saved.get("mode") != "grpo":
+            settings[name] = getattr(defaults, name)  # GRPO's settings are unused
+    labels = saved.get("labels")
+    if labels is None:
+        settings["labels"] = "null"
+    elif isinstance(labels, int):
+        settings["labels"], settings["target"] = "target", labels
+    if not any("lora_" in key for key in state.get("model", {})):
+        settings["lora_rank"] = 0
+    return settings
+
+
+def _same(name: str, recorded: Any, given: Any) -> bool:
+    if name == "estimator":
+        try:
+            return repr(resolve_estimator(recorded)) == repr(resolve_estimator(given))
+        except Exception:  # an invalid spec: compared as text (the usual checks refuse it)
+            return bool(recorded == given)
+    return bool(recorded == given)  # 0.01 == 0.01 whether JSON or the flag parsed it
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resumed_args(
+    args: argparse.Namespace, recorded: dict[str, Any], resume: Any
+) -> argparse.Namespace:
+    """``args`` with the run's setting for every flag not given explicitly.
+
+    Raises (one line): a given flag differs from the run's value (except
+    :data:`MAY_CHANGE`), naming each with both values; or the run does not record a
+    setting (an older folder) and it was not given.
+    """
+    given = explicit_settings(args)
+    if given is None:  # not parsed by add_finetune_arguments' parser: all count as given
+        given = frozenset(RUN_SETTINGS)
+    differ = [
+        f"{_flag(name)} {recorded[name]!r} (given {getattr(args, name)!r})"
+        for name in RUN_SETTINGS
+        if name in given
+        and name in recorded
+        and name not in MAY_CHANGE
+        and not _same(name, recorded[name], getattr(args, name))
+    ]
+    if differ:
+        raise InvalidValue(
+            f"--resume {str(resume)!r}: the run was started with other settings: "
+            f"{'; '.join(differ)}; drop these flags to continue it with its own settings "
+            f"(only --steps, --checkpoint-every and --device may change), or start a new "
+            f"run with another --out"
+        )
+    unknown = [
+        name
+        for name in RUN_SETTINGS
+        if name not in recorded and name not in given and name not in MAY_CHANGE
+    ]
+    if unknown:
+        flags = ", ".join(_flag(name) for name in unknown)
+        raise InvalidValue(
+            f"--resume {str(resume)!r}: the run does not record {flags} (its checkpoints "
+            f"were written before {SETTINGS_FILE} existed); pass {flags} with the value(s) it "
+            f"was started with"
+        )
+    merged = argparse.Namespace(**vars(args))
+    for name, value in recorded.items():
+        if name not in given:
+            setattr(merged, name, value)
+    return merged

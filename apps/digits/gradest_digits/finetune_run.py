@@ -32,7 +32,7 @@ from gradest_digits.finetune_config import FinetuneConfig
 from gradest_digits.finetune_modes import Batch, mode_of, needs_base
 from gradest_digits.finetune_records import cost_record, mean_or_none, summarize_info
 from gradest_digits.finetune_tensorboard import TensorBoardLog
-from gradest_digits.run_state import save_checkpoint
+from gradest_digits.run_state import checkpoint_path, checkpoints_in, save_checkpoint
 
 Reward = Callable[[Tensor], Tensor]
 
@@ -84,6 +84,15 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     base = copy.deepcopy(model)
     base.requires_grad_(False)
     return base
+
+
+def _stateful(est: Any) -> bool:
+    """Whether the estimator keeps state across calls that a checkpoint must hold: one
+    with ``state_dict(model)`` / ``load_state_dict(model, state)`` (``auto``'s schedule).
+    A module's own ``state_dict()`` (no model argument) is not that."""
+    return not isinstance(est, torch.nn.Module) and all(
+        callable(getattr(est, name, None)) for name in ("state_dict", "load_state_dict")
+    )
 
 
 def grad_norm(parameters: list[torch.nn.Parameter]) -> float:
@@ -241,6 +250,16 @@ class Run:
                 run.draws = None  # an older checkpoint: draws came from the training stream
             else:
                 run.draws.set_state(saved_draws[rank])
+            # The estimator's own state (auto's schedule: its picks, calls and probes), so
+            # that it probes at the same calls as the uninterrupted run.
+            saved_estimator = resumed.get("estimator_state")
+            if saved_estimator is not None and _stateful(est):
+                est.load_state_dict(trained, saved_estimator)
+            # result.json names every checkpoint of the run, not only this process's.
+            earlier = resumed.get("checkpoints")
+            if earlier is None and checkpoint_dir is not None:
+                earlier = [str(p) for s, p in sorted(checkpoints_in(checkpoint_dir)) if s <= start]
+            run.checkpoints = list(earlier or [])
         if tensorboard_dir is not None and rank == 0:
             # Opened last, so that nothing after it can fail before close() is due. The
             # steps from `start` on are redone: their earlier events are purged.
@@ -383,7 +402,11 @@ class Run:
         generators, torch_rng, draws = self._rng_states()
         if not self.main:
             return
-        state = {
+        path = str(checkpoint_path(directory, done))
+        # Every checkpoint of the run so far, this one last (result.json lists them all).
+        checkpoints = [*(c for c in self.checkpoints if c != path), path]
+        state: dict[str, Any] = {
+            "checkpoints": checkpoints,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "generators": generators,
@@ -393,7 +416,10 @@ class Run:
             "history": self.history,
             "initial_reward": self.initial.tolist(),
         }
-        self.checkpoints.append(save_checkpoint(directory, done, state))
+        if _stateful(self.est):
+            state["estimator_state"] = self.est.state_dict(self.trained)
+        save_checkpoint(directory, done, state)
+        self.checkpoints = checkpoints
 
     # -- across ranks -------------------------------------------------------------------------
 

@@ -11,8 +11,10 @@ One concern per module:
 * :mod:`~gradest_recipes.embeddings` / :mod:`~gradest_recipes.prompts`: the precomputed
   prompt embeddings file, and writing it with the real text encoders.
 * :mod:`~gradest_recipes.checkpoints`: ``accelerator.save_state`` with LoRA-only weights.
-* :mod:`~gradest_recipes.train`: the loop; ``examples/recipes/*_reward.py`` call its
-  ``main``.
+* :mod:`~gradest_recipes.rl_objectives`: the RL recipes' rollouts and objectives
+  (Flow-GRPO with a KL to the adapters-off model, adjoint matching).
+* :mod:`~gradest_recipes.train`: the loop; ``examples/recipes/*_reward.py``,
+  ``*_grpo.py`` and ``*_adjoint_matching.py`` call its ``main``.
 
 Needs diffusers, peft and accelerate (``pip install 'gradest[integrations,recipes]'``);
 docs/recipes.md describes the recipes, their settings and what was tested.

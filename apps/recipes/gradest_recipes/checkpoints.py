@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from gradest.files import atomic_write_text
 
 __all__ = [
     "FullStateAdamW",
+    "abandon_newer",
     "checkpoint_dirs",
     "export_lora",
     "find_checkpoint",
@@ -193,8 +195,13 @@ def register_lora_hooks(accelerator: Any, models: list[nn.Module] | None = None)
 
 
 def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any],
-                    keep: int) -> Path:  # fmt: skip
-    """``accelerator.save_state`` into ``out/checkpoints/step_XXXXXX`` (all processes)."""
+                    keep: int, export: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
+    """``accelerator.save_state`` into ``out/checkpoints/step_XXXXXX`` (all processes).
+
+    ``export(folder)`` (called on every process) adds files to the checkpoint before it is
+    renamed complete: the recipe writes diffusers' ``pytorch_lora_weights.safetensors``.
+    ``keep`` (0: all): the newest checkpoints kept, counting this one and the older ones
+    only; a checkpoint newer than this one is never deleted here."""
     folder = out / "checkpoints"
     final = folder / f"step_{step:06d}"
     partial = folder / f".step_{step:06d}.partial"
@@ -203,6 +210,8 @@ def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
+    if export is not None:
+        export(partial)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         record = {"format": FORMAT, "step": step, **state}
@@ -211,10 +220,31 @@ def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any
             shutil.rmtree(final)
         os.replace(partial, final)
         if keep:
-            for _, old in checkpoint_dirs(folder)[keep:]:
+            older = [path for number, path in checkpoint_dirs(folder) if number <= step]
+            for old in older[keep:]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def abandon_newer(out: Path, step: int) -> list[Path]:
+    """Move the checkpoints of ``out`` newer than ``step`` (a run resumed from an older
+    checkpoint abandons them) to ``out/checkpoints/abandoned/``, where neither ``latest``
+    nor ``keep_checkpoints`` sees them; nothing is deleted. Returns the new locations."""
+    folder = out / "checkpoints"
+    moved = []
+    for number, path in checkpoint_dirs(folder):
+        if number <= step:
+            continue
+        target = folder / "abandoned" / path.name
+        suffix = 1
+        while target.exists():
+            target = folder / "abandoned" / f"{path.name}.{suffix}"
+            suffix += 1
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        moved.append(target)
+    return moved
 
 
 _ADAPTER = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")

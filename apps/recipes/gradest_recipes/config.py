@@ -11,6 +11,10 @@ Every setting is a field of :class:`RecipeConfig`. Where a value comes from, low
    ``--estimator jagg:window=4``, ``--tiny`` / ``--no-tiny``), or ``--set key=value``
    (the value read as a TOML value, else as a string).
 
+Every name has both spellings (``_``, ``-``), and diffusers' training-script names are
+aliases of the same settings (:data:`ALIASES`: ``--learning_rate`` is ``lr``,
+``--output_dir`` is ``out``, ...), on the command line, in TOML files and in ``--set``.
+
 Every value is validated when the config is built; a bad one raises
 :class:`RecipeConfigError` naming the setting, the value and the fix.
 """
@@ -32,6 +36,7 @@ import attrs
 from gradest.errors import InvalidValue
 
 __all__ = [
+    "ALIASES",
     "FAMILIES",
     "FAMILY_DEFAULTS",
     "MIXED_PRECISION",
@@ -84,7 +89,28 @@ class RecipeConfig:
     batch_size: int = attrs.field(default=1, metadata={"doc": "samples per process per micro-step"})
     gradient_accumulation: int = attrs.field(default=1, metadata={"doc": "micro-steps per step"})
     lr: float = attrs.field(default=1e-4, metadata={"doc": "AdamW learning rate"})
+    lr_scheduler: str = attrs.field(
+        default="constant",
+        metadata={"doc": "diffusers.optimization.get_scheduler schedule: " + ", ".join(
+            ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+             "polynomial", "piecewise_constant"))},
+    )  # fmt: skip
+    lr_warmup_steps: int = attrs.field(default=0, metadata={"doc": "learning-rate warmup steps"})
+    lr_num_cycles: int = attrs.field(default=1, metadata={"doc": "cycles of cosine_with_restarts"})
+    lr_power: float = attrs.field(default=1.0, metadata={"doc": "power of the polynomial schedule"})
+    lr_step_rules: str | None = attrs.field(
+        default=None,
+        metadata={"doc": "piecewise_constant rules, e.g. '1:10,0.1:20,0.01' (factor:until step)"},
+    )
     weight_decay: float = attrs.field(default=0.0, metadata={"doc": "AdamW weight decay"})
+    adam_beta1: float = attrs.field(default=0.9, metadata={"doc": "AdamW beta1"})
+    adam_beta2: float = attrs.field(default=0.999, metadata={"doc": "AdamW beta2"})
+    adam_epsilon: float = attrs.field(default=1e-8, metadata={"doc": "AdamW epsilon"})
+    use_ema: bool = attrs.field(
+        default=False,
+        metadata={"doc": "keep an EMA of the LoRA weights (diffusers EMAModel; checkpointed)"},
+    )
+    ema_decay: float = attrs.field(default=0.9999, metadata={"doc": "EMA decay (EMAModel's)"})
     max_grad_norm: float = attrs.field(
         default=1.0, metadata={"doc": "gradient clipping norm (0: no clipping)"}
     )
@@ -120,6 +146,41 @@ class RecipeConfig:
         default="brightness",
         metadata={"doc": "brightness, contrast, color:r=..,g=..,b=.., or module:function"},
     )
+    objective: str = attrs.field(
+        default="reward",
+        metadata={"doc": "reward (backprop through the sampler), grpo (Flow-GRPO with KL) or "
+                         "adjoint_matching; set by the script (docs/recipes.md)"},
+    )  # fmt: skip
+    group_size: int = attrs.field(
+        default=4, metadata={"doc": "grpo: samples per prompt (advantages within a group)"}
+    )
+    noise_level: float = attrs.field(
+        default=0.7, metadata={"doc": "grpo: FlowSDE noise level a (Flow-GRPO's 0.7)"}
+    )
+    clip_range: float = attrs.field(
+        default=1e-4, metadata={"doc": "grpo: PPO clip range of the ratio (Flow-GRPO's 1e-4)"}
+    )
+    adv_clip_max: float = attrs.field(
+        default=5.0, metadata={"doc": "grpo: advantages clipped to [-max, max] (Flow-GRPO's 5)"}
+    )
+    kl_weight: float = attrs.field(
+        default=0.04,
+        metadata={"doc": "grpo: KL weight beta to the adapters-off model (Flow-GRPO SD3's 0.04; "
+                         "0: no KL term)"},
+    )  # fmt: skip
+    reward_multiplier: float = attrs.field(
+        default=1.0,
+        metadata={"doc": "adjoint_matching: terminal loss = -multiplier * reward (the tilt "
+                         "exp(multiplier * reward) of the base model)"},
+    )  # fmt: skip
+    report_to: str = attrs.field(
+        default="tensorboard",
+        metadata={"doc": "accelerate trackers: tensorboard, wandb, all (both) or none"},
+    )
+    validation_prompt: str | None = attrs.field(
+        default=None,
+        metadata={"doc": "prompt of the sample grids (default: the first training prompts)"},
+    )
     log_every: int = attrs.field(default=1, metadata={"doc": "steps between log records"})
     sample_every: int = attrs.field(
         default=50, metadata={"doc": "steps between PNG sample grids (0: at the end only)"}
@@ -136,6 +197,7 @@ class RecipeConfig:
         validate(self)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every setting (tuples as lists): what checkpoints record, ``resume`` included."""
         return {
             f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
             for f in attrs.fields(RecipeConfig)
@@ -165,11 +227,54 @@ TINY_DEFAULTS: dict[str, Any] = {
     "sample_count": 2,
 }
 
+#: The objectives (``objective``): the reward recipes and the RL recipes.
+OBJECTIVES = ("reward", "grpo", "adjoint_matching")
+#: Settings that differ between objectives (after the family's, before the tiny defaults).
+OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"batch_size": 4}}
+#: With ``tiny = true``, per objective (after :data:`TINY_DEFAULTS`).
+TINY_OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"batch_size": 2, "group_size": 2}}
+
 #: Settings a resumed run may change (how far it goes and what it writes, not the math).
 MAY_CHANGE_ON_RESUME = frozenset(
     {"steps", "out", "resume", "log_every", "sample_every", "sample_count", "save_every",
-     "keep_checkpoints"}
+     "keep_checkpoints", "report_to", "validation_prompt"}
 )  # fmt: skip
+
+#: Settings never written into a run's saved config (``config.toml``, the checkpoints'
+#: ``recipe_state.json``): reusing a saved config as ``--config`` starts a run.
+NOT_SAVED = frozenset({"resume"})
+
+LR_SCHEDULERS = (
+    "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+    "polynomial", "piecewise_constant",
+)  # fmt: skip
+REPORT_TO = ("tensorboard", "wandb", "all", "none")
+
+#: diffusers' training-script names of settings (and a few older recipe names), as
+#: aliases: every name of a setting, in either spelling (``_`` or ``-``), is one setting
+#: (one ``dest``) on the command line, in a TOML file and in ``--set``.
+ALIASES: dict[str, str] = {
+    "pretrained_model_name_or_path": "pretrained",
+    "output_dir": "out",
+    "train_batch_size": "batch_size",
+    "max_train_steps": "steps",
+    "learning_rate": "lr",
+    "gradient_accumulation_steps": "gradient_accumulation",
+    "checkpointing_steps": "save_every",
+    "checkpoints_total_limit": "keep_checkpoints",
+    "resume_from_checkpoint": "resume",
+    "rank": "lora_rank",
+    "lora_layers": "lora_targets",
+    "validation_steps": "sample_every",
+    "num_validation_images": "sample_count",
+    "adam_weight_decay": "weight_decay",
+}
+
+
+def canonical(key: str) -> str:
+    """The setting a name means: hyphens as underscores, diffusers' names as the recipe's."""
+    key = key.strip().replace("-", "_")
+    return ALIASES.get(key, key)
 
 
 def _positive_int(config: RecipeConfig, key: str, minimum: int = 1) -> None:
@@ -206,6 +311,30 @@ def validate(config: RecipeConfig) -> None:
         raise _fail("seed", config.seed, "must be an integer >= 0")
     _finite(config, "lr", 0.0, strict=True)
     _finite(config, "weight_decay", 0.0)
+    _positive_int(config, "lr_warmup_steps", minimum=0)
+    _positive_int(config, "lr_num_cycles")
+    _finite(config, "lr_power", 0.0, strict=True)
+    if config.lr_scheduler not in LR_SCHEDULERS:
+        raise _fail(
+            "lr_scheduler", config.lr_scheduler, f"must be one of {list(LR_SCHEDULERS)}",
+            "(the schedules of diffusers.optimization.get_scheduler)",
+        )  # fmt: skip
+    if config.lr_scheduler == "piecewise_constant":
+        _check_step_rules(config.lr_step_rules)
+    for key in ("adam_beta1", "adam_beta2", "ema_decay"):
+        _finite(config, key, 0.0)
+        if getattr(config, key) >= 1:
+            raise _fail(key, getattr(config, key), "must be in [0, 1)")
+    _finite(config, "adam_epsilon", 0.0, strict=True)
+    if config.report_to not in REPORT_TO:
+        raise _fail("report_to", config.report_to, f"must be one of {list(REPORT_TO)}")
+    if config.validation_prompt is not None and not config.validation_prompt.strip():
+        raise _fail("validation_prompt", config.validation_prompt, "must not be empty")
+    if config.use_ema and config.fsdp:
+        raise _fail(
+            "use_ema", True, "an EMA of FSDP-sharded LoRA weights is not supported",
+            "set fsdp = false (DDP) or use_ema = false",
+        )  # fmt: skip
     _finite(config, "max_grad_norm", 0.0)
     _finite(config, "guidance_scale", 0.0)
     _finite(config, "eta", 0.0)
@@ -238,6 +367,7 @@ def validate(config: RecipeConfig) -> None:
         raise _fail("estimator", config.estimator, "must name a gradest estimator, e.g. 'sdo'")
     if not config.reward.strip():
         raise _fail("reward", config.reward, "must name a reward, e.g. 'brightness'")
+    _validate_objective(config)
     if not config.tiny and config.pretrained is None:
         raise _fail(
             "pretrained", None, "a local diffusers model folder is needed",
@@ -249,6 +379,46 @@ def validate(config: RecipeConfig) -> None:
             "pass --embeddings prompts.pt (gradest_recipes.prompts writes one; --tiny makes "
             "random ones)",
         )  # fmt: skip
+
+
+def _validate_objective(config: RecipeConfig) -> None:
+    """The RL objectives' settings (checked whatever the objective, so a saved config is
+    valid under every objective)."""
+    if config.objective not in OBJECTIVES:
+        raise _fail("objective", config.objective, f"must be one of {list(OBJECTIVES)}")
+    _positive_int(config, "group_size", minimum=2)
+    _finite(config, "noise_level", 0.0, strict=True)
+    _finite(config, "clip_range", 0.0, strict=True)
+    if config.clip_range >= 1:
+        raise _fail("clip_range", config.clip_range, "must be in (0, 1)", "Flow-GRPO uses 1e-4")
+    _finite(config, "adv_clip_max", 0.0, strict=True)
+    _finite(config, "kl_weight", 0.0)
+    _finite(config, "reward_multiplier", 0.0, strict=True)
+    if config.objective == "grpo" and config.batch_size % config.group_size:
+        raise _fail(
+            "batch_size", config.batch_size,
+            f"objective 'grpo' needs a multiple of group_size={config.group_size} (each "
+            f"process samples whole groups of one prompt)",
+            f"use batch_size = {max(1, config.batch_size // config.group_size) * config.group_size}",
+        )  # fmt: skip
+
+
+def _check_step_rules(rules: str | None) -> None:
+    """``piecewise_constant``'s rules as get_scheduler reads them: ``f:s,...,f_last``."""
+    fix = (
+        "e.g. lr_step_rules = '1:10,0.1:20,0.01' (factor 1 until step 10, 0.1 until 20, then 0.01)"
+    )
+    if not rules:
+        raise _fail("lr_step_rules", rules, "lr_scheduler='piecewise_constant' needs rules", fix)
+    *pairs, last = rules.split(",")
+    try:
+        float(last)
+        for pair in pairs:
+            factor, until = pair.split(":")
+            float(factor)
+            int(until)
+    except ValueError:
+        raise _fail("lr_step_rules", rules, "must read 'factor:step,...,factor'", fix) from None
 
 
 def _optional(kind: Any) -> bool:
@@ -310,6 +480,23 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
+def _canonical_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``values`` under the settings' own names (aliases and hyphens resolved); two names
+    of one setting with different values are refused."""
+    out: dict[str, Any] = {}
+    named: dict[str, str] = {}
+    for key, value in values.items():
+        name = canonical(key)
+        if name in out and out[name] != value:
+            raise RecipeConfigError(
+                f"setting {name} is given twice in {source}, as {named[name]!r}={out[name]!r} "
+                f"and {key!r}={value!r}; give it once"
+            )
+        out[name], named[name] = value, key
+    _check_keys(out, source)
+    return out
+
+
 def _check_keys(values: Mapping[str, Any], source: str) -> None:
     for key in values:
         if key not in FIELDS:
@@ -331,8 +518,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise RecipeConfigError(f"config file {str(file)!r} is not valid TOML: {err}") from None
     if set(data) == {"recipe"} and isinstance(data["recipe"], dict):
         data = data["recipe"]
-    _check_keys(data, f"config file {str(file)!r}")
-    return data
+    return _canonical_keys(data, f"config file {str(file)!r}")
 
 
 def load_config(
@@ -349,15 +535,28 @@ def load_config(
     if file is not None:
         user.update(read_toml(file))
     if overrides:
-        _check_keys(overrides, "the overrides")
-        user.update(overrides)
+        user.update(_canonical_keys(overrides, "the overrides"))
     user = {key: _coerce(key, value) for key, value in user.items()}
-    base: dict[str, Any] = dict(saved or {})
+    base: dict[str, Any] = {k: v for k, v in (saved or {}).items() if k not in NOT_SAVED}
     _check_keys(base, "the resumed run's saved settings")
     tiny = user.get("tiny", base.get("tiny", False))
+    objective = user.get("objective", base.get("objective", "reward"))
+    if saved is not None and objective != base.get("objective", "reward"):
+        raise RecipeConfigError(
+            f"setting objective={objective!r} differs from the resumed run's "
+            f"{base.get('objective', 'reward')!r}; resume a run with the script of its own "
+            f"objective (examples/recipes/{family}_{base.get('objective', 'reward')}.py)"
+        )
+    if objective != "reward" and family == "sd_unet":
+        raise RecipeConfigError(
+            f"setting objective={objective!r} is invalid for the sd_unet recipe: the RL "
+            f"objectives run on flow-matching models (sd3, flux); use objective = 'reward'"
+        )
     values: dict[str, Any] = {**FAMILY_DEFAULTS[family]}
+    values.update(OBJECTIVE_DEFAULTS.get(objective, {}))
     if tiny:
         values.update(TINY_DEFAULTS)
+        values.update(TINY_OBJECTIVE_DEFAULTS.get(objective, {}))
     values.update({key: _coerce(key, value) for key, value in base.items()})
     values.update(user)
     return RecipeConfig(**values)
@@ -365,7 +564,7 @@ def load_config(
 
 def _parse_set(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
-    key = key.strip().replace("-", "_")
+    key = canonical(key) if key.strip() else ""
     if not sep or not key:
         raise RecipeConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set lr=1e-4")
     try:
@@ -375,11 +574,22 @@ def _parse_set(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _spellings(name: str) -> list[str]:
+    """``--a_b`` and ``--a-b`` (one spelling when the name has no underscore)."""
+    return list(dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]))
+
+
 def build_parser(family: str, description: str = "") -> argparse.ArgumentParser:
-    """The command line of a recipe: ``--config``, ``--set`` and one option per field."""
+    """The command line of a recipe: ``--config``, ``--set`` and one option per field.
+
+    Every setting takes its own name and its diffusers training-script name
+    (:data:`ALIASES`), each with ``_`` or ``-``; a boolean setting ``x`` is the flag
+    ``--x`` and ``--no-x`` (``--no_x``). All names of a setting write one ``dest``.
+    """
     parser = argparse.ArgumentParser(
         description=description or f"gradest {family} reward fine-tuning recipe",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file of settings")
     parser.add_argument(
@@ -389,30 +599,58 @@ def build_parser(family: str, description: str = "") -> argparse.ArgumentParser:
         dest="set_values",
         help="override any setting (value read as TOML, else as a string); repeatable",
     )
+    aliases: dict[str, list[str]] = {}
+    for alias, name in ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
     for field in attrs.fields(RecipeConfig):
-        names = [f"--{field.name.replace('_', '-')}"]
+        names = [n for base in (field.name, *aliases.get(field.name, [])) for n in _spellings(base)]
         is_bool = _base_type(field.type) is bool
-        if "_" in field.name and not is_bool:  # --lora_rank too; flags keep one spelling
-            names.append(f"--{field.name}")
         doc = field.metadata.get("doc", "")
         default = FAMILY_DEFAULTS[family].get(field.name, field.default)
         if isinstance(default, tuple):
             default = ",".join(default)
         help_text = f"{doc} (default: {default})"
         if is_bool:
-            parser.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*names, dest=field.name, action="store_const", const=True,
                                 help=help_text)  # fmt: skip
+            negated = [n for base in (field.name, *aliases.get(field.name, []))
+                       for n in _spellings(f"no_{base}")]  # fmt: skip
+            parser.add_argument(*negated, dest=field.name, action="store_const", const=False,
+                                help=argparse.SUPPRESS)  # fmt: skip
         else:
             parser.add_argument(*names, dest=field.name, metavar="VALUE", help=help_text)
     return parser
 
 
+def _reward_is_code(spec: Any) -> bool:
+    """Whether a ``reward`` setting names code to import (``module:fn``, ``file.py:fn``)."""
+    from gradest_recipes.rewards import BUILTIN_REWARDS
+
+    return isinstance(spec, str) and spec.strip().partition(":")[0] not in BUILTIN_REWARDS
+
+
+def resolve_latest(out: str | Path) -> str | None:
+    """``resume = "latest"``: the newest complete checkpoint in ``out``, or ``None``."""
+    from gradest_recipes.checkpoints import checkpoint_dirs
+
+    found = checkpoint_dirs(Path(out) / "checkpoints")
+    return str(found[0][1]) if found else None
+
+
 def config_from_argv(
-    family: str, argv: Sequence[str] | None, saved_from: Any = None
+    family: str, argv: Sequence[str] | None, saved_from: Any = None, *,
+    objective: str | None = None, script: str = "",
 ) -> tuple[RecipeConfig, dict[str, Any]]:
     """Parse ``argv``; returns the config and the user's own settings (file + CLI).
 
-    ``saved_from(resume_dir) -> dict`` supplies a resumed run's saved settings.
+    ``saved_from(resume) -> dict`` supplies a resumed run's saved settings: a resumed run
+    takes every setting from them, and the user's own (file, command line) on top, which
+    the recipe then compares with the run's. ``objective``: the script's objective, set
+    as if given on the command line (a file or option naming another one is refused, and
+    so is resuming a run of another objective). ``resume = "latest"`` is the newest
+    checkpoint in ``out`` (none there: a new run, as diffusers' scripts do). A saved
+    reward that names code (``module:function``) is never imported from the run's files:
+    the user names it again.
     """
     parser = build_parser(family)
     args = vars(parser.parse_args(argv))
@@ -425,19 +663,44 @@ def config_from_argv(
     user: dict[str, Any] = {}
     if file is not None:
         user.update(read_toml(file))
-    _check_keys(overrides, "the command line")
-    user.update(overrides)
+    user.update(_canonical_keys(overrides, "the command line"))
+    if objective is not None:
+        given = user.get("objective", objective)
+        if given != objective:
+            raise RecipeConfigError(
+                f"setting objective={given!r} is invalid for {script or 'this script'}, which "
+                f"runs objective {objective!r}; run examples/recipes/{family}_"
+                f"{given if given in OBJECTIVES else '<objective>'}.py instead"
+            )
+        user["objective"] = objective
     resume = user.get("resume")
+    if isinstance(resume, str) and resume.strip().lower() == "latest":
+        out = _coerce("out", user.get("out", FIELDS["out"].default))
+        resume = user["resume"] = resolve_latest(out)
+        if resume is None:
+            import sys
+
+            print(
+                f"resume_from_checkpoint=latest: no checkpoint in {out}; starting a new run",
+                file=sys.stderr,
+            )
     saved = saved_from(resume) if (saved_from is not None and resume) else None
+    if saved is not None and "reward" not in user and _reward_is_code(saved.get("reward")):
+        raise RecipeConfigError(
+            f"setting reward: the resumed run's reward {saved['reward']!r} is code, which a "
+            f"resume does not import from the run's files; pass --reward {saved['reward']} "
+            f"(the same reward) to continue the run"
+        )
     config = load_config(family, overrides=user, saved=saved)
     return config, user
 
 
 def to_toml(config: RecipeConfig) -> str:
-    """``config`` as a TOML file that :func:`load_config` reads back (``None`` is left out)."""
+    """``config`` as a TOML file that :func:`load_config` reads back (``None`` and
+    :data:`NOT_SAVED` are left out: as ``--config`` it starts a run)."""
     lines = []
     for key, value in config.to_dict().items():
-        if value is None:
+        if value is None or key in NOT_SAVED:
             continue
         if isinstance(value, bool):
             text = "true" if value else "false"

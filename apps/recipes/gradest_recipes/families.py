@@ -63,6 +63,10 @@ class Family:
         to_vae_latents: ``z [B, *latent_shape] -> [B, C, h, w]`` (Flux unpacks).
         lora_prefix: the pipeline's name for the denoiser (``"transformer"`` / ``"unet"``).
         make_cond: ``(embeddings, index [B], device) -> cond`` for ``model(z, t, **cond)``.
+        scheduler: the diffusers scheduler the sampler was built from.
+        schedule_options: the ``set_timesteps`` keywords the sampler was built with (Flux:
+            ``sigmas``, ``mu``), so another sampler on the same grid can be built from
+            ``scheduler`` (``FlowSDE.from_scheduler(scheduler, N, **schedule_options)``).
     """
 
     name: str
@@ -74,6 +78,8 @@ class Family:
     to_vae_latents: Callable[[Tensor], Tensor]
     lora_prefix: str
     make_cond: Callable[[PromptEmbeddings, Tensor, torch.device], dict[str, Any]]
+    scheduler: Any = None
+    schedule_options: dict[str, Any] = attrs.field(factory=dict)
 
 
 def _diffusers() -> Any:
@@ -308,6 +314,7 @@ def build_family(
     denoiser.train()
 
     fixed: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     sampler: Any
     if family == "sd_unet":
         sampler = DDIM.from_scheduler(scheduler, config.num_inference_steps, eta=config.eta)
@@ -318,7 +325,6 @@ def build_family(
                 f"setting eta={config.eta!r} is invalid for the {family} recipe: eta is DDIM's "
                 f"noise (sd_unet); flow-matching Euler sampling is deterministic. Set eta = 0"
             )
-        options: dict[str, Any] = {}
         if family == "flux":
             import numpy as np
 
@@ -382,6 +388,8 @@ def build_family(
         to_vae_latents=to_vae_latents,
         lora_prefix="unet" if family == "sd_unet" else "transformer",
         make_cond=make_cond,
+        scheduler=scheduler,
+        schedule_options=options,
     )
 
 

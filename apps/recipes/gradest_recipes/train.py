@@ -13,8 +13,13 @@ Outputs in ``out``: ``config.toml`` (every setting), ``log.jsonl`` (one record p
 :mod:`gradest_recipes.checkpoints`) and ``lora/pytorch_lora_weights.safetensors`` (the
 final adapters in diffusers' format).
 
-Entry point: :func:`main` ``(argv, family=...)``; ``examples/recipes/*_reward.py`` are
-thin scripts around it.
+With ``objective = "grpo"`` or ``"adjoint_matching"`` (the scripts
+``examples/recipes/{sd3,flux}_{grpo,adjoint_matching}.py``) each micro-step instead rolls
+out the current model with a stochastic sampler and trains with a stepwise RL objective on
+the recorded path (:mod:`gradest_recipes.rl_objectives`); everything else is the same loop.
+
+Entry point: :func:`main` ``(argv, family=..., objective=...)``; ``examples/recipes/*.py``
+are thin scripts around it.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gradest.errors import GradestError, InvalidValue
+from gradest.errors import GradestError, InvalidValue, MissingDependency
 from gradest.files import JsonLog, atomic_write, atomic_write_text, check_output_dir
 from gradest_recipes.checkpoints import (
     FullStateAdamW,
+    abandon_newer,
     export_lora,
     find_checkpoint,
     lora_tensors,
@@ -47,6 +53,7 @@ from gradest_recipes.checkpoints import (
 )
 from gradest_recipes.config import (
     MAY_CHANGE_ON_RESUME,
+    NOT_SAVED,
     RecipeConfig,
     RecipeConfigError,
     config_from_argv,
@@ -55,6 +62,7 @@ from gradest_recipes.config import (
 from gradest_recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
 from gradest_recipes.families import Family, build_family, guided, shard_denoiser
 from gradest_recipes.rewards import Reward, decode_images, resolve_reward, reward_objective
+from gradest_recipes.rl_objectives import RLObjective, per_sample_reward, supports_stepwise
 
 __all__ = ["main", "script_main", "train"]
 
@@ -62,7 +70,7 @@ __all__ = ["main", "script_main", "train"]
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-NOISE, ESTIMATOR, SAMPLES = 0, 1, 2  # generator streams
+NOISE, ESTIMATOR, SAMPLES, ROLLOUT = 0, 1, 2, 3  # generator streams
 
 
 def generator_for(seed: int, *keys: int) -> torch.Generator:
@@ -72,23 +80,60 @@ def generator_for(seed: int, *keys: int) -> torch.Generator:
 
 
 def saved_settings(resume: str) -> dict[str, Any]:
-    """The settings a run saved in its newest checkpoint (for ``--resume``)."""
-    _, state = find_checkpoint(resume)
-    return dict(state["config"])
+    """The settings a run saved in its newest checkpoint (for ``--resume``); ``out`` is
+    the run folder that holds the checkpoint (where the run continues unless told)."""
+    folder, state = find_checkpoint(resume)
+    settings = {k: v for k, v in state["config"].items() if k not in NOT_SAVED}
+    if folder.parent.name == "checkpoints":
+        settings["out"] = str(folder.parent.parent)
+    return settings
 
 
-def main(argv: Sequence[str] | None = None, *, family: str) -> int:
-    """Run the ``family`` recipe with command-line ``argv``; returns the exit status."""
-    config, _ = config_from_argv(family, argv, saved_from=saved_settings)
+#: What the recipes import beyond gradest; a missing one is named in one line.
+NEEDS = ("accelerate", "peft", "diffusers", "safetensors")
+
+
+def missing_dependencies() -> list[str]:
+    """The packages of :data:`NEEDS` that are not installed."""
+    import importlib.util
+
+    missing = []
+    for name in NEEDS:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def main(
+    argv: Sequence[str] | None = None, *, family: str, objective: str = "reward"
+) -> int:
+    """Run the ``family`` recipe with command-line ``argv`` and the script's ``objective``
+    (``reward``, ``grpo``, ``adjoint_matching``); returns the exit status."""
+    missing = missing_dependencies()
+    if missing:
+        raise MissingDependency(
+            f"the recipes need {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+            f"not installed: pip install ./apps/recipes (from the gradest repository root)"
+        )
+    script = f"{family}_{objective}.py"
+    config, _ = config_from_argv(
+        family, argv, saved_from=saved_settings, objective=objective, script=script
+    )
     train(family, config)
     return 0
 
 
-def script_main(family: str, argv: Sequence[str] | None = None) -> int:
+def script_main(
+    family: str, argv: Sequence[str] | None = None, *, objective: str = "reward"
+) -> int:
     """:func:`main` for a script's ``__main__``: a documented error (a bad setting, a
     missing file) is printed as one line and exits 2; anything else keeps its traceback."""
     try:
-        return main(argv, family=family)
+        return main(argv, family=family, objective=objective)
     except GradestError as err:
         print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
         return 2
@@ -177,11 +222,17 @@ def _estimator(config: RecipeConfig) -> Any:
         estimator = gradest.estimator(config.estimator)
         # Options that need more steps than the sampler has fail now, not after loading.
         check_steps(estimator, config.num_inference_steps)
-        return estimator
     except (GradestError, ValueError, TypeError) as err:
         raise RecipeConfigError(
             f"setting estimator={config.estimator!r} is invalid: {err}"
         ) from None
+    if config.objective != "reward" and not supports_stepwise(estimator):
+        raise RecipeConfigError(
+            f"setting estimator={config.estimator!r} is invalid for objective "
+            f"{config.objective!r}: it is defined for terminal (reward) objectives only; the "
+            f"RL objectives are stepwise: use e.g. exact, sdo, jagg, truncated or telescope"
+        )
+    return estimator
 
 
 def _save_grid(images: Tensor, path: Path) -> Tensor:
@@ -215,6 +266,83 @@ def _has_fp16_device() -> bool:
     )
 
 
+def _wandb_offline_unless_logged_in() -> None:
+    """Offline wandb (files under ``out/wandb``, ``wandb sync`` later) unless WANDB_MODE is
+    set or an API key is at hand (``WANDB_API_KEY``, or ``wandb login``'s netrc entry)."""
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        import netrc
+
+        logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        logged_in = False
+    if not logged_in:
+        os.environ["WANDB_MODE"] = "offline"
+
+
+def _trackers(family: str, config: RecipeConfig, out: Path, step: int) -> list[Any]:
+    """accelerate trackers for ``report_to``: TensorBoard in ``out/tensorboard``, wandb in
+    ``out/wandb`` (offline without an API key); ``step``: where a resumed run starts."""
+    names = {"all": ["tensorboard", "wandb"], "none": []}.get(config.report_to, [config.report_to])
+    trackers: list[Any] = []
+    if "tensorboard" in names:
+        from accelerate.tracking import TensorBoardTracker
+
+        # A resumed run redoes the steps after its checkpoint: purge_step hides the
+        # earlier run's events from the first redone step on, so none appears twice.
+        trackers.append(TensorBoardTracker("tensorboard", str(out), purge_step=step + 1))
+    if "wandb" in names:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise MissingDependency(
+                f"setting report_to={config.report_to!r} needs wandb: "
+                f"pip install './apps/recipes[wandb]'"
+            )
+        from accelerate.tracking import WandBTracker
+
+        _wandb_offline_unless_logged_in()
+        out.mkdir(parents=True, exist_ok=True)
+        trackers.append(
+            WandBTracker(f"gradest-recipes-{family}", dir=str(out), name=out.name or family)
+        )
+    return trackers
+
+
+def _hparams(config: RecipeConfig) -> dict[str, Any]:
+    """The settings as tracker hyperparameters (str, int, float, bool only)."""
+    values: dict[str, Any] = {}
+    for key, value in config.to_dict().items():
+        if key in NOT_SAVED:
+            continue
+        if isinstance(value, list):
+            value = ",".join(value)
+        values[key] = "none" if value is None else value
+    return values
+
+
+def _validation_embeddings(family: str, config: RecipeConfig, device: Any) -> PromptEmbeddings:
+    """The prompt embeddings of ``validation_prompt``: encoded with the pipeline's own text
+    encoders from ``pretrained`` (:func:`gradest_recipes.prompts.encode_prompts`), or with
+    ``tiny = true`` tiny random embeddings seeded by the prompt's text."""
+    prompt = config.validation_prompt or ""
+    if config.tiny:
+        import zlib
+
+        tiny = tiny_embeddings(family, seed=zlib.crc32(prompt.encode("utf-8")))
+        tensors = {k: v if k.startswith("negative_") else v[:1] for k, v in tiny.tensors.items()}
+        return PromptEmbeddings(family=family, prompts=(prompt,), tensors=tensors)
+    from gradest_recipes.prompts import encode_prompts
+
+    encoded = encode_prompts(
+        family, config.pretrained or "", [prompt], device=str(device),
+        dtype=WEIGHT_DTYPES[config.mixed_precision],
+    )  # fmt: skip
+    gc.collect()  # the text encoders are gone again
+    return encoded
+
+
 class _Run:
     """One run's state (kept in one place so the loop reads top to bottom)."""
 
@@ -232,12 +360,15 @@ class _Run:
                 "bf16 only); use 'bf16' or 'no' there, 'fp16' on a GPU"
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.out = Path(config.out)
+        resume_step = int(find_checkpoint(config.resume)[1]["step"]) if config.resume else 0
         self.accelerator = accelerator = Accelerator(
             mixed_precision=config.mixed_precision,
             gradient_accumulation_steps=config.gradient_accumulation,
             # Several processes on a machine without CUDA: data parallel on CPUs (gloo),
             # which accelerate enables only with cpu=True.
             cpu=world > 1 and not torch.cuda.is_available(),
+            log_with=_trackers(family_name, config, self.out, resume_step) or None,
         )
         if world > 1 and accelerator.num_processes != world:
             raise RecipeConfigError(
@@ -246,11 +377,15 @@ class _Run:
                 f"Launch with accelerate launch (or torchrun) on a supported backend"
             )
         _check_fsdp(config, accelerator, world)
-        self.out = Path(config.out)
         self.resume_from: tuple[Path, dict[str, Any]] | None = None
         if config.resume:
             self.resume_from = find_checkpoint(config.resume)
             _check_resume(family_name, config, self.resume_from[1])
+            if accelerator.is_main_process:  # this lineage's newer checkpoints: kept aside
+                for moved in abandon_newer(self.out, int(self.resume_from[1]["step"])):
+                    print(f"resuming from step {self.resume_from[1]['step']}: the newer "
+                          f"checkpoint was moved to {moved}", file=sys.stderr)  # fmt: skip
+            accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             check_output_dir(self.out, what="the recipe's out folder")
             if not config.resume and (self.out / "log.jsonl").exists():
@@ -274,12 +409,27 @@ class _Run:
             device=accelerator.device,
         )
         self.family.vae.to(accelerator.device)
+        self.rl: RLObjective | None = (
+            RLObjective(self.family, config) if config.objective != "reward" else None
+        )
         velocity = self.family.velocity
         if config.fsdp:  # torch's FSDP2, applied here: accelerate prepares FSDP on GPUs only
             shard_denoiser(self.family.denoiser)
+        self.validation: PromptEmbeddings | None = (
+            _validation_embeddings(family_name, config, accelerator.device)
+            if config.validation_prompt
+            else None
+        )
         trainable = [p for p in velocity.parameters() if p.requires_grad]
+        self.trainable = trainable
         optimizer_class = FullStateAdamW if config.fsdp else torch.optim.AdamW
-        optimizer = optimizer_class(trainable, lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = optimizer_class(
+            trainable,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            weight_decay=config.weight_decay,
+        )
         if config.fsdp:
             # Not through accelerate.prepare, which would wrap the sharded model in DDP;
             # accelerate still handles the optimizer, accumulation, clipping and state.
@@ -290,6 +440,26 @@ class _Run:
             self.model, self.optimizer = accelerator.prepare(velocity, optimizer)
             register_lora_hooks(accelerator)
         self.parallel = _parallel(self.model)
+        # The schedule steps once per optimizer step, here (not prepared: accelerate would
+        # step it once per process); its state and the EMA's go into every checkpoint.
+        from diffusers.optimization import get_scheduler
+
+        self.lr_scheduler = get_scheduler(
+            config.lr_scheduler,
+            self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer,
+            step_rules=config.lr_step_rules,
+            num_warmup_steps=config.lr_warmup_steps,
+            num_training_steps=config.steps,
+            num_cycles=config.lr_num_cycles,
+            power=config.lr_power,
+        )
+        accelerator.register_for_checkpointing(self.lr_scheduler)
+        self.ema: Any = None
+        if config.use_ema:
+            from diffusers.training_utils import EMAModel
+
+            self.ema = EMAModel(trainable, decay=config.ema_decay)
+            accelerator.register_for_checkpointing(self.ema)
         self.log = JsonLog(self.out / "log.jsonl") if accelerator.is_main_process else None
         if accelerator.is_main_process:
             atomic_write_text(self.out / "config.toml", to_toml(config))
@@ -297,22 +467,25 @@ class _Run:
         if self.resume_from is not None:
             folder, state = self.resume_from
             accelerator.load_state(str(folder))
+            if self.ema is not None:
+                self.ema.to(accelerator.device)
+            # The schedule is a function of ``steps``, which a resume may change: the lr of
+            # the next step from the loaded position under this run's schedule.
+            self.lr_scheduler.last_epoch -= 1
+            self.lr_scheduler.step()
             self.step = int(state["step"])
             if self.log is not None:
                 self.log.keep(lambda record: record.get("step", 0) <= self.step)
-        self.writer: Any = None
-        if accelerator.is_main_process:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # A resumed run redoes the steps after its checkpoint: purge_step hides the
-            # earlier run's events from the first redone step on, so none appears twice.
-            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
+        accelerator.init_trackers(f"gradest-recipes-{family_name}", config=_hparams(config))
 
     # -- one step ------------------------------------------------------------------------------
 
     def batch(self, micro: int) -> tuple[Tensor, Tensor]:
         g = generator_for(self.config.seed, NOISE, self.step, micro, self.accelerator.process_index)
-        index = torch.randint(self.embeddings.count, (self.config.batch_size,), generator=g)
+        if self.rl is not None:  # grpo: whole groups of one prompt
+            index = self.rl.prompt_index(g, self.embeddings.count, self.config.batch_size)
+        else:
+            index = torch.randint(self.embeddings.count, (self.config.batch_size,), generator=g)
         noise = torch.randn((self.config.batch_size, *self.family.latent_shape), generator=g)
         return index, noise.to(self.accelerator.device)
 
@@ -320,21 +493,40 @@ class _Run:
         accelerator, config, family = self.accelerator, self.config, self.family
         started = time.perf_counter()
         values, losses, units, grad_norm = [], [], 0.0, float("nan")
+        extras: dict[str, list[float]] = {}
+        lr = float(self.lr_scheduler.get_last_lr()[0])  # this step's learning rate
         for micro in range(config.gradient_accumulation):
             index, noise = self.batch(micro)
             prompts = [self.embeddings.prompts[int(i)] for i in index]
-            objective = reward_objective(
-                self.reward, family.vae, family.to_vae_latents, prompts,
-                autocast=accelerator.autocast,
-            )  # fmt: skip
             cond = family.make_cond(self.embeddings, index, accelerator.device)
             generator = generator_for(
                 config.seed, ESTIMATOR, self.step, micro, accelerator.process_index
             )
+            prepared = None
+            if self.rl is None:
+                sampler, inputs = family.sampler, {"noise": noise}
+                objective = reward_objective(
+                    self.reward, family.vae, family.to_vae_latents, prompts,
+                    autocast=accelerator.autocast,
+                )  # fmt: skip
+            else:  # roll out the current model, then a stepwise objective on the path
+                rewards = per_sample_reward(
+                    self.reward, family.vae, family.to_vae_latents, prompts,
+                    autocast=accelerator.autocast,
+                )  # fmt: skip
+                rollout = generator_for(
+                    config.seed, ROLLOUT, self.step, micro, accelerator.process_index
+                )
+                prepared = self.rl.prepare(
+                    accelerator.unwrap_model(self.model), noise, cond, rewards, rollout
+                )
+                sampler, objective = self.rl.sampler, prepared.objective
+                inputs = {"trajectory": prepared.trajectory}
+                for key, value in prepared.metrics.items():
+                    extras.setdefault(key, []).append(value)
             with accelerator.accumulate(self.model):
                 sur = self.estimator.surrogate(
-                    self.model, family.sampler, objective,
-                    noise=noise, cond=cond, generator=generator,
+                    self.model, sampler, objective, cond=cond, generator=generator, **inputs,
                 )  # fmt: skip
                 accelerator.backward(sur.loss)
                 if accelerator.sync_gradients:
@@ -347,17 +539,30 @@ class _Run:
                     grad_norm = float(norm) if norm is not None else float("nan")
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:
+                    self.lr_scheduler.step()
+                    if self.ema is not None:
+                        self.ema.step(self.trainable)
             # The reward of this step's samples. An estimator that takes its loss on other
             # points (draft_lv: on re-noised copies of the sample) reports the sample's own
             # loss as info["sample_loss"]; its objective value goes to "loss".
-            values.append(-sur.info.get("sample_loss", sur.value))
+            if prepared is not None:  # the rollout's reward; sur.value is the RL objective
+                values.append(prepared.reward)
+            else:
+                values.append(-sur.info.get("sample_loss", sur.value))
             losses.append(sur.value)
             units += sur.cost.model_units()
         self.step += 1
-        local = torch.tensor([float(np.mean(values)), float(np.mean(losses))])
-        reward, loss = (
-            float(x) for x in accelerator.gather(local.to(accelerator.device)).view(-1, 2).mean(0)
+        names = sorted(extras)
+        local = torch.tensor(
+            [float(np.mean(values)), float(np.mean(losses))]
+            + [float(np.mean(extras[name])) for name in names]
         )
+        gathered = accelerator.gather(local.to(accelerator.device)).view(-1, local.numel())
+        reward, loss, *rest = (float(x) for x in gathered.mean(0))
+        means = dict(zip(names, rest, strict=True))
+        if "objective_model_units" in means:  # work, summed over the micro-steps
+            means["objective_model_units"] = float(np.sum(extras["objective_model_units"]))
         if not math.isfinite(reward):
             from gradest.errors import Diverged
 
@@ -367,8 +572,9 @@ class _Run:
             "reward": reward,
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": config.lr,
+            "lr": lr,
             "model_forwards": units,
+            **means,
             "seconds": time.perf_counter() - started,
         }
 
@@ -378,10 +584,12 @@ class _Run:
         if self.log is None:
             return
         self.log.append(values)
-        for key, value in values.items():
-            if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                self.writer.add_scalar(f"train/{key}", value, values["step"])
-        self.writer.flush()
+        scalars = {
+            f"train/{key}": value
+            for key, value in values.items()
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value)
+        }
+        self.accelerator.log(scalars, step=values["step"])
 
     @torch.no_grad()
     def sample_grid(self) -> None:
@@ -391,27 +599,43 @@ class _Run:
         accelerator, config, family = self.accelerator, self.config, self.family
         g = generator_for(config.seed, SAMPLES)
         count = config.sample_count
-        index = torch.arange(count) % self.embeddings.count
+        embeddings = self.validation or self.embeddings
+        index = torch.arange(count) % embeddings.count
         noise = torch.randn((count, *family.latent_shape), generator=g).to(accelerator.device)
-        cond = family.make_cond(self.embeddings, index, accelerator.device)
+        cond = family.make_cond(embeddings, index, accelerator.device)
         with accelerator.autocast():
             trajectory = gradest.rollout(self.model, family.sampler, noise, cond=cond)
             images = decode_images(family.vae, family.to_vae_latents(trajectory.states[-1]))
         if accelerator.is_main_process:
             path = self.out / "samples" / f"step_{self.step:06d}.png"
             grid = _save_grid(images, path)
-            self.writer.add_image("samples", grid, self.step)
-            self.writer.flush()
+            for tracker in accelerator.trackers:
+                if tracker.name == "tensorboard":
+                    tracker.writer.add_image("samples", grid, self.step)
+                    tracker.writer.flush()
+                elif tracker.name == "wandb":
+                    import wandb
 
-    def checkpoint(self) -> None:
-        state = {"family": self.family_name, "config": self.config.to_dict()}
-        save_checkpoint(self.accelerator, self.out, self.step, state, self.config.keep_checkpoints)
+                    caption = config.validation_prompt or "training prompts"
+                    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8)
+                    tracker.log(
+                        {"samples": wandb.Image(pixels.permute(1, 2, 0).numpy(), caption=caption)},
+                        step=self.step,
+                    )
 
-    def finish(self) -> None:
+    def lora_export_tensors(self, ema: bool = False) -> dict[str, Tensor]:
+        """The denoiser's LoRA tensors by its own parameter names (every process calls it:
+        FSDP shards are gathered); ``ema``: the EMA's values instead of the trained ones."""
         from accelerate.utils import DistributedType
 
         accelerator = self.accelerator
-        accelerator.wait_for_everyone()
+        if ema:
+            shadow = {id(p): s for p, s in zip(self.trainable, self.ema.shadow_params, strict=True)}
+            return {
+                name: shadow[id(p)].detach().float().cpu().contiguous()
+                for name, p in self.family.denoiser.named_parameters()
+                if "lora_" in name
+            }
         if accelerator.distributed_type == DistributedType.FSDP:  # accelerate's own FSDP
             state = accelerator.get_state_dict(self.model)  # every process (gathers)
             inner = next(
@@ -420,22 +644,38 @@ class _Run:
                 if module is self.family.denoiser
             )
             prefix = f"{inner}." if inner else ""
-            tensors = {
+            return {
                 key[len(prefix) :]: value
                 for key, value in state.items()
                 if key.startswith(prefix) and "lora_" in key
             }
-        else:  # the denoiser's own names; every process (fsdp = true: gathers the shards)
-            tensors = lora_tensors(self.family.denoiser)
-        if accelerator.is_main_process:
-            export_lora(
-                tensors,
-                self.family.lora_prefix,
-                self.out / "lora" / LORA_FILE,
-                self.config.lora_rank,
-                self.config.lora_alpha,
-            )
-            self.writer.close()
+        return lora_tensors(self.family.denoiser)
+
+    def export(self, folder: Path) -> None:
+        """Write ``folder/pytorch_lora_weights.safetensors`` (diffusers' LoRA format; with
+        ``use_ema`` also ``folder/ema/...``, the EMA weights). Every process calls it."""
+        exports = [(folder, self.lora_export_tensors())]
+        if self.ema is not None:
+            exports.append((folder / "ema", self.lora_export_tensors(ema=True)))
+        if self.accelerator.is_main_process:
+            for where, tensors in exports:
+                export_lora(
+                    tensors, self.family.lora_prefix, where / LORA_FILE,
+                    self.config.lora_rank, self.config.lora_alpha,
+                )  # fmt: skip
+
+    def checkpoint(self) -> None:
+        saved = {k: v for k, v in self.config.to_dict().items() if k not in NOT_SAVED}
+        state = {"family": self.family_name, "config": saved}
+        save_checkpoint(
+            self.accelerator, self.out, self.step, state, self.config.keep_checkpoints,
+            export=self.export,
+        )  # fmt: skip
+
+    def finish(self) -> None:
+        accelerator = self.accelerator
+        accelerator.wait_for_everyone()
+        self.export(self.out / "lora")
         # A DDP wrapper must not outlive its process group (end_training destroys it): with
         # gloo that aborted processes at exit (docs/distributed.md). Keep the bare module.
         self.model = accelerator.unwrap_model(self.model)
@@ -444,11 +684,34 @@ class _Run:
         accelerator.end_training()
 
 
+# Written last, after the final LoRA export: a run folder without it was stopped before
+# its export finished, and resuming it at its last step finishes the export.
+DONE_FILE = "done.json"
+
+
+def _write_done(run: _Run) -> None:
+    summary = {
+        "step": run.step,
+        "out": str(run.out),
+        "processes": run.accelerator.num_processes,
+        "parallel": run.parallel,
+    }
+    atomic_write_text(run.out / DONE_FILE, json.dumps(summary) + "\n")
+
+
 def train(family: str, config: RecipeConfig) -> _Run:
     """Run the recipe for ``family`` with ``config``; returns the finished run (its
     ``family.denoiser``, ``out``, ``step``)."""
     run = _Run(family, config)
     config = run.config
+    if run.step == config.steps and not (run.out / DONE_FILE).exists():
+        # Killed after its last checkpoint but before the export: finish the export only.
+        run.finish()
+        if run.accelerator.is_main_process:
+            _write_done(run)
+            print(f"{family}: the run was already at step {run.step}; exported its LoRA "
+                  f"weights to {run.out / 'lora' / LORA_FILE}")
+        return run
     if run.step >= config.steps:
         raise InvalidValue(
             f"setting steps={config.steps} is invalid: the resumed run is already at step "
@@ -459,7 +722,7 @@ def train(family: str, config: RecipeConfig) -> _Run:
     progress = tqdm(
         total=config.steps,
         initial=run.step,
-        desc=f"{family} reward fine-tuning",
+        desc=f"{family} {config.objective} fine-tuning",
         unit="step",
         disable=None if main_process else True,
     )
@@ -477,13 +740,7 @@ def train(family: str, config: RecipeConfig) -> _Run:
                 run.checkpoint()
     run.finish()
     if main_process:
-        summary = {
-            "step": run.step,
-            "out": str(run.out),
-            "processes": run.accelerator.num_processes,
-            "parallel": run.parallel,
-        }
-        atomic_write_text(run.out / "done.json", json.dumps(summary) + "\n")
+        _write_done(run)
         print(
             f"{family}: {run.step} steps done, last reward {values['reward']:.4g}; "
             f"LoRA weights {run.out / 'lora' / LORA_FILE}, log {run.out / 'log.jsonl'}"

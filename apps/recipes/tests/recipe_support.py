@@ -119,3 +119,104 @@ def assert_run_outputs(out: Path, steps: int) -> None:
     assert not list(checkpoint.glob("model*.safetensors"))
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (out / "config.toml").is_file()
+
+
+def tensorboard_scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of scalar ``tag`` in the TensorBoard event files of ``folder``,
+    read with tensorboard's ``EventAccumulator`` (purged steps left out, as TensorBoard
+    shows them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def wandb_offline_history(out: Path) -> tuple[list[dict], dict]:
+    """The history rows and the summary of the offline wandb run under ``out/wandb``.
+
+    wandb 0.2x+ has no Python reader of its run file any more (its service is in Go): the
+    ``run-<id>.wandb`` file is a LevelDB-style log (a 7-byte header ``:W&B``, magic
+    0xBEE1, version 0; then 32 KiB blocks of records, each a 7-byte header (crc32, length
+    uint16 LE, type: 1 full, 2 first, 3 middle, 4 last) and its bytes) of ``Record``
+    protobufs (``wandb.proto.wandb_internal_pb2``), read here directly."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1
+    block, position, pending, payloads = 32768, 7, b"", []
+    while position + 7 <= len(data):
+        room = block - position % block
+        if room < 7:  # the block's tail is padding
+            position += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if length == 0 and kind == 0:  # zero padding
+            position += room
+            continue
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            payloads.append(pending)
+            pending = b""
+    history, summary = [], {}
+    for payload in payloads:
+        record = pb.Record()
+        record.ParseFromString(payload)
+        which = record.WhichOneof("record_type")
+        if which == "history":
+            history.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }  # fmt: skip
+            )
+        elif which == "summary":
+            for item in record.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return history, summary
+
+
+def lora_export(folder: Path) -> dict[str, torch.Tensor]:
+    """The diffusers-format LoRA file of a checkpoint (or ``lora/``) folder."""
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "pytorch_lora_weights.safetensors"))
+
+
+def rl_script(family: str, objective: str):
+    """``examples/recipes/{family}_{objective}.py`` (the RL recipes) as a module."""
+    name = f"{family}_{objective}"
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_lora_loads_into_fresh_denoiser(
+    family: str, folder: Path, trained: dict[str, torch.Tensor]
+) -> None:
+    """diffusers' ``load_lora_adapter`` reads ``folder/pytorch_lora_weights.safetensors``
+    into a fresh tiny denoiser: every key matched, every weight the trained one (the
+    recipe's own names, ``.default.``, with or without the wrappers' path, as
+    ``lora_0.safetensors`` holds them; alpha = rank: scale 1)."""
+    import re
+
+    from gradest_recipes.families import tiny_denoiser
+
+    prefix = "unet" if family == "sd_unet" else "transformer"
+    wrapper = re.compile(r"^(model\.)?transformer\.")  # CFG's .model, DiffusersVelocity's
+    trained = {wrapper.sub("", key): value for key, value in trained.items()}
+    fresh = tiny_denoiser(family)
+    fresh.load_lora_adapter(str(folder), prefix=prefix, adapter_name="loaded",
+                            weight_name="pytorch_lora_weights.safetensors")  # fmt: skip
+    loaded = {k.replace(".loaded.", ".default."): v for k, v in fresh.state_dict().items()
+              if "lora_" in k}  # fmt: skip
+    assert set(loaded) == set(trained)  # no key unmatched, none missing
+    for key, value in trained.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)

@@ -266,3 +266,27 @@ def test_bad_arguments_name_the_flag_and_the_fix(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(diffusers.FluxPipeline, "encode_prompt", overflowing)
     err = refused("flux", model, "prompts.txt", "--max-sequence-length", "8")
     assert "--dtype" in err and "non-finite prompt_embeds" in err
+
+
+def test_a_validation_prompt_is_encoded_with_the_pipelines_text_encoders(tmp_path):
+    """``--validation_prompt`` with ``--pretrained``: the sample grids' prompt, encoded by
+    the pipeline's own encoders (as ``gradest_recipes.prompts`` encodes), grid written."""
+    from gradest_recipes.config import config_from_argv
+    from gradest_recipes.train import saved_settings, train
+
+    model = tiny_sd3_pipeline_folder(tmp_path / "pipe")
+    encode(tmp_path, "sd3", model, "--dtype", "float32")
+    out = tmp_path / "run"
+    argv = ["--pretrained_model_name_or_path", str(model), "--embeddings",
+            str(tmp_path / "prompts.pt"), "--output_dir", str(out), *SMALL,
+            "--validation_prompt", "a red cat", "--validation_steps", "1"]  # fmt: skip
+    config, _ = config_from_argv("sd3", argv, saved_from=saved_settings)
+    run = train("sd3", config)
+    want = prompts.encode_prompts("sd3", str(model), ["a red cat"], device="cpu",
+                                  dtype=torch.float32)  # fmt: skip
+    assert run.validation is not None and run.validation.prompts == ("a red cat",)
+    assert run.validation.tensors.keys() == want.tensors.keys()
+    for key, value in want.tensors.items():
+        assert torch.equal(run.validation.tensors[key], value), key
+    assert (out / "samples" / "step_000001.png").is_file()
+    assert (out / "samples" / "step_000002.png").is_file()

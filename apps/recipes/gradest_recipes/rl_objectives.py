@@ -1,0 +1,203 @@
+"""The RL recipes' objectives: Flow-GRPO with a KL to the base model, and adjoint matching.
+
+Both sample the *current* LoRA model with a stochastic sampler on the scheduler's own
+sigma grid (``gradest.FlowSDE.from_scheduler`` with the family's ``set_timesteps``
+keywords), record the path, and train with a :mod:`gradest.rl` stepwise objective on it
+(``est.surrogate(model, sampler, objective, trajectory=path, cond=...)``), so any
+estimator that supports stepwise objectives computes the gradient. The frozen base /
+reference model is the same denoiser with its LoRA adapters switched off
+(:func:`gradest.integrations.adapters_disabled`), never a copy of the weights.
+
+* ``grpo`` (Flow-GRPO, Liu et al. 2025): ``FlowSDE(noise_level)`` rollouts; each process
+  samples whole groups of ``group_size`` images of one prompt (one prompt embedding
+  repeated, different noise); the rewards are normalised within each group
+  (:func:`gradest.rl.group_advantages`) and clipped to ``[-adv_clip_max, adv_clip_max]``;
+  the loss is :func:`gradest.rl.grpo_objective` with ``clip = clip_range`` and
+  Flow-GRPO's code conventions: per-element mean log-probabilities
+  (``reduction="mean"``) and its KL scaling, per-step weights ``kl_weight * |h_k|``
+  (see :mod:`gradest.rl.flow_grpo`), against the adapters-off model's velocities at the
+  recorded states (:func:`gradest.rl.reference_velocities`).
+* ``adjoint_matching`` (Domingo-Enrich et al., ICLR 2025): the memoryless sampler
+  ``FlowSDE(noise_level=sqrt(2))`` (:func:`gradest.rl.memoryless_flow`'s noise level) on
+  the same grid; the terminal loss per sample ``-reward_multiplier * reward(decode(z_N))``;
+  the lean adjoint with the adapters-off model (:func:`gradest.rl.lean_adjoint`) and the
+  regression loss (:func:`gradest.rl.regression_objective`).
+
+What is logged besides the reward and ``sur.value`` (the full objective value):
+``kl`` (grpo) / ``path_kl`` (adjoint matching), ``sum_k mean_b KL_k`` of the sampling
+policy's Gaussian steps to the adapters-off model's (``reduction="sum"``: nats per sample
+over the whole path), at the rollout's own velocities; and ``objective_model_units``, the
+velocity-model work outside the estimator (the rollout's ``N`` forwards, plus ``N`` for
+GRPO's reference or ``2N`` for the lean adjoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from gradest.errors import InvalidValue
+from gradest_recipes.config import RecipeConfig, RecipeConfigError
+from gradest_recipes.families import Family
+from gradest_recipes.rewards import Reward, _takes_prompts, decode_images
+
+__all__ = ["Prepared", "RLObjective", "per_sample_reward", "supports_stepwise"]
+
+PerSample = Callable[[Tensor], Tensor]
+
+
+def supports_stepwise(estimator: Any) -> bool:
+    """Whether ``estimator`` is defined for stepwise objectives (the RL objectives are)."""
+    return "stepwise" in getattr(estimator, "objectives", ("terminal", "stepwise"))
+
+
+def per_sample_reward(
+    reward: Reward,
+    vae: nn.Module,
+    to_vae_latents: Callable[[Tensor], Tensor],
+    prompts: Sequence[str],
+    *,
+    autocast: Callable[[], Any] | None = None,
+) -> PerSample:
+    """``z [B, ...] -> reward(decode(z)) [B]`` in float32, differentiable in ``z``."""
+    pass_prompts = _takes_prompts(reward)
+
+    def rewards(z: Tensor) -> Tensor:
+        context = autocast() if autocast is not None else contextlib.nullcontext()
+        with context:
+            images = decode_images(vae, to_vae_latents(z))
+            values = reward(images, prompts=list(prompts)) if pass_prompts else reward(images)
+        if not isinstance(values, Tensor) or tuple(values.shape) != (z.shape[0],):
+            raise InvalidValue(
+                f"the reward returned {type(values).__name__} of shape "
+                f"{tuple(getattr(values, 'shape', ()))}; the RL objectives need one reward per "
+                f"image, a tensor [B] = [{z.shape[0]}]"
+            )
+        return values.float()
+
+    return rewards
+
+
+@attrs.frozen(eq=False)
+class Prepared:
+    """One micro-step's rollout and the objective on it.
+
+    Attributes:
+        objective: the stepwise objective (on ``trajectory``).
+        trajectory: the recorded path (pass as ``trajectory=``).
+        reward: the mean reward of the rollout's final samples.
+        metrics: ``kl`` or ``path_kl``, ``objective_model_units``.
+    """
+
+    objective: Any
+    trajectory: Any
+    reward: float
+    metrics: dict[str, float]
+
+
+class RLObjective:
+    """The sampler and the per-micro-step objective of the ``grpo`` / ``adjoint_matching``
+    recipes (see the module docstring)."""
+
+    def __init__(self, family: Family, config: RecipeConfig):
+        import gradest
+        from gradest.rl import MEMORYLESS_NOISE_LEVEL
+
+        if config.objective not in ("grpo", "adjoint_matching"):
+            raise RecipeConfigError(f"setting objective={config.objective!r} is not an RL one")
+        if family.scheduler is None:
+            raise RecipeConfigError(
+                f"the {family.name} family has no flow-matching scheduler; the RL objectives "
+                f"run on sd3 and flux"
+            )
+        self.config = config
+        self.name = config.objective
+        steps = config.num_inference_steps
+        level = config.noise_level if self.name == "grpo" else MEMORYLESS_NOISE_LEVEL
+        self.sampler = gradest.FlowSDE.from_scheduler(
+            family.scheduler, steps, noise_level=level, **family.schedule_options
+        )
+        # The SDE runs on the grid of the reward recipe's (ODE) sampler and sample grids.
+        if not torch.equal(self.sampler.times, family.sampler.times):
+            raise RecipeConfigError(
+                "the SDE sampler's grid differs from the recipe's sampler grid (a scheduler "
+                "gradest cannot rebuild); this is a bug of the recipe"
+            )
+        # Flow-GRPO's code convention of the KL (gradest.rl.flow_grpo's docstring).
+        self.kl_weights = config.kl_weight * self.sampler.step_sizes.abs()
+
+    def prompt_index(self, generator: torch.Generator, count: int, batch: int) -> Tensor:
+        """``[batch]`` prompt rows: for grpo ``batch / group_size`` prompts, each repeated
+        ``group_size`` times (consecutive), else ``batch`` independent draws."""
+        if self.name != "grpo":
+            return torch.randint(count, (batch,), generator=generator)
+        group = self.config.group_size
+        return torch.randint(count, (batch // group,), generator=generator).repeat_interleave(
+            group
+        )
+
+    def path_kl(self, velocities: Tensor, reference: Tensor) -> float:
+        """``sum_k mean_b KL_k`` of the recorded steps to the reference's (in nats)."""
+        from gradest.rl import step_kl
+
+        total = 0.0
+        for k in range(velocities.shape[0]):
+            total += float(step_kl(self.sampler, k, velocities[k], reference[k]).mean())
+        return total
+
+    def prepare(
+        self,
+        policy: nn.Module,
+        noise: Tensor,
+        cond: dict[str, Any],
+        rewards: PerSample,
+        generator: torch.Generator,
+    ) -> Prepared:
+        """Roll out ``policy`` (the current LoRA model, unwrapped) from ``noise`` with the
+        SDE's noise from ``generator``; build the objective on the path."""
+        import gradest
+        from gradest.integrations import adapters_disabled
+
+        steps = self.config.num_inference_steps
+        with torch.no_grad():
+            path = gradest.rollout(policy, self.sampler, noise, cond=cond, generator=generator)
+        if self.name == "grpo":
+            from gradest.rl import group_advantages, grpo_objective, reference_velocities
+
+            with torch.no_grad():
+                values = rewards(path.states[-1])
+                old_log_probs = self.sampler.trajectory_log_probs(path, reduction="mean")
+                with adapters_disabled(policy):
+                    reference = reference_velocities(policy, self.sampler, path, cond)
+            limit = self.config.adv_clip_max
+            advantages = group_advantages(values, self.config.group_size).clamp(-limit, limit)
+            objective = grpo_objective(
+                self.sampler, path, old_log_probs, advantages.to(path.states.dtype),
+                clip=self.config.clip_range, reduction="mean",
+                kl_weight=self.kl_weights if self.config.kl_weight > 0 else 0.0,
+                reference=reference,
+            )  # fmt: skip
+            metrics = {"kl": self.path_kl(path.velocities, reference)}
+            units = 2 * steps
+        else:
+            from gradest.rl import lean_adjoint, regression_objective
+
+            multiplier = self.config.reward_multiplier
+            with adapters_disabled(policy):
+                targets = lean_adjoint(
+                    policy, self.sampler, path, lambda z: -multiplier * rewards(z), cond
+                )
+            objective = regression_objective(self.sampler, path, targets)
+            assert targets.losses is not None
+            values = -targets.losses / multiplier
+            metrics = {"path_kl": self.path_kl(path.velocities, targets.base_velocities)}
+            units = 3 * steps
+        metrics["objective_model_units"] = float(units)
+        return Prepared(
+            objective=objective, trajectory=path, reward=float(values.mean()), metrics=metrics
+        )

@@ -24,6 +24,8 @@ STAMP = VENV / ".gradest-installed"
 # The applications beside the library, each a distribution of its own (apps/*/pyproject.toml).
 APPS = ("apps/digits", "apps/recipes")
 APPS_PYPROJECTS = tuple(f"{app}/pyproject.toml" for app in APPS)
+# Their optional extras the tests exercise (TensorBoard logs, offline wandb runs).
+APP_EXTRAS = {"apps/digits": "[tensorboard]", "apps/recipes": "[wandb]"}
 # The tests of the library and of each application.
 TEST_PATHS = ("tests", *(f"{app}/tests" for app in APPS))
 
@@ -43,7 +45,7 @@ def ensure_environment() -> None:
         return
     print("dev.py: installing gradest, its applications and their test/benchmark "
           "dependencies", flush=True)
-    editable = [f"{ROOT}[dev]", *(str(ROOT / app) for app in APPS)]
+    editable = [f"{ROOT}[dev]", *(f"{ROOT / app}{APP_EXTRAS.get(app, '')}" for app in APPS)]
     subprocess.run(
         [str(BIN / "python"), "-m", "pip", "install", "--quiet",
          "-c", str(ROOT / "constraints.txt"), *(arg for path in editable for arg in ("-e", path))],

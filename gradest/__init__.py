@@ -30,13 +30,14 @@ import warnings as _warnings
 # flow-matching loss; SharedCondition marks a cond value that must not be repeated per row.
 # -- measuring and errors ---------------------------------------------------------------------
 # compare() measures estimators against exact into a Report; GradestError is the base of
-# every error gradest raises on purpose, NonFiniteError the one for NaN/Inf;
+# every error gradest raises on purpose, NonFiniteError the one for NaN/Inf,
+# SurrogateOutdated the one for a surrogate backpropagated after its weights changed;
 # GradestDeprecationWarning is what deprecated names and arguments warn with.
 # RL objectives (Flow-GRPO, adjoint matching) as a namespace: ``gradest.rl.grpo_objective``.
 from gradest import rl
 from gradest._deprecation import module_aliases as _module_aliases
 from gradest.axes import EstimatorAxes
-from gradest.base import EstimatorBase
+from gradest.base import EstimatorBase, SurrogateOutdated
 from gradest.conditioning import SharedCondition
 from gradest.context import EstimationContext
 from gradest.diffusion_samplers import DDIM
@@ -95,6 +96,7 @@ __all__ = [
     "SharedCondition",
     "StepwiseObjective",
     "Surrogate",
+    "SurrogateOutdated",
     "TerminalObjective",
     "Trajectory",
     "TrajectoryGradientEstimator",

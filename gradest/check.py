@@ -30,7 +30,7 @@ from tqdm import tqdm
 from gradest._checks import check_estimate_grads, trainable_parameters
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
-from gradest.protocol import Definition, supports
+from gradest.protocol import Definition, check_steps, supports
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
 from gradest.registry import available_estimators, estimator, plugin_calls
 from gradest.samplers import RectifiedFlow
@@ -63,13 +63,25 @@ PINNED = (
     "telescope:mean_depth=3,min_depth=2",
     "draft_lv:copies=3",
     "refl:last_steps=3",
+    "alignprop:min=2,max=5",
 )
 
 
 def default_specs(steps: int) -> list[str]:
+    """Every registered estimator with its defaults and the pinned configurations, less
+    those whose options need more than ``steps`` steps (an explicit list is not filtered:
+    there such an option is the user's error)."""
     names = sorted(available_estimators())
     pinned = [s.format(N=steps) for s in PINNED if s.split(":")[0] in names]
-    return names + pinned
+    return [spec for spec in names + pinned if _runs_at(spec, steps)]
+
+
+def _runs_at(spec: str, steps: int) -> bool:
+    try:
+        check_steps(estimator(spec), steps)
+    except InvalidValue:
+        return False
+    return True
 
 
 class _Verdict:

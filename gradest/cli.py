@@ -13,6 +13,7 @@ input, an output that cannot be written, a missing optional dependency) exit wit
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -166,8 +167,85 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget_flag(text: str) -> float:
+    """``--budget 8x``: the FLOPs of 8 exact training steps (the number of exact steps)."""
+    value = text.strip().lower()
+    if not value.endswith("x"):
+        raise InvalidValue(
+            f"--budget {text!r}: give it in exact steps with an x, e.g. --budget 8x (the "
+            f"backward FLOPs of 8 exact training steps), or use --budget-seconds"
+        )
+    try:
+        steps = float(value[:-1])
+    except ValueError:
+        raise InvalidValue(f"--budget {text!r} is not a number of exact steps like 8x") from None
+    if not steps > 0 or steps == float("inf"):
+        raise InvalidValue(f"--budget must be positive, got {text!r}")
+    return steps
+
+
+def _cmd_race(args: argparse.Namespace) -> int:
+    from gradest.harness.plots import plots_unavailable
+    from gradest.harness.race import RACE_TASKS_GROUP, _check_fractions, race, registered_tasks
+
+    specs = split_spec_list(args.estimators, what="--estimators")
+    if not specs:
+        raise InvalidValue("--estimators is empty; e.g. --estimators exact,sdo,truncated:k=1")
+    for spec in specs:  # fail on a bad spec before any work starts
+        registry.estimator(spec)
+    if "exact" not in specs:
+        specs.insert(0, "exact")  # the reference every difference is taken to
+    if args.seeds <= 0:
+        raise InvalidValue(f"--seeds must be >= 1, got {args.seeds}")
+    if (args.budget is None) == (args.budget_seconds is None):
+        raise InvalidValue(
+            "give one budget: --budget 8x (exact steps' FLOPs) or --budget-seconds S"
+        )
+    steps = None if args.budget is None else _budget_flag(args.budget)
+    if args.budget_seconds is not None and not args.budget_seconds > 0:
+        raise InvalidValue(f"--budget-seconds must be positive, got {args.budget_seconds}")
+    try:
+        fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        raise InvalidValue(
+            f"--fractions {args.fractions!r} is not a comma list of numbers"
+        ) from None
+    _check_fractions(fractions)
+    tasks = registered_tasks()
+    if args.model not in tasks:
+        known = ", ".join(sorted(tasks)) or "none installed"
+        raise InvalidValue(
+            f"--model {args.model!r} is not a race task ({known}); applications register "
+            f"tasks under the {RACE_TASKS_GROUP!r} entry points, e.g. pip install ./apps/digits "
+            f"for 'digits' and 'digits-grpo'"
+        )
+    check_path_length(args.out, what=f"--out {args.out!r}")
+    out = check_output_dir(args.out, what="--out", create=False)
+    missing = None if args.no_plots else plots_unavailable()
+    if missing is not None and not args.quiet:
+        print(f"gradest race: plots will be skipped: {missing}")
+    task = tasks[args.model](eval_samples=args.eval_samples, device=args.device)
+    report = race(
+        task,
+        specs,
+        seeds=args.seeds,
+        budget_exact_steps=steps,
+        budget_seconds=args.budget_seconds,
+        fractions=fractions,
+        out=out,
+        show_progress=not args.quiet,
+        plots=not args.no_plots and missing is None,
+    )
+    if not args.quiet:
+        print(report.to_markdown())
+    print(
+        f"wrote {out}/report.md, report.json" + ("" if args.no_plots or missing else " and plots")
+    )
+    return 0
+
+
 # The library's own subcommands (applications add theirs through gradest.commands).
-_OWN_COMMANDS = ("list", "check", "compare")
+_OWN_COMMANDS = ("list", "check", "compare", "race")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,6 +310,45 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--quiet", action="store_true", help="no progress bar")
     cmp.set_defaults(run=_cmd_compare)
 
+    rc = sub.add_parser(
+        "race",
+        help="compute-matched race: reward against compute of estimators fine-tuning one "
+        "task under one budget",
+    )
+    rc.add_argument(
+        "--model", required=True, help="a registered race task, e.g. digits or digits-grpo"
+    )
+    rc.add_argument(
+        "--estimators",
+        default="exact,sdo,truncated:k=1",
+        type=spec_list_text,
+        help=f"{SPEC_LIST_HELP} (exact is added when missing: the reference)",
+    )
+    rc.add_argument("--seeds", type=int, default=16, help="seeds 0..S-1 (default 16)")
+    rc.add_argument(
+        "--budget",
+        default=None,
+        help="backward-FLOPs budget in exact steps, e.g. 8x (the FLOPs of 8 exact steps)",
+    )
+    rc.add_argument(
+        "--budget-seconds", type=float, default=None, help="a wall-time budget instead (s)"
+    )
+    rc.add_argument(
+        "--fractions",
+        default="0.125,0.25,0.5,1",
+        help="budget fractions the model is evaluated at (default 0.125,0.25,0.5,1)",
+    )
+    rc.add_argument(
+        "--eval-samples", type=int, default=256, help="fixed evaluation set size (>= 256)"
+    )
+    rc.add_argument("--device", default="cpu", help="cpu or cuda")
+    rc.add_argument(
+        "--out", default="runs/race", help="output folder; rerun to resume (default runs/race)"
+    )
+    rc.add_argument("--no-plots", action="store_true", help="skip PNG plots")
+    rc.add_argument("--quiet", action="store_true", help="no progress bar, no table")
+    rc.set_defaults(run=_cmd_race)
+
     for name, command in sorted(registered_commands().items()):
         if name in sub.choices:  # gradest's own subcommands are not replaceable
             continue
@@ -286,6 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # keeps its traceback.
         print(f"gradest {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (gradest list | head): stop quietly, as Unix tools do, and
+        # keep the interpreter's final flush from failing on the closed pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt as err:
         where = f" ({err})" if isinstance(err, registry.PluginInterrupt) else ""
         print(f"gradest {args.command}: interrupted{where}; nothing was written", file=sys.stderr)

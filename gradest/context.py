@@ -290,7 +290,8 @@ class EstimationContext:
                 if k in self._step_losses:
                     total += self._step_losses[k]
                 else:
-                    velocity = trajectory.velocities[k].detach()
+                    # a copy: a loss with an in-place op must not edit the recording
+                    velocity = trajectory.velocities[k].detach().clone()
                     total += float(self.objective.loss_fn(k, velocity, trajectory))
         self.info["loss"] = total
 

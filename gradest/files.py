@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from gradest._checks import check_path_length
 from gradest.errors import GradestError
 
 _TMP_SUFFIX = ".tmp"
@@ -73,6 +74,7 @@ def check_output_dir(path: str | os.PathLike[str], *, what: str, create: bool = 
         OutputError: it is a file, lies under a file, or cannot be created or written.
     """
     folder = Path(path)
+    check_path_length(folder, what=what)
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"{what} {str(folder)!r} is a file; pass a folder path")
     probe_in = folder

@@ -32,10 +32,18 @@ def _loss_and_grad(
     """``(loss, d loss / d x, whether the loss depends on x at all)``."""
     leaf = x.detach().requires_grad_(True)
     with torch.enable_grad():
-        # The loss gets a copy: an in-place op on its argument (z.mul_(2), v.clamp_(...))
-        # is differentiated like its out-of-place form and never changes the recorded
-        # path (autograd refuses in-place ops on a leaf).
-        loss = check_scalar_loss(fn(leaf.clone()), where)
+        try:
+            value = fn(leaf)
+        except RuntimeError as err:
+            if "in-place" not in str(err):
+                raise
+            # An in-place op on the argument (z.mul_(2), v.clamp_(...)), which autograd
+            # refuses on a leaf: the loss gets a copy, so it is differentiated like its
+            # out-of-place form and never changes the recorded path. (Only then: a copy
+            # for every loss would be retained activations for nothing.)
+            leaf = x.detach().requires_grad_(True)
+            value = fn(leaf.clone())
+        loss = check_scalar_loss(value, where)
         if not loss.requires_grad:
             return loss.detach(), torch.zeros_like(x), False
         (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)

@@ -46,16 +46,17 @@ def test_memoryless_flow_coefficients():
     """``sigma_t^2 = 2 t / (1 - t)``, each step the exact Gaussian transition given the data
     prediction ``x^ = z - t v`` (DDPM's posterior, ``r = (1 - t) / (1 - t')``,
     ``c = t'^2 r / t^2``): ``alpha = (1 - t') + c t``, ``beta = -(1 - t') t + c (1 - t) t``,
-    ``s^2 = (t'/t)^2 (t^2 - r^2 t'^2)``; the step into ``t = 0`` keeps Euler-Maruyama's
-    ``1 + h / (1 - t)``, ``2 h``, ``2 t |h| / (1 - t)`` (step noise > 0). The marginals are
-    tested in tests/test_memoryless.py."""
+    ``s^2 = (t'/t)^2 (t^2 - r^2 t'^2)``; steps with ``|h| <= 0.2 (1 - t)`` and the step into
+    ``t = 0`` keep Euler-Maruyama's ``1 + h / (1 - t)``, ``2 h``, ``2 t |h| / (1 - t)``. The
+    marginals are tested in tests/test_memoryless.py."""
     times = [1.0, 0.8, 0.5, 0.45, 0.1, 0.0]
     flow = rl.memoryless_flow(times=times)
     assert flow.noise_level == math.sqrt(2) == rl.MEMORYLESS_NOISE_LEVEL
     assert isinstance(flow, gradest.FlowSDE)
     assert repr(flow) == "MemorylessFlow(times=<6 points>)"
     alpha, beta, scale = flow.coefficients()
-    for k in range(len(times) - 2):
+    assert rl.adjoint_matching.STIFFNESS_SWITCH == 0.2
+    for k in (0, 1, 3):  # |h| > 0.2 (1 - t): the exact Gaussian step given x^
         t, tn = times[k], times[k + 1]
         r = (1 - t) / (1 - tn)
         c = tn**2 * r / t**2
@@ -64,10 +65,11 @@ def test_memoryless_flow_coefficients():
         assert scale[k].item() ** 2 == pytest.approx(
             (tn / t) ** 2 * (t**2 - r**2 * tn**2), rel=1e-12
         )
-    t, h = times[-2], times[-1] - times[-2]
-    assert alpha[-1].item() == pytest.approx(1 + h / (1 - t), rel=1e-14)
-    assert beta[-1].item() == pytest.approx(2 * h, rel=1e-14)
-    assert scale[-1].item() ** 2 == pytest.approx(2 * t * abs(h) / (1 - t), rel=1e-14)
+    for k in (2, 4):  # |h| <= 0.2 (1 - t), and the step into t = 0: Euler-Maruyama
+        t, h = times[k], times[k + 1] - times[k]
+        assert alpha[k].item() == pytest.approx(1 + h / (1 - t), rel=1e-14)
+        assert beta[k].item() == pytest.approx(2 * h, rel=1e-14)
+        assert scale[k].item() ** 2 == pytest.approx(2 * t * abs(h) / (1 - t), rel=1e-14)
     # The first step forgets z_0 but through x^ = z_0 - v_0.
     assert alpha[0].item() == pytest.approx(0.2) and beta[0].item() == pytest.approx(-0.2)
     assert scale[0].item() == pytest.approx(0.8)

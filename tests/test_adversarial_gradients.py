@@ -333,7 +333,9 @@ def test_nan_in_one_steps_backward_is_reported_with_the_step(spec, kind):
         inputs = {"trajectory": gradest.rollout(model, FLOW, NOISE)}
     model.poison = float(FLOW.times[POISONED_STEP])
     with pytest.raises(NonFiniteError) as caught:
-        sur = est.surrogate(model, FLOW, objective, generator=torch.Generator().manual_seed(0), **inputs)
+        sur = est.surrogate(
+            model, FLOW, objective, generator=torch.Generator().manual_seed(0), **inputs
+        )
         sur.loss.backward()
     assert POISONED_STEP in caught.value.steps, str(caught.value)
     assert f"step {POISONED_STEP}" in str(caught.value) or "steps [" in str(caught.value)
@@ -343,7 +345,9 @@ def test_nan_in_one_steps_backward_is_reported_with_the_step(spec, kind):
     model.zero_grad(set_to_none=True)
     generator = torch.Generator().manual_seed(0)
     est.surrogate(model, FLOW, objective, generator=generator, **inputs).loss.backward()
-    want = est.estimate(model, FLOW, objective, generator=torch.Generator().manual_seed(0), **inputs)
+    want = est.estimate(
+        model, FLOW, objective, generator=torch.Generator().manual_seed(0), **inputs
+    )
     got = flat(p.grad for p in model.parameters())
     assert torch.isfinite(got).all()
     assert torch.allclose(got, want.flat(), rtol=1e-10, atol=1e-12)
@@ -387,7 +391,12 @@ def test_a_surrogate_after_optimizer_step_raises_for_every_estimator(spec):
 
     def surrogate():
         return est.surrogate(
-            model, FLOW, objective, noise=noise, cond=cond, generator=torch.Generator().manual_seed(0)
+            model,
+            FLOW,
+            objective,
+            noise=noise,
+            cond=cond,
+            generator=torch.Generator().manual_seed(0),
         )
 
     sur = surrogate()

@@ -61,12 +61,18 @@ def _problems():
     )
     yield "affine-rectified", testing.AffineVelocity(dim, seed=2), gradest.RectifiedFlow(6), None
     # alpha != 1 and recorded step noise: estimators see only the affine step form.
-    yield "mlp-noisy-affine", testing.tiny_mlp(dim, hidden=8), testing.NoisyAffineSampler(
-        6, drift=0.3
-    ), None
-    yield "mlp-flow-sde", testing.tiny_mlp(dim, hidden=8, seed=5), gradest.FlowSDE(
-        steps=6, noise_level=0.5
-    ), None
+    yield (
+        "mlp-noisy-affine",
+        testing.tiny_mlp(dim, hidden=8),
+        testing.NoisyAffineSampler(6, drift=0.3),
+        None,
+    )
+    yield (
+        "mlp-flow-sde",
+        testing.tiny_mlp(dim, hidden=8, seed=5),
+        gradest.FlowSDE(steps=6, noise_level=0.5),
+        None,
+    )
 
 
 PROBLEMS = list(_problems())
@@ -126,7 +132,9 @@ def test_alignprop_func_engine_matches_its_definition():
     for source in ("noise", "trajectory"):
         result = run(est, p, objective, source, engine="func", noise_grad=True)
         kept = result.decisions.kept
-        assert relative_error(result.flat(), alignprop_definition(p.chain, objective, kept)) <= 1e-10
+        assert (
+            relative_error(result.flat(), alignprop_definition(p.chain, objective, kept)) <= 1e-10
+        )
         truth_noise = alignprop_noise_grad_definition(p.chain, objective, kept)
         assert relative_error(result.noise_grad, truth_noise) <= 1e-10
 
@@ -186,9 +194,7 @@ def test_alignprop_keeps_non_suffix_sets_unlike_a_once_per_call_depth():
     # Independent per-step draws keep sets with holes; a depth drawn once keeps a suffix.
     p = problem()
     objective = objective_of("terminal")
-    sets = {
-        run(AlignProp(), p, objective, "trajectory", seed=s).decisions.kept for s in range(40)
-    }
+    sets = {run(AlignProp(), p, objective, "trajectory", seed=s).decisions.kept for s in range(40)}
     suffix = {tuple(range(STEPS - k, STEPS)) for k in range(STEPS + 1)}
     assert sets - suffix, sets
 
@@ -388,8 +394,3 @@ def test_gradest_check_passes_on_alignprop():
     from gradest.check import run_check
 
     assert run_check("alignprop,alignprop:min=2,max=5", steps=8, show_progress=False)
-
-
-def test_dense_chain_helper_is_importable():
-    # The reference's public names (gradest.reference) include alignprop's.
-    assert callable(dense_chain) and callable(alignprop_definition)

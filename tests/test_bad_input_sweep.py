@@ -1295,6 +1295,35 @@ noise (estimates need only the recorded states), and a float32 velocity for a fl
 state. Degenerate shapes (one sample, one step, a window longer than the chain) give
 exact's answer where it is defined (`tests/test_nonfinite.py`).
 
+Errors that come from the caller's backward of a surrogate loss, not from the call
+(`tests/test_adversarial_gradients.py`):
+
+- `sur.loss.backward()` after the model's trainable parameters changed in place since
+  `est.surrogate(...)` (an `optimizer.step()` in between) raises
+  `gradest.base.SurrogateOutdated` (a `GradestError` and a `RuntimeError`), for every
+  estimator: `the model's trainable parameters changed between surrogate() and the backward
+  of its loss (estimator ...); call est.surrogate(...) again after optimizer.step() (or any
+  in-place update) and backpropagate that loss`. The parameters' version counters are
+  compared at the start of the backward; `.grad` is untouched.
+- A NaN/Inf produced by the backward of a step (a custom autograd function, `sqrt` at 0)
+  raises `NonFiniteError` at the end of that backward, with `.steps` the step(s) where it
+  first appeared: `non-finite (NaN/Inf) gradient in the backward of the surrogate loss at
+  step 2 in estimator ...`. Where a model call evaluated several steps at once on recorded
+  states (stepwise estimators, sdo, jagg's nodes), `.steps` are that call's steps; a NaN
+  that reaches only the parameters of a call whose input is tracked names no step.
+  `.grad` already holds the non-finite values (zero it before the next step). Under a loss
+  scaler (the gradient reaching `sur.loss` is larger than 1, as with `GradScaler`) the
+  check stands aside: overflow is the scaler's signal to skip the step.
+- `NonFiniteError.steps` is filled whenever its message names a step (also for a stepwise
+  loss's "loss at step 2").
+
+Concurrency, which raises nothing but used to give wrong numbers: the deprecated
+`est.backward(...)` adds into `.grad` under a per-model lock; a model with dropout (any
+module in training mode that draws from torch's default generator) gets the same masks at
+every evaluation of a step, whichever step first draws, and with a `generator=` its masks
+come from a stream seeded from that generator (the same in any thread; see
+`gradest/replay.py`).
+
 Classes of mistakes are checked by principle, so that an unseen variant of a class gets
 the same one-line error as the rows below (`tests/test_unseen_inputs.py` tries several
 variants of each):

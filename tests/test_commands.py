@@ -82,9 +82,7 @@ def test_a_command_cannot_replace_a_library_command(monkeypatch, plugin_module, 
     assert "exact" in capsys.readouterr().out
 
 
-def test_an_application_command_without_its_application_names_the_install(
-    monkeypatch, capsys
-):
+def test_an_application_command_without_its_application_names_the_install(monkeypatch, capsys):
     _fake_group(monkeypatch, commands.GROUP, [])
     for command in ("finetune", "pretrain"):
         assert cli.main([command, "--steps", "2"]) == 2
@@ -98,3 +96,21 @@ def test_the_installed_digits_application_registers_its_commands():
     pytest.importorskip("gradest_digits")
     commands.registered_commands.cache_clear()
     assert {"finetune", "pretrain"} <= set(commands.registered_commands())
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """``gradest list --verbose | head -1``: no BrokenPipeError traceback."""
+    import subprocess
+
+    reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    writer = subprocess.run(
+        [sys.executable, "-m", "gradest.cli", "list", "--verbose"],
+        stdout=reader.stdin,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    reader.stdin.close()
+    reader.wait(timeout=60)
+    assert "Traceback" not in writer.stderr
+    assert writer.returncode in (0, 141)

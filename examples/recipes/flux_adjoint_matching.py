@@ -1,9 +1,9 @@
 """Flux adjoint matching: FluxTransformer2DModel rolled out with the memoryless sampler
-(gradest.FlowSDE.from_scheduler with noise level sqrt(2) on FluxPipeline's sigmas and mu),
+(gradest.rl.memoryless_flow on the scheduler's grid with FluxPipeline's sigmas and mu),
 the lean adjoint of -reward_multiplier * reward with the LoRA adapters off (the base
 model), the regression loss on every step's velocity, any stepwise gradest estimator.
 
-    python examples/recipes/flux_adjoint_matching.py --tiny --out runs/flux_adjoint_matching_tiny     # CPU, seconds
+    python examples/recipes/flux_adjoint_matching.py --tiny --out runs/flux_am_tiny   # CPU
     accelerate launch examples/recipes/flux_adjoint_matching.py \\
         --pretrained /models/FLUX.1-dev \\
         --embeddings prompts_flux.pt --estimator sdo --mixed-precision bf16

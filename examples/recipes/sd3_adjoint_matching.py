@@ -1,9 +1,9 @@
 """Stable Diffusion 3 adjoint matching: SD3Transformer2DModel rolled out with the memoryless
-sampler (gradest.FlowSDE.from_scheduler with noise level sqrt(2)), the lean adjoint of
+sampler (gradest.rl.memoryless_flow on the scheduler's sigma grid), the lean adjoint of
 -reward_multiplier * reward with the LoRA adapters off (the base model), the regression
 loss on every step's velocity, any gradest estimator for stepwise objectives.
 
-    python examples/recipes/sd3_adjoint_matching.py --tiny --out runs/sd3_adjoint_matching_tiny     # CPU, seconds
+    python examples/recipes/sd3_adjoint_matching.py --tiny --out runs/sd3_am_tiny   # CPU, seconds
     accelerate launch examples/recipes/sd3_adjoint_matching.py \\
         --pretrained /models/stable-diffusion-3-medium-diffusers \\
         --embeddings prompts_sd3.pt --estimator sdo --mixed-precision bf16

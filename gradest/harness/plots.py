@@ -174,3 +174,41 @@ def _debias_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     path = folder / "jagg_debias.png"
     _save(plt, fig, path)
     return path
+
+
+def plot_race(report: Any, folder: Path) -> list[Path]:
+    """``reward_vs_compute.png`` of a race (:class:`gradest.harness.race.RaceReport`): per
+    estimator the mean reward over seeds against the mean compute at each evaluation
+    point, with its 95% bootstrap band (resampling seeds), the pretrained model at
+    compute 0, and the ceiling (dashed) when the task knows it."""
+    from gradest.harness.bootstrap import bootstrap_mean
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    initial = report.initial["reward"]
+    fractions = report.config["fractions"]
+    for spec in report.runs:
+        xs, means, lows, highs = [0.0], [initial], [initial], [initial]
+        for i in range(len(fractions)):
+            compute = report.at_fraction(spec, i, report.axis)
+            xs.append(sum(compute) / len(compute) / report.unit)
+            band = bootstrap_mean(report.at_fraction(spec, i))
+            means.append(band.mean)
+            lows.append(band.low)
+            highs.append(band.high)
+        (line,) = ax.plot(xs, means, marker="o", markersize=3, label=spec)
+        ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
+    ceiling = report.config.get("ceiling")
+    if ceiling is not None and math.isfinite(ceiling):
+        ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label="ceiling")
+    ax.set_xlabel(f"compute ({report.unit_name})")
+    ax.set_ylabel("reward on the fixed evaluation set")
+    ax.set_title(
+        f"{report.config['task']}: mean and 95% bootstrap band over "
+        f"{len(report.config['seeds'])} seeds",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    path = folder / "reward_vs_compute.png"
+    _save(plt, fig, path)
+    return [path]

@@ -339,9 +339,11 @@ def _check_budget(
             "give exactly one budget: budget_flops, budget_exact_steps (both backward FLOPs) "
             f"or budget_seconds (wall time); got {', '.join(given) or 'none'}"
         )
-    (name, value), = given.items()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-        math.isfinite(value) and value > 0
+    ((name, value),) = given.items()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
     ):
         raise InvalidValue(f"{name} must be a positive number, got {value!r}")
     return name.removeprefix("budget_"), float(value)
@@ -533,9 +535,7 @@ def _check_same_race(saved: Mapping[str, Any], settings: Mapping[str, Any], out:
     ]
     if differing:
         details = "; ".join(
-            f"{k}: {saved.get(k)!r} there, {settings[k]!r} now"
-            for k in differing
-            if k in settings
+            f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in differing if k in settings
         )
         raise InvalidValue(
             f"--out {str(out)!r} holds a race with other settings ({', '.join(differing)}"
@@ -598,8 +598,7 @@ def race(
             saved = json.loads((target / "race.json").read_text())
         except (OSError, ValueError) as err:
             raise InvalidValue(
-                f"out {str(target)!r} holds a race.json that does not read ({err}); pass a new "
-                f"out"
+                f"out {str(target)!r} holds a race.json that does not read ({err}); pass a new out"
             ) from None
         _check_same_race(saved, settings, target)
     elif target is not None and (target / "state").exists():
@@ -686,7 +685,9 @@ def race(
 # -- the report -----------------------------------------------------------------------------
 
 
-def _points(row: Mapping[str, Any], initial: Mapping[str, float], axis: str) -> list[tuple[float, float]]:
+def _points(
+    row: Mapping[str, Any], initial: Mapping[str, float], axis: str
+) -> list[tuple[float, float]]:
     return [(0.0, initial["reward"])] + [(p[axis], p["reward"]) for p in row["curve"]]
 
 
@@ -766,7 +767,9 @@ class RaceReport:
             reach = {}
             for level in REACH_LEVELS:
                 per_seed = [
-                    compute_to_reach(_points(row, self.initial, self.axis), initial + level * (e - initial))
+                    compute_to_reach(
+                        _points(row, self.initial, self.axis), initial + level * (e - initial)
+                    )
                     / self.unit
                     for row, e in zip(rows, exact_final, strict=True)
                 ]
@@ -846,7 +849,7 @@ class RaceReport:
                 reward, diff = p["reward"], p["reward_minus_exact"]
                 cell = f"{_num(reward['mean'])}"
                 if spec != REFERENCE:
-                    cell += f" (Δ {_num(diff['mean'], '+.3g')} [{_num(diff['low'], '+.3g')}, {_num(diff['high'], '+.3g')}])"
+                    cell += f" (Δ {_ci(diff, '+.3g')})"
                 cells.append(cell)
             lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
         lines += [
@@ -857,10 +860,7 @@ class RaceReport:
             "|---|" + "---|" * len(fractions),
         ]
         for spec, s in summary.items():
-            cells = [
-                f"{_num(p['drift']['mean'])} [{_num(p['drift']['low'])}, {_num(p['drift']['high'])}]"
-                for p in s["points"]
-            ]
+            cells = [_ci(p["drift"]) for p in s["points"]]
             lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
         header = "| estimator | steps | final reward [CI] | share of exact's gain |"
         rule = "|---|---|---|---|"
@@ -901,7 +901,7 @@ class RaceReport:
             "",
             "Compute to reach: per seed, the first crossing of `initial + p x (exact's final "
             "reward on that seed - initial)`, linearly interpolated between evaluation points; "
-            "a seed that never reaches it counts as infinite (\"not reached\" when any seed "
+            'a seed that never reaches it counts as infinite ("not reached" when any seed '
             "does not).",
         ]
         return "\n".join(lines) + "\n"
@@ -936,6 +936,12 @@ def _num(value: float | None, spec: str = ".4g") -> str:
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return format(value, spec)
+
+
+def _ci(interval: Mapping[str, Any], spec: str = ".4g") -> str:
+    """``mean [low, high]``."""
+    low, high = _num(interval["low"], spec), _num(interval["high"], spec)
+    return f"{_num(interval['mean'], spec)} [{low}, {high}]"
 
 
 def _seed_text(seeds: Sequence[int]) -> str:

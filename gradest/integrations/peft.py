@@ -187,7 +187,8 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
         raise MissingDependency(
             "adapters_disabled needs peft: pip install peft (or gradest's integrations extra)"
         ) from err
-    layers = [m for m in inner.modules() if isinstance(m, BaseTunerLayer)]
+    # peft's tuner layers are nn.Modules (BaseTunerLayer is their mixin).
+    layers: list[Any] = [m for m in inner.modules() if isinstance(m, BaseTunerLayer)]
     if not layers:
         raise InvalidValue(
             f"{type(inner).__name__} has no LoRA adapters to disable; add them first "

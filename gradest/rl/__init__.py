@@ -12,6 +12,7 @@ through the velocities ``v_k``, so every gradest estimator differentiates it.
 from gradest.rl.adjoint_matching import (
     MEMORYLESS_NOISE_LEVEL,
     LeanAdjoint,
+    MemorylessFlow,
     adjoint_matching_objective,
     lean_adjoint,
     memoryless_flow,
@@ -29,6 +30,7 @@ __all__ = [
     "ADVANTAGE_EPS",
     "MEMORYLESS_NOISE_LEVEL",
     "LeanAdjoint",
+    "MemorylessFlow",
     "adjoint_matching_objective",
     "group_advantages",
     "grpo_objective",

@@ -189,7 +189,8 @@ def grpo_objective(
         old_log_probs: ``[N, B]`` step log-probabilities under the sampling policy,
             e.g. ``sampler.trajectory_log_probs(trajectory)`` right after the rollout.
         advantages: ``[B]``, e.g. :func:`group_advantages` of the rewards.
-        clip: PPO's ``eps``; the ratio is clipped to ``[1 - eps, 1 + eps]``.
+        clip: PPO's ``eps``; the ratio is clipped to ``[1 - eps, 1 + eps]`` (default 0.2,
+            PPO's; Flow-GRPO's configs use 1e-4 with several optimizer steps per rollout).
         reduction: how :meth:`FlowSDE.step_log_prob` (and the KL) reduce over the state's
             elements (``"sum"``: the Gaussian log-density; ``"mean"``: Flow-GRPO's
             per-element average). Must match how ``old_log_probs`` were computed.
@@ -217,9 +218,14 @@ def grpo_objective(
     if not isinstance(advantages, Tensor) or tuple(advantages.shape) != (batch,):
         raise InvalidValue(f"advantages must be [B] = [{batch}], got {_shape_of(advantages)}")
     if isinstance(clip, bool) or not isinstance(clip, int | float):
-        raise InvalidType(f"clip must be a float in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
+        raise InvalidType(
+            f"clip must be a float in (0, 1), got {clip!r} (PPO uses 0.2, Flow-GRPO's "
+            f"configs 1e-4)"
+        )
     if not (math.isfinite(clip) and 0 < clip < 1):
-        raise InvalidValue(f"clip must be in (0, 1), got {clip!r}; Flow-GRPO uses 0.2")
+        raise InvalidValue(
+            f"clip must be in (0, 1), got {clip!r} (PPO uses 0.2, Flow-GRPO's configs 1e-4)"
+        )
     if reduction not in LOG_PROB_REDUCTIONS:
         raise InvalidValue(
             f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"

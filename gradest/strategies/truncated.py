@@ -18,9 +18,10 @@ joint state-and-parameter VJP (``surrogate()``: the last ``k`` steps as a chain 
 the recorded states, graph kept). Memory: the graphs of the last ``k`` steps. (The record:
 ``Truncated.axes``, :class:`gradest.axes.EstimatorAxes`.)
 
-Randomized truncation (AlignProp-style): ``random="uniform"`` draws ``k`` uniformly from
-``{k_min, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset; ``k_min`` defaults to 1;
-AlignProp's min-max truncation is ``random=uniform,k_min=..,k=..``); a probability tuple
+DRaFT-K with a random K: ``random="uniform"`` draws ``k`` uniformly from
+``{k_min, ..., K}`` (``K`` = the ``k`` option, or ``N`` if unset; ``k_min`` defaults to 1).
+This is not AlignProp's randomized truncation, which draws at every step and never cuts
+the state path: that is the ``alignprop`` estimator. A probability tuple
 ``(p_1, ..., p_K)`` draws ``k`` with ``P(k) = p_k``. ``k`` is drawn **once per call**
 from the ``generator``, never per step, so the result is an
 unbiased estimate of ``sum_k p_k g_k`` (``gradest.reference.truncated_definition.
@@ -125,7 +126,7 @@ def _validate_random(instance: Any, attribute: attrs.Attribute, value: Any) -> N
 
 @attrs.frozen
 class Truncated(EstimatorBase):
-    """Backpropagation through the last ``k`` sampling steps only (DRaFT-K / AlignProp).
+    """Backpropagation through the last ``k`` sampling steps only (DRaFT-K; a random K).
 
     Attributes:
         k: the number of kept steps (``1 <= k <= N``, checked against ``N`` when
@@ -133,8 +134,8 @@ class Truncated(EstimatorBase):
             largest ``k`` drawn (None: ``N``).
         random: None for a fixed ``k``; ``"uniform"``; or probabilities ``(p_1, ..., p_K)``
             of ``k = 1..K`` (then leave ``k`` unset). ``k`` is drawn once per call.
-        k_min: with ``random="uniform"``, the smallest ``k`` drawn (AlignProp's min-max
-            truncation draws ``k`` from ``k_min..k``).
+        k_min: with ``random="uniform"``, the smallest ``k`` drawn (``k`` is drawn from
+            ``k_min..k`` once per call; AlignProp's per-step draws are ``alignprop``).
 
     A random ``k`` comes from the ``generator`` passed to ``estimate`` (with None, from
     torch's default generator: reproducible only through ``torch.manual_seed``).
@@ -167,7 +168,7 @@ class Truncated(EstimatorBase):
     k_min: int = int_option(
         1,
         minimum=1,
-        doc="with random='uniform': the smallest k drawn (AlignProp's min-max truncation)",
+        doc="with random='uniform': the smallest k drawn (once per call; not AlignProp)",
         expect="an int >= 1 (at most k), used with random='uniform'",
     )
 

@@ -186,15 +186,19 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
             f"{args.out!r} or pass the same folder"
         )
     out = Path(args.resume or args.out or "runs/finetune")
+    rank, _ = launched_world()
     # The decision to use the folder comes first, reading only: nothing in it is written,
     # cut or repaired before (a folder of another tool passed as --out keeps every byte).
-    decide_folder(out, resuming=args.resume is not None)
+    # Under torchrun rank 0 decides and writes; the other ranks would otherwise meet the
+    # settings.json rank 0 just wrote and take the new run for an earlier one.
+    if rank == 0 or args.resume is not None:
+        decide_folder(out, resuming=args.resume is not None)
     out = check_output_dir(out, what="--out")
     # finetune() checks the log and checkpoint folder; result.json is written here.
     check_output_file(out / "result.json", what="--out")
-    remove_stale_temporaries(out, names=OWN_FILES)
+    if rank == 0:  # another rank's cleanup could remove rank 0's file being written
+        remove_stale_temporaries(out, names=OWN_FILES)
     settings = run_settings(args)
-    rank, _ = launched_world()
     # The settings are on disk before any work, except where finetune() still has to
     # accept them: a resumed run that goes less far than recorded (the checkpoint's step),
     # or an older folder's (its checkpoint's settings). Those are written once it ran.

@@ -44,7 +44,7 @@ def surrogate_loss(est: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) 
         return est.surrogate(model, *args, **kwargs)  # type: ignore[no-any-return]
     result = est.estimate(model, *args, **kwargs)
     return Surrogate(
-        loss=surrogate_from_estimate(model, result),
+        loss=surrogate_from_estimate(model, result, estimator=est),
         value=float(result.info.get("loss", float("nan"))),
         cost=result.cost,
         info=result.info,

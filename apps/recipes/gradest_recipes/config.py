@@ -395,11 +395,12 @@ def _validate_objective(config: RecipeConfig) -> None:
     _finite(config, "kl_weight", 0.0)
     _finite(config, "reward_multiplier", 0.0, strict=True)
     if config.objective == "grpo" and config.batch_size % config.group_size:
+        fixed = max(1, config.batch_size // config.group_size) * config.group_size
         raise _fail(
             "batch_size", config.batch_size,
             f"objective 'grpo' needs a multiple of group_size={config.group_size} (each "
             f"process samples whole groups of one prompt)",
-            f"use batch_size = {max(1, config.batch_size // config.group_size) * config.group_size}",
+            f"use batch_size = {fixed}",
         )  # fmt: skip
 
 
@@ -638,8 +639,12 @@ def resolve_latest(out: str | Path) -> str | None:
 
 
 def config_from_argv(
-    family: str, argv: Sequence[str] | None, saved_from: Any = None, *,
-    objective: str | None = None, script: str = "",
+    family: str,
+    argv: Sequence[str] | None,
+    saved_from: Any = None,
+    *,
+    objective: str | None = None,
+    script: str = "",
 ) -> tuple[RecipeConfig, dict[str, Any]]:
     """Parse ``argv``; returns the config and the user's own settings (file + CLI).
 

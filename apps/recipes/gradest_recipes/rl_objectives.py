@@ -18,8 +18,11 @@ reference model is the same denoiser with its LoRA adapters switched off
   (see :mod:`gradest.rl.flow_grpo`), against the adapters-off model's velocities at the
   recorded states (:func:`gradest.rl.reference_velocities`).
 * ``adjoint_matching`` (Domingo-Enrich et al., ICLR 2025): the memoryless sampler
-  ``FlowSDE(noise_level=sqrt(2))`` (:func:`gradest.rl.memoryless_flow`'s noise level) on
-  the same grid; the terminal loss per sample ``-reward_multiplier * reward(decode(z_N))``;
+  :func:`gradest.rl.memoryless_flow` (``sigma_t = sqrt(2 t / (1 - t))``, its steps solved
+  in closed form where Euler-Maruyama is stiff) on the same grid: ``memoryless_flow(times=
+  FlowSDE.from_scheduler(scheduler, N, ...).times)``, as gradest has no ``from_scheduler``
+  of the memoryless sampler; the terminal loss per sample
+  ``-reward_multiplier * reward(decode(z_N))``;
   the lean adjoint with the adapters-off model (:func:`gradest.rl.lean_adjoint`) and the
   regression loss (:func:`gradest.rl.regression_objective`).
 
@@ -106,7 +109,7 @@ class RLObjective:
 
     def __init__(self, family: Family, config: RecipeConfig):
         import gradest
-        from gradest.rl import MEMORYLESS_NOISE_LEVEL
+        from gradest.rl import memoryless_flow
 
         if config.objective not in ("grpo", "adjoint_matching"):
             raise RecipeConfigError(f"setting objective={config.objective!r} is not an RL one")
@@ -118,10 +121,11 @@ class RLObjective:
         self.config = config
         self.name = config.objective
         steps = config.num_inference_steps
-        level = config.noise_level if self.name == "grpo" else MEMORYLESS_NOISE_LEVEL
         self.sampler = gradest.FlowSDE.from_scheduler(
-            family.scheduler, steps, noise_level=level, **family.schedule_options
+            family.scheduler, steps, noise_level=config.noise_level, **family.schedule_options
         )
+        if self.name == "adjoint_matching":  # the memoryless SDE on the scheduler's grid
+            self.sampler = memoryless_flow(times=self.sampler.times)
         # The SDE runs on the grid of the reward recipe's (ODE) sampler and sample grids.
         if not torch.equal(self.sampler.times, family.sampler.times):
             raise RecipeConfigError(
@@ -137,9 +141,7 @@ class RLObjective:
         if self.name != "grpo":
             return torch.randint(count, (batch,), generator=generator)
         group = self.config.group_size
-        return torch.randint(count, (batch // group,), generator=generator).repeat_interleave(
-            group
-        )
+        return torch.randint(count, (batch // group,), generator=generator).repeat_interleave(group)
 
     def path_kl(self, velocities: Tensor, reference: Tensor) -> float:
         """``sum_k mean_b KL_k`` of the recorded steps to the reference's (in nats)."""

@@ -108,9 +108,7 @@ def missing_dependencies() -> list[str]:
     return missing
 
 
-def main(
-    argv: Sequence[str] | None = None, *, family: str, objective: str = "reward"
-) -> int:
+def main(argv: Sequence[str] | None = None, *, family: str, objective: str = "reward") -> int:
     """Run the ``family`` recipe with command-line ``argv`` and the script's ``objective``
     (``reward``, ``grpo``, ``adjoint_matching``); returns the exit status."""
     missing = missing_dependencies()

@@ -119,22 +119,32 @@ def _tiny_family(family: str, objective: str, *, perturb: bool):
 @pytest.mark.parametrize("objective", OBJECTIVES)
 @pytest.mark.parametrize("family", RL_FAMILIES)
 def test_kl_reference_is_the_adapters_off_model(family, objective):
-    """The SDE sampler is FlowSDE.from_scheduler on the recipe's grid (noise 0.7 for grpo,
-    sqrt(2) for adjoint matching); with trained (non-zero) LoRA the logged KL is the KL
-    to the model without adapters (a fresh build, lora_B = 0: the base model), not zero,
+    """The SDE sampler is FlowSDE.from_scheduler on the recipe's grid (noise 0.7) for grpo,
+    gradest.rl.memoryless_flow on that grid for adjoint matching; with trained (non-zero)
+    LoRA the logged KL is the KL to the model without adapters (a fresh build, lora_B = 0:
+    the base model), not zero,
     and the adapters are on again afterwards (the rollout repeats bitwise)."""
-    import gradest
-    from gradest.rl import MEMORYLESS_NOISE_LEVEL, reference_velocities
     from gradest_recipes.rewards import brightness
     from gradest_recipes.rl_objectives import RLObjective, per_sample_reward
+
+    import gradest
+    from gradest.rl import MEMORYLESS_NOISE_LEVEL, memoryless_flow, reference_velocities
 
     config, embeddings, policy = _tiny_family(family, objective, perturb=True)
     _, _, base = _tiny_family(family, objective, perturb=False)
     rl = RLObjective(policy, config)
     assert isinstance(rl.sampler, gradest.FlowSDE)
     assert torch.equal(rl.sampler.times, policy.sampler.times)
-    level = 0.7 if objective == "grpo" else MEMORYLESS_NOISE_LEVEL
-    assert rl.sampler.noise_level == pytest.approx(level)
+    if objective == "grpo":
+        assert type(rl.sampler) is gradest.FlowSDE and rl.sampler.noise_level == 0.7
+    else:  # the library's memoryless sampler on the scheduler's grid
+        want_sampler = memoryless_flow(times=policy.sampler.times)
+        assert type(rl.sampler) is type(want_sampler)
+        assert rl.sampler.noise_level == pytest.approx(MEMORYLESS_NOISE_LEVEL)
+        for mine, theirs in zip(
+            rl.sampler.coefficients(), want_sampler.coefficients(), strict=True
+        ):
+            assert torch.equal(mine, theirs)
     index = rl.prompt_index(torch.Generator().manual_seed(0), embeddings.count, 2)
     if objective == "grpo":  # one group: one prompt repeated
         assert index[0] == index[1]

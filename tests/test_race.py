@@ -1,0 +1,296 @@
+"""The compute-matched race (gradest.harness.race) on a tiny synthetic task."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from gradest.errors import GradestError, InvalidValue
+from gradest.harness.bootstrap import bootstrap_mean, paired_bootstrap
+from gradest.harness.race import (
+    MIN_EVAL_SAMPLES,
+    RaceReport,
+    RaceTask,
+    StepProblem,
+    compute_to_reach,
+    race,
+)
+from gradest.objectives import TerminalObjective
+from gradest.samplers import RectifiedFlow
+from gradest.testing.problems import tiny_mlp
+
+TARGET = torch.tensor([1.0, -0.5], dtype=torch.float64)
+
+
+class Killed(Exception):
+    """A simulated kill in the middle of a race."""
+
+
+@attrs.define(eq=False, slots=False)
+class QuadraticTask:
+    """An MLP velocity on 2-D states; reward ``-||x - c||^2`` (optimum: every sample at c,
+    an interior point of the state space); drift: the mean squared change of the velocity
+    at fixed points. Records which evaluation noise every evaluation used."""
+
+    eval_samples: int = MIN_EVAL_SAMPLES
+    steps: int = 4
+    batch: int = 8
+    lr: float = 0.02
+    kill_after: int | None = None  # raise Killed at this evaluation
+    name: str = "quadratic"
+    objective_kind: str = "terminal"
+    ceiling: float | None = 0.0
+    evaluated_with: list[Any] = attrs.Factory(list)
+    pretrained_calls: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        gen = torch.Generator().manual_seed(99)
+        self.eval_noise = torch.randn(self.eval_samples, 2, generator=gen, dtype=torch.float64)
+        self.drift_points = torch.randn(64, 2, generator=gen, dtype=torch.float64)
+        self.drift_times = torch.rand(64, generator=gen, dtype=torch.float64)
+        self.base = tiny_mlp(2, hidden=16, seed=0)
+        with torch.no_grad():
+            self.base_velocity = self.base(self.drift_points, self.drift_times)
+
+    def settings(self) -> dict[str, Any]:
+        return {"steps": self.steps, "batch": self.batch, "lr": self.lr}
+
+    def pretrained(self) -> torch.nn.Module:
+        self.pretrained_calls += 1
+        return tiny_mlp(2, hidden=16, seed=0)
+
+    def sampler(self) -> RectifiedFlow:
+        return RectifiedFlow(steps=self.steps)
+
+    def optimizer(self, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(parameters, lr=self.lr)
+
+    def step_problem(self, model, sampler, generator, step) -> StepProblem:
+        del model, sampler, step
+        noise = torch.randn(self.batch, 2, generator=generator, dtype=torch.float64)
+        return StepProblem(
+            objective=TerminalObjective(lambda x: (x - TARGET).pow(2).sum(1).mean()),
+            inputs={"noise": noise},
+        )
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        if self.kill_after is not None and len(self.evaluated_with) >= self.kill_after:
+            raise Killed
+        self.evaluated_with.append(self.eval_noise)
+        from gradest.trajectory import rollout
+
+        x = rollout(model, self.sampler(), self.eval_noise).states[-1]
+        drift = (model(self.drift_points, self.drift_times) - self.base_velocity).pow(2).mean()
+        return {"reward": float(-(x - TARGET).pow(2).sum(1).mean()), "drift": float(drift)}
+
+    def flops_inputs(self):
+        return (
+            torch.zeros(self.batch, 2, dtype=torch.float64),
+            torch.full((self.batch,), 0.5, dtype=torch.float64),
+        ), {}
+
+
+SPECS = ["exact", "truncated:k=1"]
+
+
+def test_task_follows_the_protocol() -> None:
+    assert isinstance(QuadraticTask(), RaceTask)
+
+
+def test_budgets_are_respected_and_cheaper_estimators_take_more_steps() -> None:
+    task = QuadraticTask()
+    report = race(
+        task, SPECS, seeds=2, budget_exact_steps=3, fractions=(0.5, 1.0), show_progress=False
+    )
+    budget = report.config["budget"]
+    assert report.config["budget_exact_steps"] == 3
+    for spec in SPECS:
+        for row in report.runs[spec]:
+            assert row["flops"] <= budget
+            # the step it stopped at would have passed the budget
+            assert row["flops"] + row["stopped_step"]["flops"] > budget
+            # every evaluation point lies within its fraction of the budget
+            for point in row["curve"]:
+                assert point["flops"] <= point["fraction"] * budget
+    exact_steps = [row["steps"] for row in report.runs["exact"]]
+    cheap_steps = [row["steps"] for row in report.runs["truncated:k=1"]]
+    assert exact_steps == [3, 3]
+    assert all(c > e for c, e in zip(cheap_steps, exact_steps, strict=True))
+
+
+def test_evaluation_set_is_shared_and_large_enough() -> None:
+    task = QuadraticTask()
+    report = race(
+        task, SPECS, seeds=2, budget_exact_steps=2, fractions=(0.5, 1.0), show_progress=False
+    )
+    # the initial point plus every (seed, estimator, fraction)
+    assert len(task.evaluated_with) == 1 + 2 * len(SPECS) * 2
+    assert all(noise is task.eval_noise for noise in task.evaluated_with)
+    assert task.eval_noise.shape[0] >= MIN_EVAL_SAMPLES
+    assert report.config["eval_samples"] == MIN_EVAL_SAMPLES
+    with pytest.raises(InvalidValue, match="at least 256"):
+        race(
+            QuadraticTask(eval_samples=100),
+            SPECS,
+            seeds=1,
+            budget_exact_steps=1,
+            show_progress=False,
+        )
+
+
+def test_report_json_has_per_seed_curves(tmp_path) -> None:
+    task = QuadraticTask()
+    race(
+        task,
+        SPECS,
+        seeds=2,
+        budget_exact_steps=2,
+        fractions=(0.25, 0.5, 1.0),
+        out=tmp_path / "race",
+        show_progress=False,
+        plots=False,
+    )
+    data = json.loads((tmp_path / "race" / "report.json").read_text())
+    assert data["schema"] == "gradest.race/1"
+    assert data["config"]["seeds"] == [0, 1]
+    assert data["config"]["eval_samples"] == 256
+    assert data["config"]["ceiling"] == 0.0
+    for spec in SPECS:
+        rows = data["runs"][spec]
+        assert [r["seed"] for r in rows] == [0, 1]
+        for row in rows:
+            assert [p["fraction"] for p in row["curve"]] == [0.25, 0.5, 1.0]
+            assert {"reward", "drift", "flops", "seconds", "steps"} <= set(row["curve"][0])
+        point = data["summary"][spec]["points"][-1]
+        assert {"mean", "low", "high", "n", "resamples"} <= set(point["reward_minus_exact"])
+        assert point["reward_minus_exact"]["resamples"] >= 2000
+    # exact against itself: difference exactly 0 with the interval [0, 0]
+    zero = data["summary"]["exact"]["points"][-1]["reward_minus_exact"]
+    assert (zero["mean"], zero["low"], zero["high"]) == (0.0, 0.0, 0.0)
+    text = (tmp_path / "race" / "report.md").read_text()
+    assert "truncated:k=1" in text and "bootstrap" in text and "Ceiling" in text
+
+
+def test_bootstrap_intervals() -> None:
+    values = [0.3, -1.2, 2.5, 0.7, 1.1]
+    same = paired_bootstrap(values, values)
+    assert (same.mean, same.low, same.high) == (0.0, 0.0, 0.0)
+    shifted = paired_bootstrap([v + 0.5 for v in values], values)
+    assert shifted.low == pytest.approx(0.5) and shifted.high == pytest.approx(0.5)
+    # a known difference of 1 with noise: the interval covers it and is not degenerate
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(32, generator=gen, dtype=torch.float64)
+    other = base + 1.0 + 0.5 * torch.randn(32, generator=gen, dtype=torch.float64)
+    ci = paired_bootstrap(other.tolist(), base.tolist())
+    assert ci.low < 1.0 < ci.high and ci.high - ci.low < 1.0
+    assert ci == paired_bootstrap(other.tolist(), base.tolist())  # fixed seed
+    # "not reached" (+inf) makes the mean and the upper end infinite
+    reach = bootstrap_mean([1.0, 2.0, math.inf])
+    assert reach.mean == math.inf and reach.high == math.inf and reach.low < math.inf
+    with pytest.raises(InvalidValue):
+        bootstrap_mean([1.0, 2.0], resamples=100)
+
+
+def test_compute_to_reach_interpolates() -> None:
+    points = [(0.0, 0.0), (2.0, 1.0), (4.0, 3.0)]
+    assert compute_to_reach(points, 0.5) == 1.0
+    assert compute_to_reach(points, 2.0) == 3.0
+    assert compute_to_reach(points, 0.0) == 0.0
+    assert compute_to_reach(points, 3.5) == math.inf
+
+
+def _numbers(report: RaceReport) -> dict[str, Any]:
+    """Everything but the wall times."""
+    return {
+        spec: [
+            {
+                "steps": row["steps"],
+                "flops": row["flops"],
+                "curve": [{k: v for k, v in p.items() if k != "seconds"} for p in row["curve"]],
+            }
+            for row in rows
+        ]
+        for spec, rows in report.runs.items()
+    }
+
+
+def test_resume_after_a_kill_equals_an_uninterrupted_race(tmp_path) -> None:
+    settings = dict(
+        seeds=2, budget_exact_steps=4, fractions=(0.25, 0.5, 1.0), show_progress=False, plots=False
+    )
+    whole = race(QuadraticTask(), SPECS, out=tmp_path / "whole", **settings)
+    # killed in the middle of seed 0's runs (after the initial and 3 more evaluations)
+    with pytest.raises(Killed):
+        race(QuadraticTask(kill_after=4), SPECS, out=tmp_path / "killed", **settings)
+    assert not (tmp_path / "killed" / "report.json").exists()
+    assert list((tmp_path / "killed" / "state").rglob("*.pt"))
+    task = QuadraticTask()
+    resumed = race(task, SPECS, out=tmp_path / "killed", **settings)
+    # the resumed race did not redo the saved evaluation points
+    assert len(task.evaluated_with) < 1 + 2 * len(SPECS) * 3
+    assert _numbers(resumed) == _numbers(whole)
+    # a finished race rerun just rewrites its report
+    again = race(QuadraticTask(), SPECS, out=tmp_path / "killed", **settings)
+    assert _numbers(again) == _numbers(whole)
+
+
+def test_bad_settings_are_refused_before_work(tmp_path) -> None:
+    task = QuadraticTask()
+    cases = [
+        (dict(specs=["exact", "nonesuch"]), "nonesuch"),
+        (dict(specs=["sdo"]), "exact"),
+        (dict(specs=["exact", "exact"]), "twice"),
+        (dict(budget_flops=1e6), "exactly one budget"),
+        (dict(fractions=(0.5, 0.25, 1.0)), "increasing"),
+        (dict(fractions=(0.5,)), "last fraction"),
+        (dict(seeds=0), "seeds"),
+    ]
+    for change, message in cases:
+        kwargs: dict[str, Any] = (
+            dict(specs=SPECS, seeds=1, budget_exact_steps=1, show_progress=False) | change
+        )
+        specs = kwargs.pop("specs")
+        with pytest.raises(GradestError, match=message):
+            race(task, specs, **kwargs)
+    with pytest.raises(InvalidValue, match="exactly one budget"):
+        race(task, SPECS, seeds=1, show_progress=False)
+    assert task.pretrained_calls == 0
+    # a folder that holds a race with other settings: refused naming them, before work
+    out = tmp_path / "race"
+    race(
+        QuadraticTask(),
+        SPECS,
+        seeds=1,
+        budget_exact_steps=1,
+        fractions=(1.0,),
+        out=out,
+        show_progress=False,
+        plots=False,
+    )
+    other = QuadraticTask(lr=0.1)
+    with pytest.raises(InvalidValue, match="seeds.*task setting lr|task setting lr"):
+        race(
+            other,
+            SPECS,
+            seeds=2,
+            budget_exact_steps=1,
+            fractions=(1.0,),
+            out=out,
+            show_progress=False,
+        )
+    assert other.pretrained_calls == 0
+    with pytest.raises(InvalidValue, match="budget_given"):
+        race(
+            QuadraticTask(),
+            SPECS,
+            seeds=1,
+            budget_exact_steps=2,
+            fractions=(1.0,),
+            out=out,
+            show_progress=False,
+        )

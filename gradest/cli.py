@@ -65,6 +65,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _estimator_specs(text: str, *, example: str) -> list[str]:
+    """The specs of ``--estimators``, each built once so that a bad one fails before any
+    work starts; an empty list is refused with ``example`` as the fix."""
+    specs = split_spec_list(text, what="--estimators")
+    if not specs:
+        raise InvalidValue(f"--estimators is empty; e.g. --estimators {example}")
+    for spec in specs:
+        registry.estimator(spec)
+    return specs
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
@@ -73,11 +84,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from gradest.harness.plots import plots_unavailable
     from gradest.harness.sweeps import jagg_debias_sweep, jagg_span_sweep, jagg_tau_sweep
 
-    specs = split_spec_list(args.estimators, what="--estimators")
-    if not specs:
-        raise InvalidValue("--estimators is empty; e.g. --estimators exact,jagg:window=4,sdo")
-    for spec in specs:  # fail on a bad spec before any work starts
-        registry.estimator(spec)
+    specs = _estimator_specs(args.estimators, example="exact,jagg:window=4,sdo")
     if specs == split_spec_list(COMPARE_DEFAULT):
         # The default line-up holds terminal-only estimators; a stepwise run leaves them
         # out and says so (an explicit --estimators list is checked by compare itself).
@@ -188,11 +195,7 @@ def _cmd_race(args: argparse.Namespace) -> int:
     from gradest.harness.plots import plots_unavailable
     from gradest.harness.race import RACE_TASKS_GROUP, _check_fractions, race, registered_tasks
 
-    specs = split_spec_list(args.estimators, what="--estimators")
-    if not specs:
-        raise InvalidValue("--estimators is empty; e.g. --estimators exact,sdo,truncated:k=1")
-    for spec in specs:  # fail on a bad spec before any work starts
-        registry.estimator(spec)
+    specs = _estimator_specs(args.estimators, example="exact,sdo,truncated:k=1")
     if "exact" not in specs:
         specs.insert(0, "exact")  # the reference every difference is taken to
     if args.seeds <= 0:

@@ -45,10 +45,4 @@ def _command_problem(candidate: object) -> str | None:
 @functools.cache
 def registered_commands() -> dict[str, Command]:
     """Name -> :class:`Command` for every installed application."""
-    loaded = entry_points.load_group(
-        GROUP,
-        what="command",
-        check=_command_problem,
-        plugins_enabled=not entry_points.plugins_disabled(),
-    )
-    return loaded.objects
+    return entry_points.load_installed(GROUP, what="command", check=_command_problem)

@@ -45,7 +45,7 @@ from torch import Tensor
 from gradest._checks import require
 from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
-from gradest.samplers import TimeGrid
+from gradest.samplers import TimeGrid, as_float64_cpu
 
 PREDICTIONS = ("epsilon", "v_prediction", "sample")
 # Round-off allowed in 1 - a' - s^2 before it counts as negative (eta too large).
@@ -75,16 +75,7 @@ def as_alphas_cumprod(alphas_cumprod: Any, points: int, prediction: str = "epsil
     model is called, and above 0 there for an epsilon model (which cannot predict ``x0``
     from pure noise; v- and x0-prediction can, as zero-terminal-SNR schedules need).
     """
-    if isinstance(alphas_cumprod, Tensor):
-        alphas = alphas_cumprod.detach().to(device="cpu", dtype=torch.float64)
-    else:
-        try:
-            alphas = torch.as_tensor(alphas_cumprod, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise InvalidType(
-                f"alphas_cumprod must be a 1-D sequence or tensor of floats, got "
-                f"{type(alphas_cumprod).__name__}"
-            ) from err
+    alphas = as_float64_cpu(alphas_cumprod, "alphas_cumprod")
     require(
         alphas.ndim == 1 and alphas.numel() == points,
         f"alphas_cumprod must have one entry per grid point (len(times) = N+1 = {points}), "

@@ -56,6 +56,7 @@ def load_group(
     what: str,
     check: Callable[[Any], str | None],
     plugins_enabled: bool = True,
+    stacklevel: int = 3,
 ) -> Loaded:
     """Load every entry point of ``group``, skipping (with a warning) the unusable ones.
 
@@ -64,6 +65,7 @@ def load_group(
         what: how a warning names one entry (``"estimator plugin"``).
         check: returns None when a loaded object is usable, else why it is not.
         plugins_enabled: False keeps gradest's own entries only.
+        stacklevel: of the warnings, counted from here (3: the caller of the caller).
     """
     # gradest's own entries first (False sorts before True).
     entries = sorted(
@@ -80,7 +82,7 @@ def load_group(
                 f"gradest: {what} {entry.name!r} from {source} is a duplicate of the one "
                 f"from {sources[entry.name]}; keeping the first",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
             continue
         try:
@@ -93,16 +95,35 @@ def load_group(
                 f"gradest: skipping {what} {entry.name!r} from {source} "
                 f"({entry.value}): {type(err).__name__}: {err}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
             continue
         if problem is not None:
             warnings.warn(
                 f"gradest: skipping {what} {entry.name!r} from {source}: {entry.value} {problem}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
             continue
         objects[entry.name] = loaded
         sources[entry.name] = source
     return Loaded(objects, sources)
+
+
+def callable_problem(candidate: Any) -> str | None:
+    """The ``check`` of a group of factories: None when ``candidate`` is callable."""
+    return None if callable(candidate) else "is not callable"
+
+
+def load_installed(group: str, *, what: str, check: Callable[[Any], str | None]) -> dict[str, Any]:
+    """Name -> object of ``group`` as installed now: :func:`load_group` with plugins
+    enabled unless ``GRADEST_DISABLE_PLUGINS`` says otherwise (the one switch every group
+    obeys). Warnings name the caller of this function's caller, as :func:`load_group`'s do.
+    """
+    return load_group(
+        group,
+        what=what,
+        check=check,
+        plugins_enabled=not plugins_disabled(),
+        stacklevel=4,
+    ).objects

@@ -69,17 +69,41 @@ class AffineSampler(Protocol):
         ...
 
 
+def as_float64_cpu(value: Any, name: str) -> Tensor:
+    """``value`` (a tensor or a sequence of floats) as a detached float64 CPU tensor.
+
+    The conversion every per-grid-point input of a sampler (``times``, ``alphas_cumprod``)
+    goes through before its own checks; anything torch cannot read as floats raises
+    :class:`~gradest.errors.InvalidType` naming ``name``. The shape is not checked here.
+    """
+    if isinstance(value, Tensor):
+        return value.detach().to(device="cpu", dtype=torch.float64)
+    try:
+        return torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise InvalidType(
+            f"{name} must be a 1-D sequence or tensor of floats, got {type(value).__name__}"
+        ) from err
+
+
+def check_reduction(reduction: str) -> None:
+    """Raise unless ``reduction`` is one of :data:`LOG_PROB_REDUCTIONS`."""
+    if reduction not in LOG_PROB_REDUCTIONS:
+        raise InvalidValue(
+            f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
+        )
+
+
+def reduce_per_sample(values: Tensor, reduction: str) -> Tensor:
+    """``[B]``: ``values`` ``[B, ...]`` summed (``"sum"``) or averaged (``"mean"``) over all
+    but the batch dimension, the one reduction of per-element log-densities and KLs."""
+    flat = values.reshape(values.shape[0], -1)
+    return flat.sum(1) if reduction == "sum" else flat.mean(1)
+
+
 def as_time_grid(times: Any) -> Tensor:
     """``times`` as a validated ``[N+1]`` float64 CPU grid: strictly decreasing, in [0, 1]."""
-    if isinstance(times, Tensor):
-        grid = times.detach().to(device="cpu", dtype=torch.float64)
-    else:
-        try:
-            grid = torch.as_tensor(times, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise InvalidType(
-                f"times must be a 1-D sequence or tensor of floats, got {type(times).__name__}"
-            ) from err
+    grid = as_float64_cpu(times, "times")
     require(
         grid.ndim == 1 and grid.numel() >= 2,
         f"times must be 1-D with at least 2 entries (one step), got shape {tuple(grid.shape)}",
@@ -228,10 +252,7 @@ class TimeGrid:
         Returns:
             ``[B]`` log-probabilities in ``velocity``'s dtype.
         """
-        if reduction not in LOG_PROB_REDUCTIONS:
-            raise InvalidValue(
-                f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
-            )
+        check_reduction(reduction)
         require(
             same_grid(getattr(trajectory, "times", None), self.times),
             f"trajectory was recorded on a different time grid than {self!r}; record it "
@@ -255,8 +276,7 @@ class TimeGrid:
         z_next = trajectory.states[k + 1].to(velocity)
         residual = z_next - (alpha * z + beta * velocity)
         elementwise = -0.5 * (residual / scale) ** 2 - math.log(scale) - 0.5 * math.log(2 * math.pi)
-        flat = elementwise.reshape(elementwise.shape[0], -1)
-        return flat.sum(1) if reduction == "sum" else flat.mean(1)
+        return reduce_per_sample(elementwise, reduction)
 
     def trajectory_log_probs(self, trajectory: Any, *, reduction: str = "sum") -> Tensor:
         """``[N, B]`` log-probabilities of every recorded step under the recorded velocities.

@@ -90,6 +90,14 @@ def draw_generator(seed: int, draw: int) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * seed + draw)
 
 
+def _plugin_estimate(
+    est: Any, model: torch.nn.Module, flow: AffineSampler, objective: Objective, **inputs: Any
+) -> Any:
+    """``est.estimate(model, flow, objective, **inputs)``, with an exception raised inside a
+    plugin's estimate() labelled with the plugin (:func:`gradest.registry.call_plugin`)."""
+    return call_plugin(est, "estimate()", est.estimate, model, flow, objective, **inputs)
+
+
 def is_stochastic(est: Any, run: Callable[[Any, torch.Generator], Tensor]) -> bool:
     """Whether an estimator's result depends on its generator (two draws differ)."""
     declared = getattr(est, "stochastic", None)
@@ -184,10 +192,8 @@ def compare(
 
     def run(est: Any, seed: int, generator: torch.Generator) -> Any:
         trajectory = trajectory_of(seed)
-        result = call_plugin(
+        result = _plugin_estimate(
             est,
-            "estimate()",
-            est.estimate,
             model,
             flow,
             objective,
@@ -332,17 +338,10 @@ def _measure_costs(
         cycle = itertools.cycle(range(draw_counts[spec]))
 
         def call(est: Any = est, inputs: dict = inputs, cycle: Any = cycle) -> Any:
-            result = call_plugin(
-                est,
-                "estimate()",
-                est.estimate,
-                model,
-                flow,
-                objective,
-                cond=cond,
-                generator=draw_generator(0, next(cycle)),
+            result = _plugin_estimate(
+                est, model, flow, objective, cond=cond, generator=draw_generator(0, next(cycle)),
                 **inputs,
-            )
+            )  # fmt: skip
             if noise.is_cuda:  # time the work, not the kernel launches
                 torch.cuda.synchronize()
             return result

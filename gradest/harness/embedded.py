@@ -105,13 +105,9 @@ def embedded_problem(
 
 def registered_problems() -> dict[str, Callable[..., Problem]]:
     """Problems that installed applications register under ``gradest.problems``."""
-    loaded = entry_points.load_group(
-        PROBLEMS_GROUP,
-        what="problem",
-        check=lambda obj: None if callable(obj) else "is not callable",
-        plugins_enabled=not entry_points.plugins_disabled(),
+    return entry_points.load_installed(
+        PROBLEMS_GROUP, what="problem", check=entry_points.callable_problem
     )
-    return loaded.objects
 
 
 def _flattened_terminal(objective: Any) -> Any:

@@ -45,6 +45,20 @@ def _save(plt: Any, fig: Any, path: Path) -> None:
         plt.close(fig)
 
 
+def _figure(width: float, height: float) -> tuple[Any, Any, Any]:
+    """``(plt, fig, ax)``: pyplot and a new single-axes figure of ``width`` x ``height`` in."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(width, height))
+    return plt, fig, ax
+
+
+def _save_tight(plt: Any, fig: Any, path: Path) -> Path:
+    """The figure laid out tight (labels inside the canvas) and saved at ``path``."""
+    fig.tight_layout()
+    _save(plt, fig, path)
+    return path
+
+
 def plot_report(report: Any, folder: Path) -> list[Path]:
     """Write every plot the report has data for into ``folder``; returns the paths."""
     written = [_mse_vs_cost(report, folder)]
@@ -61,8 +75,7 @@ def plot_report(report: Any, folder: Path) -> list[Path]:
 
 
 def _mse_vs_cost(report: Any, folder: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    plt, fig, ax = _figure(8, 4.5)
     floor = min((r.mse.mean for r in report.rows if r.mse.mean > 0), default=1e-16) / 10
     for row in report.rows:
         x = row.flops_ratio if row.flops_ratio is not None else row.counts.model_units()
@@ -76,15 +89,11 @@ def _mse_vs_cost(report: Any, folder: Path) -> Path:
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    path = folder / "mse_vs_cost.png"
-    _save(plt, fig, path)
-    return path
+    return _save_tight(plt, fig, folder / "mse_vs_cost.png")
 
 
 def _gate_cosines(report: Any, folder: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = _figure(6, 4)
     for row in report.rows:
         if not row.gate_cosines:
             continue
@@ -99,15 +108,11 @@ def _gate_cosines(report: Any, folder: Path) -> Path:
     ax.set_ylabel("gate cosine (actual vs interpolated velocity)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = folder / "gate_cosines.png"
-    _save(plt, fig, path)
-    return path
+    return _save_tight(plt, fig, folder / "gate_cosines.png")
 
 
 def _span_sweep(span: dict[str, Any], folder: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = _figure(6, 4)
     for order, data in span["orders"].items():
         if data["spans"]:
             ax.loglog(
@@ -124,15 +129,11 @@ def _span_sweep(span: dict[str, Any], folder: Path) -> Path:
     ax.set_ylabel("relative error vs exact (gate off)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = folder / "jagg_span.png"
-    _save(plt, fig, path)
-    return path
+    return _save_tight(plt, fig, folder / "jagg_span.png")
 
 
 def _tau_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = _figure(6, 4)
     xs = [r["cost_ratio"] for r in rows]
     ys = [max(r["relative_error"], 1e-17) for r in rows]
     ax.plot(xs, ys, marker="o")
@@ -149,16 +150,12 @@ def _tau_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     ax.set_ylabel("relative error vs exact")
     ax.set_title("jagg gate threshold: speed vs agreement")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path = folder / "tau_sweep.png"
-    _save(plt, fig, path)
-    return path
+    return _save_tight(plt, fig, folder / "tau_sweep.png")
 
 
 def _debias_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     """Squared bias and variance of jagg:debias=m against m: the trade of the option."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = _figure(6, 4)
     ms = [r["debias"] for r in rows]
     floor = 1e-17  # log axis: a zero bias (or the deterministic m=0's variance) at the floor
     ax.plot(ms, [max(r["bias_squared"], floor) for r in rows], marker="o", label="bias²")
@@ -170,10 +167,7 @@ def _debias_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     ax.set_title("jagg debias: interpolation bias traded for variance")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = folder / "jagg_debias.png"
-    _save(plt, fig, path)
-    return path
+    return _save_tight(plt, fig, folder / "jagg_debias.png")
 
 
 def plot_race(report: Any, folder: Path) -> list[Path]:
@@ -183,8 +177,7 @@ def plot_race(report: Any, folder: Path) -> list[Path]:
     compute 0, and the ceiling (dashed) when the task knows it."""
     from gradest.harness.bootstrap import bootstrap_mean
 
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    plt, fig, ax = _figure(6.4, 4.2)
     initial = report.initial["reward"]
     fractions = report.config["fractions"]
     for spec in report.runs:

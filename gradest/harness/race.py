@@ -185,13 +185,9 @@ def registered_tasks() -> dict[str, Callable[..., RaceTask]]:
     A factory is called as ``factory(eval_samples=..., device=...)`` and returns a
     :class:`RaceTask`.
     """
-    loaded = entry_points.load_group(
-        RACE_TASKS_GROUP,
-        what="race task",
-        check=lambda obj: None if callable(obj) else "is not callable",
-        plugins_enabled=not entry_points.plugins_disabled(),
+    return entry_points.load_installed(
+        RACE_TASKS_GROUP, what="race task", check=entry_points.callable_problem
     )
-    return loaded.objects
 
 
 def forward_flops(task: RaceTask, model: nn.Module | None = None) -> int:
@@ -838,10 +834,9 @@ class RaceReport:
             f"({config['bootstrap']['resamples']} resamples of the seeds, fixed seed), "
             f"differences to `exact` paired by seed. Compute in {self.unit_name}.",
             "",
-            "## Reward at each budget fraction (Δ: minus exact, paired)",
-            "",
-            "| estimator | " + " | ".join(f"{f:g} budget" for f in fractions) + " |",
-            "|---|" + "---|" * len(fractions),
+            *_fraction_table_head(
+                "Reward at each budget fraction (Δ: minus exact, paired)", fractions
+            ),
         ]
         for spec, s in summary.items():
             cells = []
@@ -854,10 +849,9 @@ class RaceReport:
             lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
         lines += [
             "",
-            "## Drift from the pretrained model at each budget fraction",
-            "",
-            "| estimator | " + " | ".join(f"{f:g} budget" for f in fractions) + " |",
-            "|---|" + "---|" * len(fractions),
+            *_fraction_table_head(
+                "Drift from the pretrained model at each budget fraction", fractions
+            ),
         ]
         for spec, s in summary.items():
             cells = [_ci(p["drift"]) for p in s["points"]]
@@ -928,6 +922,17 @@ class RaceReport:
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         return target
+
+
+def _fraction_table_head(title: str, fractions: Sequence[float]) -> list[str]:
+    """The opening of a ``## title`` section: the heading, a blank line, and the header
+    and rule of a table with one row per estimator and one column per budget fraction."""
+    return [
+        f"## {title}",
+        "",
+        "| estimator | " + " | ".join(f"{f:g} budget" for f in fractions) + " |",
+        "|---|" + "---|" * len(fractions),
+    ]
 
 
 def _num(value: float | None, spec: str = ".4g") -> str:

@@ -50,7 +50,7 @@ from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import StepwiseObjective
 from gradest.rl._common import check_recorded, model_velocities
-from gradest.samplers import LOG_PROB_REDUCTIONS, AffineSampler, FlowSDE
+from gradest.samplers import AffineSampler, FlowSDE, check_reduction, reduce_per_sample
 from gradest.trajectory import Trajectory, check_trajectory_matches
 
 ADVANTAGE_EPS = 1e-4
@@ -125,19 +125,15 @@ def step_kl(
     Differentiable in ``velocity``.
     """
     flow = sampler
-    if reduction not in LOG_PROB_REDUCTIONS:
-        raise InvalidValue(
-            f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
-        )
+    check_reduction(reduction)
     _, beta, scale = (float(c[k]) for c in flow.coefficients())
     if scale == 0.0:
         raise InvalidValue(
             f"step {k} of {flow!r} is deterministic (noise scale 0): the KL of two "
             f"deterministic steps is infinite; use noise_level > 0"
         )
-    squared = (velocity - reference.to(velocity)).pow(2).reshape(velocity.shape[0], -1)
-    per_sample = squared.sum(1) if reduction == "sum" else squared.mean(1)
-    return (beta * beta / (2.0 * scale * scale)) * per_sample
+    squared = (velocity - reference.to(velocity)).pow(2)
+    return (beta * beta / (2.0 * scale * scale)) * reduce_per_sample(squared, reduction)
 
 
 def _shape_of(value: Any) -> Any:
@@ -226,10 +222,7 @@ def grpo_objective(
         raise InvalidValue(
             f"clip must be in (0, 1), got {clip!r} (PPO uses 0.2, Flow-GRPO's configs 1e-4)"
         )
-    if reduction not in LOG_PROB_REDUCTIONS:
-        raise InvalidValue(
-            f"reduction must be one of {', '.join(LOG_PROB_REDUCTIONS)}, got {reduction!r}"
-        )
+    check_reduction(reduction)
     for name, tensor in (("old_log_probs", old_log_probs), ("advantages", advantages)):
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidValue(f"{name} contain NaN or Inf")

@@ -30,7 +30,7 @@ from gradest.specs import SPEC_LIST_EXAMPLE, spec_list_text, split_spec_list
 # unbiased ones beside the biased ones they correct.
 COMPARE_DEFAULT = (
     "exact,jagg:window=4,jagg:window=4,debias=2,jagg:window=4,shared_knots=true,sdo,"
-    "truncated:k=1,truncated:random=uniform,k_min=2,telescope,draft_lv,refl"
+    "truncated:k=1,truncated:random=uniform,k_min=2,alignprop,telescope,draft_lv,refl"
 )
 
 # Both commands' --estimators help: the one list syntax (gradest.specs), one example.

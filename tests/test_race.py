@@ -294,3 +294,32 @@ def test_bad_settings_are_refused_before_work(tmp_path) -> None:
             out=out,
             show_progress=False,
         )
+
+
+@attrs.define
+class WrongWayTask(QuadraticTask):
+    """Trains towards the opposite of what it evaluates: exact loses reward."""
+
+    name: str = "wrong-way"
+
+    def step_problem(self, model, sampler, generator, step) -> StepProblem:
+        del model, sampler, step
+        noise = torch.randn(self.batch, 2, generator=generator, dtype=torch.float64)
+        return StepProblem(
+            objective=TerminalObjective(lambda x: -(x - TARGET).pow(2).sum(1).mean()),
+            inputs={"noise": noise},
+        )
+
+
+def test_shares_of_exacts_gain_are_undefined_when_exact_lost_reward() -> None:
+    report = race(
+        WrongWayTask(), SPECS, seeds=2, budget_exact_steps=3, fractions=(1.0,),
+        show_progress=False,
+    )  # fmt: skip
+    summary = report.summary()
+    assert summary["exact"]["points"][-1]["reward"]["mean"] < report.initial["reward"]
+    for spec in SPECS:
+        assert summary[spec]["gain_fraction_of_exact"] is None
+        for reach in summary[spec]["reach"].values():
+            assert reach["undefined"] == "exact did not gain" and reach["mean"] is None
+    assert "- (exact did not gain)" in report.to_markdown()

@@ -761,7 +761,20 @@ class RaceReport:
                     }
                 )
             reach = {}
+            exact_gain = sum(exact_final) / len(exact_final) - initial
             for level in REACH_LEVELS:
+                if exact_gain <= 0:
+                    # "p of exact's gain" is no target when exact lost reward on average:
+                    # every curve would "reach" it at zero compute.
+                    reach[f"{int(level * 100)}%"] = {
+                        "per_seed": [],
+                        "reached": 0,
+                        "mean": None,
+                        "low": None,
+                        "high": None,
+                        "undefined": "exact did not gain",
+                    }
+                    continue
                 per_seed = [
                     compute_to_reach(
                         _points(row, self.initial, self.axis), initial + level * (e - initial)
@@ -780,9 +793,7 @@ class RaceReport:
                 "points": points,
                 "reach": reach,
                 "steps": bootstrap_mean([row["steps"] for row in rows]).to_json(),
-                "gain_fraction_of_exact": gain / (sum(exact_final) / len(exact_final) - initial)
-                if sum(exact_final) / len(exact_final) != initial
-                else None,
+                "gain_fraction_of_exact": gain / exact_gain if exact_gain > 0 else None,
                 "gain_fraction_of_ceiling": gain / (ceiling - initial)
                 if ceiling is not None and ceiling != initial
                 else None,
@@ -885,6 +896,9 @@ class RaceReport:
             for level in REACH_LEVELS:
                 r = s["reach"][f"{int(level * 100)}%"]
                 n = len(r["per_seed"])
+                if "undefined" in r:
+                    row += f" - ({r['undefined']}) |"
+                    continue
                 if r["mean"] is not None and math.isfinite(r["mean"]):
                     text = f"{_num(r['mean'])} [{_num(r['low'])}, {_num(r['high'])}]"
                 else:

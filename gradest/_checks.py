@@ -202,10 +202,15 @@ def check_scalar_loss(loss: Any, where: str) -> Tensor:
         f"the loss {where} must be a scalar, got shape {tuple(loss.shape)}; "
         f"reduce it with .mean() or .sum()",
     )
-    if not bool(torch.isfinite(loss).all()):
-        from gradest.nonfinite import NonFiniteError
+    from gradest.nonfinite import NonFiniteError, defer_check
 
-        raise NonFiniteError(f"loss {where} ({loss.item()})")
+    # A copy: holding the loss's own storage until the end of the call would keep what
+    # its graph saved alive (memory measured as retained activations).
+    value = loss.detach().clone()
+    # Decided at the end of an estimator call (one host sync for all checks), or now.
+    defer_check(
+        torch.isfinite(value).all(), lambda _: NonFiniteError(f"loss {where} ({value.item()})")
+    )
     return loss.reshape(())
 
 

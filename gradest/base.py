@@ -26,7 +26,7 @@ from gradest._lone_rank import warn_if_lone_rank
 from gradest.context import EstimationContext
 from gradest.errors import GradestError, InvalidType, InvalidValue
 from gradest.model_lock import grad_lock_for
-from gradest.nonfinite import ON_NONFINITE, NonFiniteError
+from gradest.nonfinite import ON_NONFINITE, NonFiniteError, deferred_checks
 from gradest.objectives import Objective, StepwiseObjective
 from gradest.protocol import (
     Decisions,
@@ -318,12 +318,16 @@ class EstimatorBase:
         if kind not in self.objectives:
             raise self.unsupported_objective(kind)
         self.check_steps(ctx.num_steps)
-        if ctx.is_terminal:
-            grads, state_grad = self._terminal(ctx)
-        else:
-            grads, state_grad = self._stepwise(ctx), None
-        _refuse_unrelated_stepwise_loss(ctx)
-        ctx.finish_stepwise_value()
+        # No host sync per step: every NaN/Inf check of the call records device flags and
+        # is decided once here at the end (the first failing check raises, as it would
+        # have where it ran; a failure is located only after it is known).
+        with deferred_checks():
+            if ctx.is_terminal:
+                grads, state_grad = self._terminal(ctx)
+            else:
+                grads, state_grad = self._stepwise(ctx), None
+            _refuse_unrelated_stepwise_loss(ctx)
+            ctx.finish_stepwise_value()
         ctx.field.randomness.finish()
         return grads, state_grad
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
 from gradest.errors import InvalidType, InvalidValue
-from gradest.nonfinite import NonFiniteError, check_finite
+from gradest.nonfinite import NonFiniteError, check_finite, immediate_checks
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.protocol import Decisions
 from gradest.ranks import RankAgreement
@@ -29,6 +29,7 @@ from gradest.trajectory import (
     check_sampler,
     check_trajectory_matches,
     draw_step_noise,
+    host_coefficients,
     integrate,
 )
 from gradest.vjp import CostMeter, ParamGradient, RetainedChain, VelocityField, add_grads
@@ -60,6 +61,15 @@ def _as_lists(value: Any) -> Any:
     if isinstance(value, tuple | list):
         return [_as_lists(item) for item in value]
     return value
+
+
+def host_floats(values: Any) -> list[float]:
+    """0-dim tensors as Python floats in one transfer (not one host sync each)."""
+    items = [v.detach().reshape(()) for v in values]
+    if not items:
+        return []
+    device = items[0].device
+    return torch.stack([v.to(device=device, dtype=torch.float64) for v in items]).tolist()
 
 
 class EstimationContext:
@@ -153,6 +163,10 @@ class EstimationContext:
         self.ranks = RankAgreement(model)
         self.flow = flow
         self.coefficients = flow.coefficients()
+        # Host copies of the grid and coefficients (one transfer each per call): the step
+        # loops read floats from these, never float(times[k]) (a host sync per step).
+        self.host_times: list[float] = flow.times.tolist()
+        self.host_coefficients = host_coefficients(self.coefficients)
         self.objective = objective
         self.noise = noise
         self.want_noise_grad = noise_grad
@@ -171,7 +185,8 @@ class EstimationContext:
         # Whether any evaluated step's loss depended on its velocity (stepwise).
         self.stepwise_loss_depends = False
         # l_k of the evaluated steps (stepwise), each step once: info["evaluated_value"].
-        self._step_losses: dict[int, float] = {}
+        # Kept as tensors: one host transfer in finish_stepwise_value, none per step.
+        self._step_losses: dict[int, Tensor] = {}
         self.info: dict[str, Any] = {}
         self.decisions: Decisions | None = None
 
@@ -203,8 +218,8 @@ class EstimationContext:
 
     def _sample_without_graph(self, z: Tensor, steps: range) -> tuple[list[Tensor], list[Tensor]]:
         return integrate(
-            lambda k, state: self.field.velocity(state, self.times[k]),
-            self.coefficients,
+            lambda k, state: self.field.velocity(state, self.host_times[k]),
+            self.host_coefficients,
             z,
             self.step_noise(),
             steps,
@@ -247,7 +262,7 @@ class EstimationContext:
         trajectory = self.trajectory()
         if self._velocities_are_current:
             return trajectory.velocities[k]
-        return self.field.velocity(trajectory.states[k], self.times[k])
+        return self.field.velocity(trajectory.states[k], self.host_times[k])
 
     # -- objectives -----------------------------------------------------------------------
 
@@ -263,9 +278,9 @@ class EstimationContext:
         assert isinstance(self.objective, StepwiseObjective)
         loss, cotangent, depends = self.objective.evaluate_step(k, velocity, self.trajectory())
         self.stepwise_loss_depends |= depends
-        self._step_losses.setdefault(k, float(loss))
-        self.info["evaluated_value"] = sum(self._step_losses.values())
-        self.info["loss"] = self.info["evaluated_value"]  # the full sum: finish_stepwise_value
+        if k not in self._step_losses:
+            # a copy: the loss's own storage belongs to its (freed) graph
+            self._step_losses[k] = loss.detach().clone()
         return cotangent
 
     def finish_stepwise_value(self) -> None:
@@ -278,21 +293,27 @@ class EstimationContext:
         evaluated steps' part. Without a recorded path (a plugin that never sampled one)
         ``info["loss"]`` stays the evaluated part.
         """
-        trajectory = self._trajectory
-        if self.is_terminal or trajectory is None or not self._step_losses:
+        if self.is_terminal or not self._step_losses:
             return
-        if trajectory.velocities.shape[0] != self.num_steps:
+        losses = host_floats(self._step_losses.values())  # one transfer for every step
+        evaluated = dict(zip(self._step_losses, losses, strict=True))
+        self.info["evaluated_value"] = sum(evaluated.values())
+        self.info["loss"] = self.info["evaluated_value"]
+        trajectory = self._trajectory
+        if trajectory is None or trajectory.velocities.shape[0] != self.num_steps:
             return
         assert isinstance(self.objective, StepwiseObjective)
-        total = 0.0
+        others: dict[int, Tensor] = {}
         with torch.no_grad():
             for k in range(self.num_steps):
-                if k in self._step_losses:
-                    total += self._step_losses[k]
-                else:
+                if k not in evaluated:
                     # a copy: a loss with an in-place op must not edit the recording
                     velocity = trajectory.velocities[k].detach().clone()
-                    total += float(self.objective.loss_fn(k, velocity, trajectory))
+                    others[k] = torch.as_tensor(self.objective.loss_fn(k, velocity, trajectory))
+        values = {**evaluated, **dict(zip(others, host_floats(others.values()), strict=True))}
+        total = 0.0
+        for k in range(self.num_steps):
+            total += values[k]
         self.info["loss"] = total
 
     # -- the adjoint ----------------------------------------------------------------------
@@ -348,7 +369,7 @@ class EstimationContext:
         the graphs of the steps in ``keep`` stay for a later parameter VJP.
         """
         trajectory = self.trajectory()
-        alpha, beta, _ = self.coefficients
+        alpha, beta, _ = self.host_coefficients
         adjoint = terminal_adjoint
         swept = range(start, self.num_steps)
         cotangents: list[Tensor] = [terminal_adjoint] * len(swept)
@@ -357,8 +378,8 @@ class EstimationContext:
         # a_start is needed only as the noise gradient (start 0, when it is wanted).
         need_first = start == 0 and self.want_noise_grad
         for k in reversed(swept):
-            cotangent = float(beta[k]) * adjoint
-            z, t = trajectory.states[k], self.times[k]
+            cotangent = beta[k] * adjoint
+            z, t = trajectory.states[k], self.host_times[k]
             if joint:
                 v, z_grad, step_grads = self.field.joint_vjp(z, t, cotangent)
                 grads = add_grads(grads, step_grads)
@@ -375,8 +396,8 @@ class EstimationContext:
             else:
                 v, z_grad = self.field.state_vjp(z, t, cotangent)
             cotangents[k - start], velocities[k - start] = cotangent, v
-            adjoint = float(alpha[k]) * adjoint + z_grad if z_grad is not None else adjoint
-            check_finite(adjoint, "adjoint", [float(t)])
+            adjoint = alpha[k] * adjoint + z_grad if z_grad is not None else adjoint
+            check_finite(adjoint, "adjoint", [t])
         return AdjointSweep(
             cotangents=torch.stack(cotangents),
             velocities=torch.stack(velocities),
@@ -439,13 +460,18 @@ class EstimationContext:
         )
         self.record(states, velocities)
         terminal_adjoint = self.terminal_adjoint()
-        try:
+        if self.surrogate:
             return chain.pull(terminal_adjoint)
-        except NonFiniteError:
-            if self.surrogate:
-                raise
+
+        def locate() -> NonFiniteError | None:
             # The fused backward saw a NaN/Inf somewhere in the chain: sweep again one step
             # at a time along the recorded path, whose checks name the step where it
             # first appears (the failure path only; a clean estimate never pays this).
-            self.adjoint_sweep(terminal_adjoint, start=start, joint=True)
-            raise
+            try:
+                with immediate_checks():
+                    self.adjoint_sweep(terminal_adjoint, start=start, joint=True)
+            except NonFiniteError as err:
+                return err
+            return None
+
+        return chain.pull(terminal_adjoint, locate)

@@ -3,7 +3,10 @@
 The VJP engine checks every velocity, state gradient and parameter gradient it
 produces, the adjoint sweep checks each adjoint, and objectives check losses and their
 gradients. The first non-finite tensor raises :class:`NonFiniteError` naming the tensor
-and the sampling step(s); ``estimate``/``backward`` add the estimator and either re-raise
+and the sampling step(s). Within an estimator call (:func:`deferred_checks`) each check
+only records device-side flags; the call decides them all with one host sync at its end
+and raises the first failing check's error (located from the flags, on the failure path
+only). ``estimate``/``backward`` add the estimator and either re-raise
 (``on_nonfinite="raise"``, the default) or return an estimate marked unusable with
 ``.grad`` untouched (``on_nonfinite="skip"``).
 
@@ -22,8 +25,10 @@ stands aside.
 
 from __future__ import annotations
 
+import contextvars
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -112,14 +117,180 @@ def _all_finite(tensors: Iterable[Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in items)
 
 
+def finite_flags(value: Tensor, rows: int = 0) -> Tensor:
+    """Device-side finiteness flags of ``value`` (no host sync): a 0-dim bool tensor, or
+    ``[rows]`` flags, one per leading row, when ``rows`` is given.
+
+    One sum per tensor (see :func:`_all_finite`), accumulated wide enough that finite
+    values cannot overflow it: float32 for half precision, float64 for float32/bfloat16.
+    (Only float64 tensors whose finite elements sum past 1.8e308 would be flagged.)
+    """
+    value = value.detach()
+    if value.dtype == torch.float16:
+        dtype = torch.float32
+    elif value.dtype == torch.float64 or not value.is_floating_point():
+        dtype = None
+    else:
+        dtype = torch.float64
+    if rows:
+        flat = value.reshape(rows, -1)
+        sums = flat.sum(1, dtype=dtype) if dtype is not None else flat.sum(1)
+    else:
+        sums = value.sum(dtype=dtype) if dtype is not None else value.sum()
+    return torch.isfinite(sums)
+
+
+class DeferredChecks:
+    """Finiteness checks of one estimator call, decided once at its end.
+
+    Each check records device-side flags (no host sync) and how to build its
+    :class:`NonFiniteError`; :meth:`resolve` makes one host sync over all flags and, only
+    if one failed, raises the error of the first failing check in the order they were
+    recorded: the error the check would have raised where it ran.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[Tensor, Callable[[Tensor], NonFiniteError]]] = []
+
+    def add(self, flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
+        self._entries.append((flags, error))
+
+    def first_error(self) -> NonFiniteError | None:
+        """The first failing check's error, or None (one host sync unless one failed)."""
+        entries, self._entries = self._entries, []
+        if not entries:
+            return None
+        device = entries[0][0].device
+        flags = torch.cat([flag.reshape(-1).to(device) for flag, _ in entries])
+        if bool(flags.all()):
+            return None
+        for flag, error in entries:  # the failure path only
+            if not bool(flag.all()):
+                return error(flag)
+        return None  # pragma: no cover
+
+    def resolve(self) -> None:
+        error = self.first_error()
+        if error is not None:
+            raise error
+
+
+_PENDING: contextvars.ContextVar[DeferredChecks | None] = contextvars.ContextVar(
+    "gradest_deferred_finite_checks", default=None
+)
+
+
+@contextmanager
+def deferred_checks() -> Iterator[DeferredChecks]:
+    """Within the block, :func:`check_finite` (and :func:`defer_check`) record device
+    flags instead of synchronising; they are decided once when the block ends.
+
+    If the block raises and a recorded check had failed, that check's
+    :class:`NonFiniteError` is raised instead (it happened first: later code ran on the
+    non-finite values); the block's own exception becomes its context.
+    """
+    checks = DeferredChecks()
+    token = _PENDING.set(checks)
+    try:
+        yield checks
+    except Exception as err:
+        _PENDING.reset(token)
+        first = checks.first_error()
+        if first is not None:
+            raise first from err
+        raise
+    except BaseException:
+        _PENDING.reset(token)
+        raise
+    _PENDING.reset(token)
+    checks.resolve()
+
+
+@contextmanager
+def immediate_checks() -> Iterator[None]:
+    """Within the block, checks raise where they run (a failure path re-running steps to
+    locate a non-finite value)."""
+    token = _PENDING.set(None)
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+
+
+def defer_check(flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
+    """Raise ``error(flags)`` unless every flag is True: at the end of the enclosing
+    :func:`deferred_checks` block if there is one, otherwise now."""
+    pending = _PENDING.get()
+    if pending is not None:
+        pending.add(flags, error)
+    elif not bool(flags.all()):
+        raise error(flags)
+
+
 def check_finite(
-    value: Tensor | Mapping[str, Tensor], tensor: str, times: Sequence[float] = ()
+    value: Tensor | Mapping[str, Tensor],
+    tensor: str,
+    times: Sequence[float] = (),
+    *,
+    refine: Callable[[], NonFiniteError | None] | None = None,
 ) -> None:
     """Raise :class:`NonFiniteError` if ``value`` (a tensor or a gradient dict) has NaN/Inf.
 
     For ``[M, B, ...]`` stacked values with ``M`` times, only the offending rows' times
-    are reported.
+    are reported. Inside :func:`deferred_checks` the decision is made at the block's end
+    (device flags now, one host sync then). ``refine()``, called on the failure path
+    only, may return a more precise error (e.g. from a step-by-step re-run).
     """
+    times = tuple(times)
+
+    def refined(error: NonFiniteError) -> NonFiniteError:
+        better = refine() if refine is not None else None
+        return better if better is not None else error
+
+    if _PENDING.get() is None:
+        try:
+            _check_finite_now(value, tensor, times)
+        except NonFiniteError as err:
+            better = refined(err)
+            if better is err:
+                raise
+            raise better from err
+        return
+    if isinstance(value, Tensor):
+        if len(times) > 1 and value.ndim and value.shape[0] == len(times):
+
+            def rows_error(flags: Tensor) -> NonFiniteError:
+                ok = flags.tolist()
+                bad = [t for t, f in zip(times, ok, strict=True) if not f]
+                return refined(NonFiniteError(tensor, times=bad))
+
+            defer_check(finite_flags(value, len(times)), rows_error)
+        else:
+            defer_check(
+                finite_flags(value), lambda _: refined(NonFiniteError(tensor, times=times))
+            )
+        return
+    items = list(value.items())
+    if not items:
+        return
+    names = [name for name, _ in items]
+
+    def dict_error(flags: Tensor) -> NonFiniteError:
+        bad = [n for n, ok in zip(names, flags.tolist(), strict=True) if not ok]
+        return refined(
+            NonFiniteError(
+                f"{tensor} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})", times=times
+            )
+        )
+
+    device = items[0][1].device
+    flags = torch.stack([finite_flags(g).to(device) for _, g in items])
+    defer_check(flags, dict_error)
+
+
+def _check_finite_now(
+    value: Tensor | Mapping[str, Tensor], tensor: str, times: Sequence[float] = ()
+) -> None:
     if isinstance(value, Tensor):
         if _all_finite([value]):
             return

@@ -21,7 +21,7 @@ from torch import Tensor
 from gradest._checks import check_scalar_loss
 from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
-from gradest.nonfinite import NonFiniteError
+from gradest.nonfinite import NonFiniteError, defer_check, finite_flags
 from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory
 
@@ -49,8 +49,7 @@ def _loss_and_grad(
         (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
     if grad is None:
         return loss.detach(), torch.zeros_like(x), False
-    if not bool(torch.isfinite(grad).all()):
-        raise NonFiniteError(f"gradient of the loss {where}")
+    defer_check(finite_flags(grad), lambda _: NonFiniteError(f"gradient of the loss {where}"))
     return loss.detach(), grad, True
 
 

@@ -9,7 +9,7 @@ fused chain in gradest runs, and :func:`rollout` records a :class:`Trajectory`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -154,14 +154,29 @@ def draw_step_noise(
     )
 
 
+def host_coefficients(
+    coefficients: tuple[Tensor, Tensor, Tensor] | tuple[Sequence[float], ...],
+) -> tuple[list[float], list[float], list[float]]:
+    """The sampler's ``(alpha, beta, sigma)`` as host floats: one transfer per call, so
+    that a loop over the steps never synchronises per step (``float(alpha[k])``)."""
+    alpha, beta, sigma = (
+        c.tolist() if isinstance(c, Tensor) else [float(x) for x in c] for c in coefficients
+    )
+    return alpha, beta, sigma
+
+
 def affine_step(
-    coefficients: tuple[Tensor, Tensor, Tensor],
+    coefficients: tuple[Tensor, Tensor, Tensor] | tuple[Sequence[float], ...],
     k: int,
     z: Tensor,
     v: Tensor,
     step_noise: Tensor | None,
 ) -> Tensor:
-    """``z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k`` (differentiable in z and v)."""
+    """``z_{k+1} = alpha_k z_k + beta_k v_k + sigma_k xi_k`` (differentiable in z and v).
+
+    ``coefficients`` as host floats (:func:`host_coefficients`) cost no host sync; as
+    tensors, three per step.
+    """
     alpha, beta, sigma = coefficients
     scale = float(alpha[k])
     # alpha = 1 (Euler) skips a multiply and its backward node; z * 1.0 == z exactly.
@@ -183,7 +198,7 @@ class SamplerSteps:
 
 def integrate(
     velocity: Callable[[int, Tensor], Tensor],
-    coefficients: tuple[Tensor, Tensor, Tensor],
+    coefficients: tuple[Tensor, Tensor, Tensor] | tuple[Sequence[float], ...],
     z: Tensor,
     step_noise: Tensor | None,
     steps: range,
@@ -208,6 +223,7 @@ def integrate(
         ``(states, velocities)``: ``len(steps) + 1`` states and ``len(steps)`` velocities.
     """
     states, velocities = [z], []
+    host = host_coefficients(coefficients)  # one transfer, not three syncs per step
     for k in steps:
         if pin is not None and k != steps.start:
             z = states[-1] = pin(k, z)
@@ -217,7 +233,7 @@ def integrate(
             # fails naming that step, not deep inside the affine step.
             check_model_output(v, z, step=k)
         velocities.append(v)
-        z = affine_step(coefficients, k, z, v, step_noise)
+        z = affine_step(host, k, z, v, step_noise)
         states.append(z)
     if pin is not None and len(steps):
         states[-1] = pin(steps.stop, states[-1])
@@ -266,9 +282,10 @@ def rollout(
     step_noise = draw_step_noise(coefficients[2], noise, generator)
 
     kwargs = model_kwargs(cond, noise.shape[0])
+    times = flow.times.tolist()  # host floats: no sync per step
 
     def velocity(k: int, z: Tensor) -> Tensor:
-        t = model_time(flow.times[k], z.shape[0], z)
+        t = model_time(times[k], z.shape[0], z)
         return first_model_call(model, z, t, kwargs) if k == 0 else model(z, t, **kwargs)
 
     with torch.no_grad():

@@ -48,7 +48,7 @@ from gradest._checks import check_model_output, first_model_call, trainable_para
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
-from gradest.nonfinite import BackwardWatch, check_finite
+from gradest.nonfinite import BackwardWatch, NonFiniteError, check_finite
 from gradest.replay import StepRandomness
 from gradest.trajectory import SamplerSteps, integrate
 
@@ -177,7 +177,7 @@ class ChainPullback:
 
     states: Tensor
     velocities: Tensor
-    pull: Callable[[Tensor], tuple[ParamGradient, Tensor | None]]
+    pull: Callable[..., tuple[ParamGradient, Tensor | None]]
 
 
 class RetainedChain:
@@ -329,7 +329,12 @@ class VelocityField:
     @staticmethod
     def _floats(times: Sequence[float] | Tensor | float) -> list[float]:
         # float64: a list of Python floats would otherwise become float32 and round t.
-        return [float(t) for t in torch.as_tensor(times, dtype=torch.float64).reshape(-1)]
+        # One transfer (tolist), not a host sync per element.
+        if isinstance(times, float | int):
+            return [float(times)]
+        if isinstance(times, list | tuple) and all(isinstance(t, float | int) for t in times):
+            return [float(t) for t in times]
+        return torch.as_tensor(times, dtype=torch.float64).reshape(-1).tolist()
 
     def _module_call(
         self, module: torch.nn.Module, params: Grads | None
@@ -547,8 +552,8 @@ class VelocityField:
         ``[N - start + 1, B, ...]`` as they are.
         """
         assert self.engine == "autograd", "retained chains need the autograd engine"
-        times = sampler.times
-        steps = range(start, times.numel() - 1)
+        times = sampler.times.tolist()  # host floats: no sync per step
+        steps = range(start, len(times) - 1)
         leaves: list[Tensor] = []
         outputs: list[Tensor] = []
 
@@ -558,10 +563,10 @@ class VelocityField:
         def velocity(k: int, z: Tensor) -> Tensor:
             leaf = z.detach().requires_grad_(True)
             with torch.enable_grad():
-                v = self._graph_forward(leaf, [float(times[k])], None, low_memory=False)
+                v = self._graph_forward(leaf, [times[k]], None, low_memory=False)
             if k == start:
                 check_model_output(v, z, step=k)
-            check_finite(v.detach(), "velocity", [float(times[k])])
+            check_finite(v.detach(), "velocity", [times[k]])
             leaves.append(leaf)
             outputs.append(v)
             return v.detach()
@@ -571,7 +576,7 @@ class VelocityField:
         )
         self.meter.forwards_with_graph += len(steps)
         return RetainedChain(
-            self, start, leaves, outputs, torch.stack(states), [float(times[k]) for k in steps]
+            self, start, leaves, outputs, torch.stack(states), [times[k] for k in steps]
         )
 
     def chain(
@@ -599,9 +604,10 @@ class VelocityField:
         ``low_memory``): one VJP through all steps on ``(theta, z_start)``.
         """
         assert self.surrogate or (recorded is None and not low_memory)
-        coefficients, times, step_noise = sampler.coefficients, sampler.times, sampler.step_noise
-        steps = range(start, times.numel() - 1)
-        chain_times = [float(times[k]) for k in steps]
+        coefficients, step_noise = sampler.coefficients, sampler.step_noise
+        times = sampler.times.tolist()  # host floats: no sync per step
+        steps = range(start, len(times) - 1)
+        chain_times = [times[k] for k in steps]
 
         def pin(k: int, z: Tensor) -> Tensor:
             if recorded is None or k == start:
@@ -611,10 +617,10 @@ class VelocityField:
 
         def run(params: Grads | None, z0: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
             def velocity(k: int, z: Tensor) -> Tensor:
-                v = self._graph_forward(z, [float(times[k])], params, low_memory=low_memory)
+                v = self._graph_forward(z, [times[k]], params, low_memory=low_memory)
                 if k == start:
                     check_model_output(v, z, step=k)
-                check_finite(v, "velocity", [float(times[k])])
+                check_finite(v, "velocity", [times[k]])
                 return v
 
             states, velocities = integrate(velocity, coefficients, z0, step_noise, steps, pin=pin)
@@ -639,7 +645,12 @@ class VelocityField:
                 z0 = z_start.detach().requires_grad_(state_grad and not self.surrogate)
                 z_final, (states, velocities) = run(None, z0)
 
-        def pull(terminal_adjoint: Tensor) -> tuple[ParamGradient, Tensor | None]:
+        def pull(
+            terminal_adjoint: Tensor,
+            locate: Callable[[], NonFiniteError | None] | None = None,
+        ) -> tuple[ParamGradient, Tensor | None]:
+            """``locate()`` (failure path only) may name the step a non-finite gradient
+            came from more precisely than the fused backward can."""
             self.meter.param_vjps += count
             if self.surrogate:
                 return SurrogateTerms([inner(z_final, terminal_adjoint)]), None
@@ -653,9 +664,9 @@ class VelocityField:
                     z_final, terminal_adjoint, [z0] if state_grad else []
                 )
                 z_grad = extra[0] if state_grad else None
-            check_finite(grads, "parameter gradient", chain_times)
+            check_finite(grads, "parameter gradient", chain_times, refine=locate)
             if z_grad is not None:
-                check_finite(z_grad, "state gradient", chain_times)
+                check_finite(z_grad, "state gradient", chain_times, refine=locate)
             return grads, z_grad
 
         return ChainPullback(states=states, velocities=velocities, pull=pull)

@@ -750,7 +750,7 @@ def _signature(
     if source is None and isinstance(inputs.get("trajectory"), Trajectory):
         source = inputs["trajectory"].states[0]
     shape = tuple(source.shape[1:]) if isinstance(source, torch.Tensor) else None
-    grid = tuple(float(t) for t in flow.times)
+    grid = tuple(flow.times.tolist())  # one transfer, not a host sync per step
     return (type(model).__name__, params, type(flow).__name__, grid, kind, shape)
 
 

@@ -175,7 +175,7 @@ def _fused_chain(
 ) -> tuple[ParamGradient, Tensor | None]:
     """One chain: kept steps' outputs with their graph, detached steps' without, the state
     path in the graph; one backward of ``<z_N, a_N>`` (or that loss, in ``surrogate()``)."""
-    field, times, num_steps = ctx.field, ctx.times, ctx.num_steps
+    field, times, num_steps = ctx.field, ctx.host_times, ctx.num_steps  # host floats
     step_noise = ctx.step_noise()
     recorded = None if ctx.sampled_here else ctx.trajectory()
     want_state_grad = ctx.want_noise_grad and not ctx.surrogate
@@ -191,7 +191,7 @@ def _fused_chain(
     with torch.enable_grad():
         z = z0
         for k in range(start, num_steps):
-            t = float(times[k])
+            t = times[k]
             if recorded is not None and k != start:
                 # The recording's value, the chain's derivative (z - z.detach() is 0).
                 z = z - z.detach() + recorded.states[k]
@@ -203,9 +203,9 @@ def _fused_chain(
             elif recorded is not None:
                 v = recorded.velocities[k]  # a constant; its value is pinned away
             else:
-                v = field.velocity(z.detach(), times[k])  # no graph: the output is detached
+                v = field.velocity(z.detach(), t)  # no graph: the output is detached
                 velocities.append(v)
-            z = affine_step(ctx.coefficients, k, z, v, step_noise)
+            z = affine_step(ctx.host_coefficients, k, z, v, step_noise)
             states.append(z.detach())
         if recorded is not None and start < num_steps:
             z = z - z.detach() + recorded.states[num_steps]
@@ -225,7 +225,7 @@ def _fused_chain(
         torch.zeros_like(x) if g is None else g for x, g in zip(params + extra, pulled, strict=True)
     ]
     grads = dict(zip(field.params, filled[: len(params)], strict=True))
-    kept_times = [float(times[k]) for k in sorted(kept)]
+    kept_times = [times[k] for k in sorted(kept)]
     check_finite(grads, "parameter gradient", kept_times)
     noise_grad = filled[-1] if want_state_grad else None
     if noise_grad is not None:
@@ -237,7 +237,7 @@ def _sweep(ctx: EstimationContext, kept: frozenset[int]) -> tuple[ParamGradient,
     """The modified adjoint swept in reverse along the path: a joint VJP per kept step,
     ``alpha_k`` alone elsewhere (``estimate()`` on a recorded path, or ``engine="func"``)."""
     trajectory = ctx.trajectory()
-    alpha, beta, _ = ctx.coefficients
+    alpha, beta, _ = ctx.host_coefficients  # host floats: no sync per step
     adjoint = ctx.terminal_adjoint()
     lowest = min(kept, default=ctx.num_steps)
     grads: ParamGradient | None = None
@@ -245,15 +245,15 @@ def _sweep(ctx: EstimationContext, kept: frozenset[int]) -> tuple[ParamGradient,
         if k < lowest and not ctx.want_noise_grad:
             break
         if k in kept:
-            cotangent = float(beta[k]) * adjoint
+            cotangent = beta[k] * adjoint
             _, z_grad, step_grads = ctx.field.joint_vjp(
-                trajectory.states[k], ctx.times[k], cotangent
+                trajectory.states[k], ctx.host_times[k], cotangent
             )
             grads = add_grads(grads, step_grads)
-            adjoint = float(alpha[k]) * adjoint + z_grad
+            adjoint = alpha[k] * adjoint + z_grad
         else:
-            adjoint = float(alpha[k]) * adjoint
-        check_finite(adjoint, "adjoint", [float(ctx.times[k])])
+            adjoint = alpha[k] * adjoint
+        check_finite(adjoint, "adjoint", [ctx.host_times[k]])
     if grads is None:
         grads = _zero_gradient(ctx)
     return grads, adjoint if ctx.want_noise_grad else None

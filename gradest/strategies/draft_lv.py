@@ -38,7 +38,7 @@ from torch import Tensor
 from gradest._checks import check_allocation
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
-from gradest.context import EstimationContext
+from gradest.context import EstimationContext, host_floats
 from gradest.objectives import Objective, TerminalObjective
 from gradest.options import int_option
 from gradest.protocol import Decisions, Definition
@@ -88,8 +88,8 @@ class DraftLV(EstimatorBase):
         renoise = draw_normal((self.copies, *sample.shape), sample, ctx.generator)
         ctx.decide(DraftLvDecisions(renoise=renoise))
         states = flow.noised(sample[None], last, renoise)
-        velocities, pull = ctx.field.param_pullback(states, [float(ctx.times[last])] * self.copies)
-        alpha, beta, sigma = (float(c[last]) for c in ctx.coefficients)
+        velocities, pull = ctx.field.param_pullback(states, [ctx.host_times[last]] * self.copies)
+        alpha, beta, sigma = (c[last] for c in ctx.host_coefficients)
         finals = alpha * states + beta * velocities
         step_noise = ctx.step_noise()
         if step_noise is not None and sigma != 0.0:
@@ -98,9 +98,9 @@ class DraftLV(EstimatorBase):
         losses, cotangents = [], []
         for final in finals:
             loss, adjoint = ctx.objective.terminal_adjoint(final)
-            losses.append(float(loss))
+            losses.append(loss.detach())
             cotangents.append((beta / self.copies) * adjoint)
-        ctx.info["loss"] = sum(losses) / self.copies
+        ctx.info["loss"] = sum(host_floats(losses)) / self.copies  # one transfer
         ctx.info["sample_loss"] = float(ctx.objective.loss_fn(sample.detach().clone()).sum())
         grads = pull(torch.stack(cotangents))
         return grads, torch.zeros_like(sample) if ctx.want_noise_grad else None

@@ -78,7 +78,7 @@ from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import jagg_fallbacks, jagg_layout, replay_subset
 from gradest.reference.dense import DenseChain, exact_noise_grad
 from gradest.reference.jagg_definition import jagg_definition
-from gradest.strategies.jagg_gate import group_cosine, interpolated_count
+from gradest.strategies.jagg_gate import group_cosine, host_cosines, interpolated_count
 from gradest.strategies.jagg_layout import Group, distinct_nodes, lagrange_weights, layout_groups
 from gradest.strategies.sampling import draw_steps
 from gradest.vjp import ParamGradient, add_grads
@@ -137,22 +137,23 @@ class _Plan:
         ``-s L_j(t_k) c_k`` at its group's nodes)."""
         totals = {k: torch.zeros_like(cotangents[k]) for k in self.evaluated()}
         failed = set(self.fallback_groups)
+        host = [w.tolist() for w in self.weights]  # host floats: no sync per weight
         group_of = {k: index for index, group in enumerate(self.groups) for k in group.steps}
-        for index, (group, weights) in enumerate(zip(self.groups, self.weights, strict=True)):
+        for index, group in enumerate(self.groups):
             if index in failed:
                 for k in group.steps:
                     totals[k] = totals[k] + cotangents[k]
                 continue
             for column, node in enumerate(group.nodes):
                 for row, k in enumerate(group.steps):
-                    totals[node] = totals[node] + float(weights[row, column]) * cotangents[k]
+                    totals[node] = totals[node] + host[index][row][column] * cotangents[k]
         for k in self.corrected():
             group = self.groups[group_of[k]]
             row = group.steps.index(k)
             scaled = self.debias_scale * cotangents[k]
             totals[k] = totals[k] + scaled
             for column, node in enumerate(group.nodes):
-                totals[node] = totals[node] - float(self.weights[group_of[k]][row, column]) * scaled
+                totals[node] = totals[node] - host[group_of[k]][row][column] * scaled
         return totals
 
 
@@ -318,10 +319,14 @@ class Jagg(EstimatorBase):
         weights = [
             lagrange_weights(ctx.times[list(g.nodes)], ctx.times[list(g.steps)]) for g in groups
         ]
-        cosines = [
-            group_cosine(group, w, velocities, self.gate)
-            for group, w in zip(groups, weights, strict=True)
-        ]
+        # Every group's cosine on the device, then one transfer for all of them (no host
+        # sync per group).
+        cosines = host_cosines(
+            [
+                group_cosine(group, w, velocities, self.gate, True)
+                for group, w in zip(groups, weights, strict=True)
+            ]
+        )
         # Data-parallel ranks gate on the union of their samples (gradest.ranks), so every
         # rank falls back in the same groups and makes the same model calls.
         batch = velocities[0].shape[0]

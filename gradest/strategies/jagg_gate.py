@@ -29,9 +29,16 @@ def interpolated_count(group: Group, batch: int) -> int:
 
 
 def group_cosine(
-    group: Group, weights: Tensor, velocities: Sequence[Tensor], aggregate: str
-) -> float | None:
+    group: Group,
+    weights: Tensor,
+    velocities: Sequence[Tensor],
+    aggregate: str,
+    on_device: bool = False,
+) -> float | Tensor | None:
     """The aggregated cosine of ``group`` (None for an exact group or ``aggregate="off"``).
+
+    ``on_device=True`` returns it as a 0-dim tensor (no host sync), for deciding every
+    group at once (:func:`host_cosines`).
 
     Args:
         group: the group's steps and nodes.
@@ -59,4 +66,17 @@ def group_cosine(
         cosine = (actual * predicted).sum(-1) / (
             actual.norm(dim=-1) * predicted.norm(dim=-1) + COSINE_EPS
         )
-        return float(cosine.min() if aggregate == "min" else cosine.mean())
+        value = cosine.min() if aggregate == "min" else cosine.mean()
+        return value if on_device else float(value)
+
+
+def host_cosines(cosines: Sequence[float | Tensor | None]) -> list[float | None]:
+    """Every group's cosine as a float, in one transfer for all device values."""
+    tensors = [c for c in cosines if isinstance(c, Tensor)]
+    if not tensors:
+        return [c if c is None else float(c) for c in cosines]
+    device = tensors[0].device
+    values = iter(
+        torch.stack([c.to(device=device, dtype=torch.float64) for c in tensors]).tolist()
+    )
+    return [next(values) if isinstance(c, Tensor) else c for c in cosines]

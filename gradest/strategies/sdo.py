@@ -132,7 +132,8 @@ class ShortcutDiffusion(EstimatorBase):
         # c~_k = w_k a_N: the model-detached chain's derivative of z_N in v_k.
         after = products_after(alpha)
         weights = beta * after
-        cotangents = torch.stack([float(weights[step]) * terminal_adjoint for step in steps])
+        host_weights = weights.tolist()  # one transfer, not a host sync per drawn step
+        cotangents = torch.stack([host_weights[step] * terminal_adjoint for step in steps])
         grads = ctx.field.param_vjp(trajectory.states[steps], ctx.times[steps], cotangents)
         noise_grad = None
         if ctx.want_noise_grad:

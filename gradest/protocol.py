@@ -95,6 +95,15 @@ def check_steps(estimator: Any, num_steps: int) -> None:
         method(num_steps)
 
 
+def is_stateful(estimator: Any) -> bool:
+    """Whether an estimator keeps state across calls that a training checkpoint must hold:
+    one with ``state_dict(model)`` / ``load_state_dict(model, state)`` (``auto``'s
+    schedule). A module's own ``state_dict()`` is not that."""
+    return not isinstance(estimator, torch.nn.Module) and all(
+        callable(getattr(estimator, name, None)) for name in ("state_dict", "load_state_dict")
+    )
+
+
 def is_estimator(candidate: Any) -> bool:
     """Whether ``candidate`` can estimate (has a callable ``estimate``): the one duck check."""
     return callable(getattr(candidate, "estimate", None))

@@ -25,7 +25,7 @@ from gradest.base import surrogate_from_estimate
 from gradest.errors import Diverged, InvalidValue
 from gradest.files import JsonLog, remove_stale_temporaries
 from gradest.integrations.distributed import check_same_estimator, rank_generator
-from gradest.protocol import Cost, Surrogate
+from gradest.protocol import Cost, Surrogate, is_stateful
 from gradest.samplers import RectifiedFlow
 from gradest.trajectory import rollout
 from gradest_digits.finetune_config import FinetuneConfig
@@ -84,15 +84,6 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     base = copy.deepcopy(model)
     base.requires_grad_(False)
     return base
-
-
-def _stateful(est: Any) -> bool:
-    """Whether the estimator keeps state across calls that a checkpoint must hold: one
-    with ``state_dict(model)`` / ``load_state_dict(model, state)`` (``auto``'s schedule).
-    A module's own ``state_dict()`` (no model argument) is not that."""
-    return not isinstance(est, torch.nn.Module) and all(
-        callable(getattr(est, name, None)) for name in ("state_dict", "load_state_dict")
-    )
 
 
 def grad_norm(parameters: list[torch.nn.Parameter]) -> float:
@@ -253,7 +244,7 @@ class Run:
             # The estimator's own state (auto's schedule: its picks, calls and probes), so
             # that it probes at the same calls as the uninterrupted run.
             saved_estimator = resumed.get("estimator_state")
-            if saved_estimator is not None and _stateful(est):
+            if saved_estimator is not None and is_stateful(est):
                 est.load_state_dict(trained, saved_estimator)
             # result.json names every checkpoint of the run, not only this process's.
             earlier = resumed.get("checkpoints")
@@ -416,7 +407,7 @@ class Run:
             "history": self.history,
             "initial_reward": self.initial.tolist(),
         }
-        if _stateful(self.est):
+        if is_stateful(self.est):
             state["estimator_state"] = self.est.state_dict(self.trained)
         save_checkpoint(directory, done, state)
         self.checkpoints = checkpoints

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue, MissingDependency
 from gradest.files import JsonLog, atomic_write, atomic_write_text, check_output_dir
+from gradest.protocol import is_stateful
 from gradest_recipes.checkpoints import (
     FullStateAdamW,
     abandon_newer,
@@ -210,6 +211,20 @@ def _check_resume(family: str, config: RecipeConfig, state: dict[str, Any]) -> N
                 f"resumed run may change only {sorted(MAY_CHANGE_ON_RESUME - {'resume'})} "
                 f"(start a new run in another out folder to change {key})"
             )
+
+
+class _EstimatorState:
+    """An estimator's per-model state in the form accelerate checkpoints: ``state_dict()``
+    and ``load_state_dict(state)`` without the model argument."""
+
+    def __init__(self, estimator: Any, model: torch.nn.Module):
+        self.estimator, self.model = estimator, model
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.estimator.state_dict(self.model)  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.estimator.load_state_dict(self.model, state)
 
 
 def _estimator(config: RecipeConfig) -> Any:
@@ -458,6 +473,10 @@ class _Run:
 
             self.ema = EMAModel(trainable, decay=config.ema_decay)
             accelerator.register_for_checkpointing(self.ema)
+        if is_stateful(self.estimator):
+            # auto's schedule (its picks and probes so far) is part of the run: without it a
+            # resumed run would probe again at other steps.
+            accelerator.register_for_checkpointing(_EstimatorState(self.estimator, self.model))
         self.log = JsonLog(self.out / "log.jsonl") if accelerator.is_main_process else None
         if accelerator.is_main_process:
             atomic_write_text(self.out / "config.toml", to_toml(config))

@@ -18,6 +18,31 @@ from torch import Tensor
 from gradest.errors import InvalidType, InvalidValue
 
 
+def is_symbolic(t: Any) -> bool:
+    """Whether ``t`` has no values to read: a meta-device or fake tensor
+    (``torch._subclasses.FakeTensorMode``), run to trace costs without data or weights.
+
+    On such tensors no data-dependent decision is taken: finiteness is not checked, loss
+    values are NaN, and options that need values (jagg's gate, auto) refuse to run.
+    """
+    if not isinstance(t, Tensor):
+        return False
+    if t.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor, is_fake
+
+    return isinstance(t, FakeTensor) or is_fake(t)
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
+    """A block computed on real tensors even under ``FakeTensorMode``: the sampler's
+    schedule (grid, coefficients) is a host object, read as floats, never data-dependent.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def require(condition: bool, message: str, error: type[Exception] = InvalidValue) -> None:
     if not condition:
         raise error(message)
@@ -110,7 +135,7 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
             f"{name} is on {noise.device} but the model is on {first.device}; "
             f"pass {name}.to('{first.device}')",
         )
-    if not bool(torch.isfinite(noise).all()):
+    if not is_symbolic(noise) and not bool(torch.isfinite(noise).all()):
         bad = sorted({int(i) for i in torch.nonzero(~torch.isfinite(noise))[:, 0].tolist()})
         raise InvalidValue(
             f"{name} contains NaN or Inf values (samples {bad[:8]}"
@@ -430,7 +455,7 @@ def check_estimate_grads(
                 f"{grad.device}, but the parameter is {param.dtype} on {param.device}"
             )
         checked[name] = grad
-    if finite and checked:
+    if finite and checked and not any(is_symbolic(g) for g in checked.values()):
         bad = [
             name
             for name, ok in zip(

@@ -9,14 +9,21 @@ shared here and in :mod:`gradest.vjp`. The same strategy code serves ``estimate(
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import check_cond, check_generator, check_model_modes, check_noise
+from gradest._checks import (
+    check_cond,
+    check_generator,
+    check_model_modes,
+    check_noise,
+    is_symbolic,
+    outside_fake_mode,
+)
 from gradest.errors import InvalidType, InvalidValue
 from gradest.nonfinite import NonFiniteError, check_finite, immediate_checks
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
@@ -68,6 +75,8 @@ def host_floats(values: Any) -> list[float]:
     items = [v.detach().reshape(()) for v in values]
     if not items:
         return []
+    if any(is_symbolic(v) for v in items):
+        return [float("nan")] * len(items)  # fake/meta tensors: no values (cost tracing)
     device = items[0].device
     return torch.stack([v.to(device=device, dtype=torch.float64) for v in items]).tolist()
 
@@ -162,11 +171,13 @@ class EstimationContext:
         # Data-parallel ranks must decide alike (gradest.ranks): draws and gates go through it.
         self.ranks = RankAgreement(model)
         self.flow = flow
-        self.coefficients = flow.coefficients()
         # Host copies of the grid and coefficients (one transfer each per call): the step
         # loops read floats from these, never float(times[k]) (a host sync per step).
-        self.host_times: list[float] = flow.times.tolist()
-        self.host_coefficients = host_coefficients(self.coefficients)
+        # The schedule is a host object: real values even under FakeTensorMode.
+        with outside_fake_mode():
+            self.coefficients = flow.coefficients()
+            self.host_times: list[float] = flow.times.tolist()
+            self.host_coefficients = host_coefficients(self.coefficients)
         self.objective = objective
         self.noise = noise
         self.want_noise_grad = noise_grad
@@ -197,6 +208,12 @@ class EstimationContext:
     @property
     def times(self) -> Tensor:
         return self.flow.times
+
+    def times_at(self, index: int | slice | Sequence[int]) -> Tensor:
+        """``times[index]`` of the sampler's grid, a real tensor even under FakeTensorMode
+        (the schedule is a host object)."""
+        with outside_fake_mode():
+            return self.flow.times[index]
 
     @property
     def is_terminal(self) -> bool:
@@ -270,7 +287,8 @@ class EstimationContext:
         """``a_N = grad l(z_N)`` on the trajectory's final state; records the loss."""
         assert isinstance(self.objective, TerminalObjective)
         loss, adjoint = self.objective.terminal_adjoint(self.trajectory().states[-1])
-        self.info["loss"] = float(loss)
+        # No value to read on fake/meta tensors (cost tracing): NaN.
+        self.info["loss"] = float("nan") if is_symbolic(loss) else float(loss)
         return adjoint
 
     def step_cotangent(self, k: int, velocity: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from gradest._checks import is_symbolic
 from gradest.errors import GradestError
 
 ON_NONFINITE = ("raise", "skip")
@@ -153,6 +154,8 @@ class DeferredChecks:
         self._entries: list[tuple[Tensor, Callable[[Tensor], NonFiniteError]]] = []
 
     def add(self, flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
+        if is_symbolic(flags):
+            return  # fake/meta tensors: no values to check
         self._entries.append((flags, error))
 
     def first_error(self) -> NonFiniteError | None:
@@ -220,6 +223,8 @@ def immediate_checks() -> Iterator[None]:
 def defer_check(flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
     """Raise ``error(flags)`` unless every flag is True: at the end of the enclosing
     :func:`deferred_checks` block if there is one, otherwise now."""
+    if is_symbolic(flags):
+        return  # fake/meta tensors: no values to check
     pending = _PENDING.get()
     if pending is not None:
         pending.add(flags, error)
@@ -248,6 +253,8 @@ def check_finite(
         return better if better is not None else error
 
     if _PENDING.get() is None:
+        if any(is_symbolic(t) for t in ([value] if isinstance(value, Tensor) else value.values())):
+            return  # fake/meta tensors: no values to check
         try:
             _check_finite_now(value, tensor, times)
         except NonFiniteError as err:
@@ -370,6 +377,7 @@ class BackwardWatch:
     def _finish(self) -> None:
         self._remove_hooks()
         flags, self._flags = self._flags, []
+        flags = [entry for entry in flags if not is_symbolic(entry[2])]
         if not flags:
             return
         device = flags[0][2].device

@@ -52,6 +52,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from gradest._checks import outside_fake_mode
+
 RngState = tuple[Tensor, Tensor | None]
 
 #: Held around every model evaluation that may draw from, or replays, the default generator.
@@ -64,7 +66,8 @@ def _seed_from(generator: torch.Generator) -> int:
     """A 63-bit seed read from a copy of ``generator`` (the generator itself is unchanged)."""
     copy = torch.Generator(device=generator.device)
     copy.set_state(generator.get_state())
-    return int(torch.randint(0, 2**62, (1,), generator=copy, device=generator.device).item())
+    with outside_fake_mode():  # the generator is a real object even under FakeTensorMode
+        return int(torch.randint(0, 2**62, (1,), generator=copy, device=generator.device).item())
 
 
 class StepRandomness:
@@ -107,9 +110,10 @@ class StepRandomness:
 
     @staticmethod
     def _same(a: RngState, b: RngState) -> bool:
-        if not torch.equal(a[0], b[0]):
-            return False
-        return a[1] is None or b[1] is None or torch.equal(a[1], b[1])
+        with outside_fake_mode():  # RNG states are real host tensors
+            if not torch.equal(a[0], b[0]):
+                return False
+            return a[1] is None or b[1] is None or torch.equal(a[1], b[1])
 
     def _private(self) -> bool:
         return self._generator is not None

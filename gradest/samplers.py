@@ -43,7 +43,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import check_allocation, require
+from gradest._checks import check_allocation, is_symbolic, outside_fake_mode, require
 from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
 
@@ -163,11 +163,12 @@ def uniform_grid(steps: Any) -> Tensor:
 
 def same_grid(recorded: Any, times: Tensor) -> bool:
     """Whether ``recorded`` (a trajectory's times) is the grid ``times``."""
-    return (
-        isinstance(recorded, Tensor)
-        and recorded.shape == times.shape
-        and torch.allclose(recorded.to(torch.float64).cpu(), times, rtol=0, atol=1e-12)
-    )
+    if not isinstance(recorded, Tensor) or recorded.shape != times.shape:
+        return False
+    if is_symbolic(recorded):
+        return True  # fake/meta times (a rollout under FakeTensorMode): no values to compare
+    with outside_fake_mode():
+        return torch.allclose(recorded.to(torch.float64).cpu(), times, rtol=0, atol=1e-12)
 
 
 @attrs.frozen(eq=False, repr=False, init=False)
@@ -210,23 +211,26 @@ class TimeGrid:
 
     def noised(self, data: Tensor, k: int, noise: Tensor) -> Tensor:
         """``t_k noise + (1 - t_k) data``: ``data`` noised to the grid time ``t_k``."""
-        t = float(self.times[k])
+        with outside_fake_mode():
+            t = float(self.times[k])
         return t * noise + (1.0 - t) * data
 
     def jump_to_end(self, k: int) -> tuple[float, float]:
         """``(a, b)`` in ``z^_N = a z_k + b v_k``, the one-step prediction of the state at
         ``t_N`` from step ``k``: here ``(1, t_N - t_k)`` (the data prediction ``z - t v``
         when ``t_N = 0``). Samplers with another interpolant (DDIM) have ``a != 1``."""
-        return 1.0, float(self.times[-1] - self.times[k])
+        with outside_fake_mode():
+            return 1.0, float(self.times[-1] - self.times[k])
 
     def _options(self) -> str:
         """Further ``repr`` arguments after the grid (``", noise_level=0.7"``)."""
         return ""
 
     def __repr__(self) -> str:
-        uniform = torch.allclose(
-            self.times, torch.linspace(1.0, 0.0, self.num_steps + 1, dtype=torch.float64)
-        )
+        with outside_fake_mode():
+            uniform = torch.allclose(
+                self.times, torch.linspace(1.0, 0.0, self.num_steps + 1, dtype=torch.float64)
+            )
         grid = f"steps={self.num_steps}" if uniform else f"times=<{self.num_steps + 1} points>"
         return f"{type(self).__name__}({grid}{self._options()})"
 

@@ -16,7 +16,13 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import check_model_output, first_model_call, require
+from gradest._checks import (
+    check_model_output,
+    first_model_call,
+    is_symbolic,
+    outside_fake_mode,
+    require,
+)
 from gradest._deprecation import sampler_keyword
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
@@ -127,7 +133,7 @@ def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> Non
             f"trajectory.{name} has dtype {value.dtype} but trajectory.states {states.dtype}",
             InvalidType,
         )
-    if not bool(torch.isfinite(states).all()):
+    if not is_symbolic(states) and not bool(torch.isfinite(states).all()):
         bad = sorted({int(k) for k in torch.nonzero(~torch.isfinite(states))[:, 0].tolist()})
         raise InvalidValue(
             f"trajectory.states contains NaN or Inf at steps {bad[:8]}; the rollout that "
@@ -144,7 +150,9 @@ def draw_step_noise(
     sigma: Tensor, like: Tensor, generator: torch.Generator | None
 ) -> Tensor | None:
     """Pre-sample ``xi_k`` for a stochastic sampler (never hidden randomness inside vmap)."""
-    if not bool((sigma != 0).any()):
+    with outside_fake_mode():  # the schedule: real values under FakeTensorMode
+        stochastic = bool((sigma != 0).any())
+    if not stochastic:
         return None
     shape = (sigma.numel(), *like.shape)
     if generator is None:
@@ -159,9 +167,10 @@ def host_coefficients(
 ) -> tuple[list[float], list[float], list[float]]:
     """The sampler's ``(alpha, beta, sigma)`` as host floats: one transfer per call, so
     that a loop over the steps never synchronises per step (``float(alpha[k])``)."""
-    alpha, beta, sigma = (
-        c.tolist() if isinstance(c, Tensor) else [float(x) for x in c] for c in coefficients
-    )
+    with outside_fake_mode():
+        alpha, beta, sigma = (
+            c.tolist() if isinstance(c, Tensor) else [float(x) for x in c] for c in coefficients
+        )
     return alpha, beta, sigma
 
 
@@ -278,11 +287,12 @@ def rollout(
     )
     cond = check_cond(cond)
     check_generator(generator)
-    coefficients = flow.coefficients()
+    with outside_fake_mode():  # the schedule is a host object, real under FakeTensorMode
+        coefficients = flow.coefficients()
+        times = flow.times.tolist()  # host floats: no sync per step
     step_noise = draw_step_noise(coefficients[2], noise, generator)
 
     kwargs = model_kwargs(cond, noise.shape[0])
-    times = flow.times.tolist()  # host floats: no sync per step
 
     def velocity(k: int, z: Tensor) -> Tensor:
         t = model_time(times[k], z.shape[0], z)

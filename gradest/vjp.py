@@ -44,7 +44,12 @@ from torch.func import functional_call
 from torch.func import vjp as _torch_vjp
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from gradest._checks import check_model_output, first_model_call, trainable_parameters
+from gradest._checks import (
+    check_model_output,
+    first_model_call,
+    outside_fake_mode,
+    trainable_parameters,
+)
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
@@ -334,7 +339,8 @@ class VelocityField:
             return [float(times)]
         if isinstance(times, list | tuple) and all(isinstance(t, float | int) for t in times):
             return [float(t) for t in times]
-        return torch.as_tensor(times, dtype=torch.float64).reshape(-1).tolist()
+        with outside_fake_mode():  # the sampler's grid: real values under FakeTensorMode
+            return torch.as_tensor(times, dtype=torch.float64).reshape(-1).tolist()
 
     def _module_call(
         self, module: torch.nn.Module, params: Grads | None
@@ -552,7 +558,8 @@ class VelocityField:
         ``[N - start + 1, B, ...]`` as they are.
         """
         assert self.engine == "autograd", "retained chains need the autograd engine"
-        times = sampler.times.tolist()  # host floats: no sync per step
+        with outside_fake_mode():
+            times = sampler.times.tolist()  # host floats: no sync per step
         steps = range(start, len(times) - 1)
         leaves: list[Tensor] = []
         outputs: list[Tensor] = []
@@ -605,7 +612,8 @@ class VelocityField:
         """
         assert self.surrogate or (recorded is None and not low_memory)
         coefficients, step_noise = sampler.coefficients, sampler.step_noise
-        times = sampler.times.tolist()  # host floats: no sync per step
+        with outside_fake_mode():
+            times = sampler.times.tolist()  # host floats: no sync per step
         steps = range(start, len(times) - 1)
         chain_times = [times[k] for k in steps]
 

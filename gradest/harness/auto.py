@@ -60,7 +60,7 @@ from typing import Any, ClassVar, Unpack
 import attrs
 import torch
 
-from gradest._checks import check_estimate_grads, trainable_parameters
+from gradest._checks import check_estimate_grads, is_symbolic, trainable_parameters
 from gradest._deprecation import sampler_keyword
 from gradest.axes import EstimatorAxes
 from gradest.base import DEFAULT_ENGINE, EstimatorBase
@@ -416,6 +416,19 @@ class Auto(EstimatorBase):
         """As :meth:`EstimatorBase.surrogate`; a probe call gives exact's loss."""
         return self._call(model, sampler, objective, dict(inputs), engine=engine, surrogate=True)
 
+    @staticmethod
+    def _refuse_symbolic(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+        """``auto`` measures candidates on real values: refuse fake/meta tensors."""
+        trajectory = inputs.get("trajectory")
+        tensors = [inputs.get("noise"), getattr(trajectory, "states", None)]
+        if isinstance(model, torch.nn.Module):
+            tensors += list(model.parameters())[:1]
+        if any(is_symbolic(t) for t in tensors):
+            raise InvalidValue(
+                "estimator 'auto' measures its candidates on real values and cannot run on "
+                "fake/meta tensors; pick an estimator (e.g. 'exact') to trace costs"
+            )
+
     def _call(
         self,
         model: torch.nn.Module,
@@ -428,6 +441,7 @@ class Auto(EstimatorBase):
     ) -> Any:
         from gradest.registry import estimator, is_builtin
 
+        self._refuse_symbolic(model, inputs)
         kind = "terminal" if isinstance(objective, TerminalObjective) else "stepwise"
         key = (repr(self), *_signature(model, flow, kind, inputs))
         with _LOCK:

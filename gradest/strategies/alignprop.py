@@ -46,6 +46,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest._checks import outside_fake_mode
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -146,9 +147,12 @@ class AlignProp(EstimatorBase):
         low, high = self._range(ctx.num_steps)
         generator = ctx.generator
         device = generator.device if generator is not None else torch.device("cpu")
-        draws = torch.randint(low, high + 1, (ctx.num_steps,), generator=generator, device=device)
+        with outside_fake_mode():  # a host decision from a real generator
+            steps = (ctx.num_steps,)
+            draws = torch.randint(low, high + 1, steps, generator=generator, device=device)
+            drawn = [int(r) for r in draws.tolist()]
         # Data-parallel ranks keep rank 0's draws: they decide which graphs are kept.
-        values = tuple(ctx.ranks.same_ints([int(r) for r in draws.tolist()]))
+        values = tuple(ctx.ranks.same_ints(drawn))
         kept = kept_steps(values)
         ctx.decide(AlignPropDecisions(draws=values, kept=kept))
         return frozenset(kept)

@@ -35,7 +35,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import check_allocation
+from gradest._checks import check_allocation, is_symbolic
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext, host_floats
@@ -101,7 +101,8 @@ class DraftLV(EstimatorBase):
             losses.append(loss.detach())
             cotangents.append((beta / self.copies) * adjoint)
         ctx.info["loss"] = sum(host_floats(losses)) / self.copies  # one transfer
-        ctx.info["sample_loss"] = float(ctx.objective.loss_fn(sample.detach().clone()).sum())
+        sample_loss = ctx.objective.loss_fn(sample.detach().clone()).sum()
+        ctx.info["sample_loss"] = float("nan") if is_symbolic(sample_loss) else float(sample_loss)
         grads = pull(torch.stack(cotangents))
         return grads, torch.zeros_like(sample) if ctx.want_noise_grad else None
 

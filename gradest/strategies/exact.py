@@ -94,7 +94,7 @@ class Exact(EstimatorBase):
             # all N VJPs as one batched pullback: the same FLOPs as a per-step loop with
             # far less per-call overhead.
             velocities, pull = ctx.field.param_pullback(
-                trajectory.states[: ctx.num_steps], ctx.times[: ctx.num_steps]
+                trajectory.states[: ctx.num_steps], ctx.times_at(slice(None, ctx.num_steps))
             )
             cotangents = torch.stack(
                 [ctx.step_cotangent(k, velocities[k]) for k in range(ctx.num_steps)]
@@ -103,7 +103,7 @@ class Exact(EstimatorBase):
         grads: ParamGradient | None = None
         for k in range(ctx.num_steps):
             velocity, pull_step = ctx.field.param_pullback(
-                trajectory.states[k : k + 1], ctx.times[k : k + 1], low_memory=True
+                trajectory.states[k : k + 1], ctx.times_at(slice(k, k + 1)), low_memory=True
             )
             cotangent = ctx.step_cotangent(k, velocity[0])
             grads = add_grads(grads, pull_step(cotangent[None]))

@@ -61,6 +61,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest._checks import is_symbolic, outside_fake_mode
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -260,7 +261,7 @@ class Jagg(EstimatorBase):
         evaluated = plan.evaluated()
         grads = ctx.field.param_vjp(
             ctx.trajectory().states[evaluated],
-            ctx.times[evaluated],
+            ctx.times_at(evaluated),
             torch.stack([totals[k] for k in evaluated]),
         )
         self._report(ctx, plan)
@@ -274,7 +275,7 @@ class Jagg(EstimatorBase):
         # Node forwards keep their graph: they give the node velocities (cotangents, gate)
         # now and take the aggregated cotangents G_j later, in one batched VJP.
         node_velocities, pull_nodes = ctx.field.param_pullback(
-            trajectory.states[nodes], ctx.times[nodes]
+            trajectory.states[nodes], ctx.times_at(nodes)
         )
         row_of = {k: row for row, k in enumerate(nodes)}
         velocities = [
@@ -293,7 +294,7 @@ class Jagg(EstimatorBase):
                 grads,
                 ctx.field.param_vjp(
                     trajectory.states[extra],
-                    ctx.times[extra],
+                    ctx.times_at(extra),
                     torch.stack([totals[k] for k in extra]),
                 ),
             )
@@ -315,10 +316,17 @@ class Jagg(EstimatorBase):
         self, ctx: EstimationContext, velocities: Sequence[Tensor], debias_steps: list[int]
     ) -> _Plan:
         """Gate every group on the velocities; the routing of cotangents follows."""
+        if self.gate != "off" and any(is_symbolic(v) for v in velocities[:1]):
+            raise InvalidValue(
+                f"jagg's gate needs the velocities' values; on fake/meta tensors pass "
+                f"gate=off (got gate={self.gate})"
+            )
         groups = self._layout(ctx)
-        weights = [
-            lagrange_weights(ctx.times[list(g.nodes)], ctx.times[list(g.steps)]) for g in groups
-        ]
+        with outside_fake_mode():  # schedule math: real values under FakeTensorMode
+            weights = [
+                lagrange_weights(ctx.times_at(list(g.nodes)), ctx.times_at(list(g.steps)))
+                for g in groups
+            ]
         # Every group's cosine on the device, then one transfer for all of them (no host
         # sync per group).
         cosines = host_cosines(

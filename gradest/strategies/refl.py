@@ -38,6 +38,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest._checks import is_symbolic
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -103,12 +104,12 @@ class Refl(EstimatorBase):
         (step,) = ctx.ranks.same_ints([step])
         ctx.decide(ReflDecisions(step=step, window=window))
         state = ctx.state_at(step)
-        velocity, pull = ctx.field.param_pullback(state[None], ctx.times[step : step + 1])
+        velocity, pull = ctx.field.param_pullback(state[None], ctx.times_at(slice(step, step + 1)))
         scale, jump = flow.jump_to_end(step)
         predicted = (state if scale == 1.0 else scale * state) + jump * velocity[0]
         assert isinstance(ctx.objective, TerminalObjective)
         loss, adjoint = ctx.objective.terminal_adjoint(predicted)
-        ctx.info["loss"] = float(loss)
+        ctx.info["loss"] = float("nan") if is_symbolic(loss) else float(loss)
         grads = pull((jump * adjoint)[None])
         return grads, torch.zeros_like(state) if ctx.want_noise_grad else None
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gradest._checks import outside_fake_mode
 from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.vjp import ParamGradient
@@ -27,6 +28,13 @@ from gradest.vjp import ParamGradient
 def _device(generator: torch.Generator | None) -> torch.device:
     # A CUDA generator can only fill tensors on its own device.
     return generator.device if generator is not None else torch.device("cpu")
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    """One uniform draw in ``[0, 1)`` as a host float (real even under FakeTensorMode)."""
+    with outside_fake_mode():
+        dtype, device = torch.float64, _device(generator)
+        return float(torch.rand((), dtype=dtype, generator=generator, device=device))
 
 
 def draw_steps(num_steps: int, samples: int, generator: torch.Generator | None) -> list[int]:
@@ -38,16 +46,18 @@ def draw_steps(num_steps: int, samples: int, generator: torch.Generator | None) 
     """
     if not 1 <= samples <= num_steps:
         raise InvalidValue(f"cannot draw {samples} distinct steps out of {num_steps}")
-    order = torch.randperm(num_steps, generator=generator, device=_device(generator))
-    return sorted(int(step) for step in order[:samples].tolist())
+    with outside_fake_mode():  # a host decision from a real generator
+        order = torch.randperm(num_steps, generator=generator, device=_device(generator))
+        return sorted(int(step) for step in order[:samples].tolist())
 
 
 def draw_uniform_int(low: int, high: int, generator: torch.Generator | None) -> int:
     """An integer uniform on ``{low, ..., high}`` (both ends included)."""
     if low > high:
         raise InvalidValue(f"empty range {{{low}, ..., {high}}}")
-    value = torch.randint(low, high + 1, (), generator=generator, device=_device(generator))
-    return int(value)
+    with outside_fake_mode():  # a host decision from a real generator
+        value = torch.randint(low, high + 1, (), generator=generator, device=_device(generator))
+        return int(value)
 
 
 def draw_from_probabilities(
@@ -60,7 +70,7 @@ def draw_from_probabilities(
     leave ``u`` above its last entry; that mass goes to the last ``k`` with nonzero
     probability, so a zero-probability ``k`` is never returned.
     """
-    u = float(torch.rand((), dtype=torch.float64, generator=generator, device=_device(generator)))
+    u = _uniform(generator)
     cumulative = 0.0
     for k, p in enumerate(probabilities, start=1):
         cumulative += p
@@ -81,7 +91,7 @@ def draw_normal(shape: Sequence[int], like: torch.Tensor, generator: torch.Gener
 def draw_survival_depth(survival: Sequence[float], generator: torch.Generator | None) -> int:
     """``K`` with ``P(K >= j) = survival[j-1]`` (``survival[0] = 1``, non-increasing): the
     number of ``j`` with ``survival[j-1] > u`` for one uniform ``u`` in ``[0, 1)``."""
-    u = float(torch.rand((), dtype=torch.float64, generator=generator, device=_device(generator)))
+    u = _uniform(generator)
     return sum(1 for q in survival if q > u)
 
 
@@ -98,7 +108,7 @@ def stepwise_vjp_over(
     steps = list(steps)
     scales = [1.0] * len(steps) if weights is None else [float(w) for w in weights]
     states = ctx.trajectory().states[steps]
-    velocities, pull = ctx.field.param_pullback(states, ctx.times[steps])
+    velocities, pull = ctx.field.param_pullback(states, ctx.times_at(steps))
     cotangents = torch.stack(
         [
             scale * ctx.step_cotangent(step, velocities[row])

@@ -55,6 +55,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest._checks import outside_fake_mode
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -130,19 +131,21 @@ class ShortcutDiffusion(EstimatorBase):
         terminal_adjoint = ctx.terminal_adjoint()
         alpha, beta, _ = ctx.coefficients
         # c~_k = w_k a_N: the model-detached chain's derivative of z_N in v_k.
-        after = products_after(alpha)
-        weights = beta * after
-        host_weights = weights.tolist()  # one transfer, not a host sync per drawn step
+        with outside_fake_mode():  # schedule math: real values under FakeTensorMode
+            after = products_after(alpha)
+            weights = beta * after
+            host_weights = weights.tolist()  # one transfer, not a host sync per drawn step
+            first_scale = float(alpha[0] * after[0])
         cotangents = torch.stack([host_weights[step] * terminal_adjoint for step in steps])
-        grads = ctx.field.param_vjp(trajectory.states[steps], ctx.times[steps], cotangents)
+        grads = ctx.field.param_vjp(trajectory.states[steps], ctx.times_at(steps), cotangents)
         noise_grad = None
         if ctx.want_noise_grad:
             # d z_N / d z_0 with the model kept in step 0 only:
             # (prod_{j>0} alpha_j)(alpha_0 I + beta_0 dv_0/dz_0), transposed onto a_N.
             _, pulled = ctx.field.state_vjp(
-                trajectory.states[0], ctx.times[0], float(weights[0]) * terminal_adjoint
+                trajectory.states[0], ctx.times_at(0), host_weights[0] * terminal_adjoint
             )
-            noise_grad = float(alpha[0] * after[0]) * terminal_adjoint + pulled
+            noise_grad = first_scale * terminal_adjoint + pulled
         return scale_grads(grads, factor), noise_grad
 
     def _stepwise(self, ctx: EstimationContext) -> ParamGradient:

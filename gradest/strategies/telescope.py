@@ -165,7 +165,7 @@ class Telescope(EstimatorBase):
             sweep = ctx.adjoint_sweep(ctx.terminal_adjoint(), start=start)
             cotangents = _weighted(sweep.cotangents, scale)
             grads = ctx.field.param_vjp(
-                ctx.trajectory().states[start:-1], ctx.times[start:-1], cotangents
+                ctx.trajectory().states[start:-1], ctx.times_at(slice(start, -1)), cotangents
             )
         noise_grad = None
         if ctx.want_noise_grad:

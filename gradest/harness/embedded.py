@@ -92,15 +92,25 @@ def embedded_problem(
         else random_stepwise_objective(steps, (batch, *state_shape), seed=seed + 2)
     )
 
-    def noise_fn(s: int) -> Tensor:
-        gen = torch.Generator().manual_seed(10_000 + s)
-        return torch.randn((batch, *state_shape), generator=gen, dtype=dtype).to(device)
-
     def cond_fn(s: int) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(20_000 + s)
         return {"y": torch.randint(0, NUM_CLASSES, (batch,), generator=gen).to(device)}
 
+    noise_fn = seeded_noise((batch, *state_shape), dtype=dtype, device=device)
     return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, cond_fn)
+
+
+def seeded_noise(
+    shape: tuple[int, ...], *, dtype: torch.dtype, device: str | torch.device
+) -> Callable[[int], Tensor]:
+    """Every problem's ``noise_fn``: seed ``s`` draws the same noise in every run (and for
+    every estimator), from a CPU generator of its own."""
+
+    def noise_fn(s: int) -> Tensor:
+        gen = torch.Generator().manual_seed(10_000 + s)
+        return torch.randn(shape, generator=gen, dtype=dtype).to(device)
+
+    return noise_fn
 
 
 def registered_problems() -> dict[str, Callable[..., Problem]]:

@@ -9,9 +9,8 @@ per-step loss on the velocities.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from gradest.harness.embedded import Problem
+from gradest.harness.embedded import Problem, seeded_noise
 from gradest.objectives import Objective, TerminalObjective
 from gradest.samplers import RectifiedFlow
 from gradest.testing.problems import random_stepwise_objective
@@ -40,8 +39,5 @@ def digits_problem(
     else:
         objective_value = random_stepwise_objective(steps, (batch, *IMAGE_SHAPE), seed=2)
 
-    def noise_fn(s: int) -> Tensor:
-        gen = torch.Generator().manual_seed(10_000 + s)
-        return torch.randn((batch, *IMAGE_SHAPE), generator=gen, dtype=dtype).to(device)
-
+    noise_fn = seeded_noise((batch, *IMAGE_SHAPE), dtype=dtype, device=device)
     return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, lambda s: {})

@@ -4,17 +4,9 @@ time or by launched scripts are in digits_support.py)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from digits_support import LinearClassifierReward, tiny_dit
 
-
-@pytest.fixture(autouse=True)
-def _deterministic_torch():
-    # Gradient comparisons are in float64; single-threaded keeps reductions reproducible.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from gradest.testing.fixtures import deterministic_torch  # noqa: F401  (autouse)
 
 
 @pytest.fixture

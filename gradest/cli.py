@@ -18,7 +18,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from gradest import entry_points, registry
+from gradest import cost_command, entry_points, registry
 from gradest._checks import check_path_length
 from gradest.commands import registered_commands
 from gradest.errors import GradestError, InvalidValue
@@ -248,7 +248,7 @@ def _cmd_race(args: argparse.Namespace) -> int:
 
 
 # The library's own subcommands (applications add theirs through gradest.commands).
-_OWN_COMMANDS = ("list", "check", "compare", "race")
+_OWN_COMMANDS = ("list", "check", "compare", "race", "cost")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,6 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--no-plots", action="store_true", help="skip PNG plots")
     rc.add_argument("--quiet", action="store_true", help="no progress bar, no table")
     rc.set_defaults(run=_cmd_race)
+
+    cost = sub.add_parser(
+        "cost",
+        help="FLOPs, retained activations and peak memory of a training step per estimator, "
+        "traced on the meta device (SD3, Flux, SDXL presets or a diffusers config; no GPU)",
+    )
+    cost_command.add_arguments(cost)
+    cost.set_defaults(run=cost_command.run)
 
     for name, command in sorted(registered_commands().items()):
         if name in sub.choices:  # gradest's own subcommands are not replaceable

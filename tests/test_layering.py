@@ -44,6 +44,7 @@ OUTER = (
     "gradest.cli",
     "gradest.check",
     "gradest.commands",
+    "gradest.cost_command",
     "gradest.harness",
     "gradest.integrations",
     "gradest.testing",

@@ -62,13 +62,17 @@ __all__ = [
 class _FlopCounter(TorchDispatchMode):
     """Sums ``torch.utils.flop_counter.flop_registry`` formulas over every operator call."""
 
-    def __init__(self) -> None:
+    def __init__(self, formulas: Mapping[Any, Callable[..., int]] | None = None) -> None:
         super().__init__()
         self.total = 0
+        # Formulas that replace torch's own for some operators (a cost trace counts a
+        # fused attention backward as the math path does, without its recomputation).
+        self.formulas = dict(formulas or {})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        formula = flop_registry.get(func._overloadpacket)
+        packet = func._overloadpacket
+        formula = self.formulas.get(packet) or flop_registry.get(packet)
         if formula is None and func is not torch.ops.prim.device.default:
             # As FlopCounterMode does: a composite operator without a formula may
             # decompose into ones that have one.
@@ -137,11 +141,16 @@ class _StorageTracker(TorchDispatchMode):
     Args:
         recording: if given, count only storages created while it is active (a
             graph-recording forward computation) and no backward pass is running.
+        count_meta: count meta-device storages too (a cost traced without data); off by
+            default because fake and meta tensors in a real measurement are bookkeeping.
     """
 
-    def __init__(self, recording: _GraphRecording | None = None) -> None:
+    def __init__(
+        self, recording: _GraphRecording | None = None, *, count_meta: bool = False
+    ) -> None:
         super().__init__()
         self.recording = recording
+        self.count_meta = count_meta
         self.live: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.current = 0
@@ -166,10 +175,10 @@ class _StorageTracker(TorchDispatchMode):
         inputs = {
             t.untyped_storage()._cdata
             for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and not t.is_meta
+            if isinstance(t, torch.Tensor) and (self.count_meta or not t.is_meta)
         }
         for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+            if not isinstance(tensor, torch.Tensor) or (tensor.is_meta and not self.count_meta):
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata

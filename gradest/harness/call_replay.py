@@ -1,0 +1,306 @@
+"""Trace a model call on the meta device once, replay its cost for every repeat.
+
+Every sampling step calls the model on inputs of the same shapes, and on the meta device
+nothing depends on values: the FLOPs, the tensors saved for backward and the transient
+memory of a call are fixed by its *signature* (input shapes and dtypes, which inputs
+require grad, grad mode) and, for its backward, by which inputs the backward pass
+needs. :class:`ReplayCalls` wraps the model: the first call of each signature is
+calibrated (run for real on meta tensors, in a separate thread so that the step's own
+counters do not see it, once per backward pattern), and every call runs as a custom
+autograd function that reports the calibrated FLOPs and transient peak to the counters
+of the step being measured, saves tensors of the calibrated sizes (the call's own inputs
+where the real call saved an input) and, in backward, returns empty gradients for the
+inputs the engine needs.
+
+What is exact and what is not: FLOPs and saved-tensor bytes equal a full trace's
+(``tests/test_training_cost.py`` compares them for every built-in estimator); the peak of
+created storages is exact up to the order in which a backward returns parameter
+gradients (a replayed backward returns them together at its end).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from gradest.harness.cost import _FlopCounter, _StorageTracker
+from gradest.harness.fused_attention import MODEL_FLOP_FORMULAS
+
+__all__ = ["ReplayCalls", "active_counters", "report"]
+
+# The counters of the step being measured (training_step_cost sets them).
+_ACTIVE: list[tuple[_FlopCounter, _StorageTracker]] = []
+
+
+@contextlib.contextmanager
+def active_counters(flops: _FlopCounter, storages: _StorageTracker) -> Iterator[None]:
+    """Replayed calls report their cost to these counters while the context is open."""
+    _ACTIVE.append((flops, storages))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def report(flops: int, transient_bytes: int) -> None:
+    """Add a replayed call's FLOPs and its transient peak to the active counters."""
+    for counter, tracker in _ACTIVE:
+        counter.total += flops
+        tracker.peak = max(tracker.peak, tracker.current + transient_bytes)
+
+
+@contextlib.contextmanager
+def _discounted(nbytes: int) -> Iterator[None]:
+    """The active storage trackers count ``nbytes`` less while the context is open."""
+    for _, tracker in _ACTIVE:
+        tracker.current -= nbytes
+    try:
+        yield
+    finally:
+        for _, tracker in _ACTIVE:
+            tracker.current += nbytes
+
+
+@attrs.frozen
+class _Cost:
+    flops: int
+    transient: int  # peak bytes above the level at the start, outputs included
+
+
+@attrs.frozen
+class _Calibration:
+    """One signature's forward (for one requires-grad pattern) and its backward passes."""
+
+    forward: _Cost
+    flops_until_last_save: int  # what a checkpoint's recomputation runs before it stops
+    saved_inputs: tuple[int, ...]  # indices of inputs whose storage the call saves
+    saved_fresh: tuple[int, ...]  # bytes of each distinct storage the call creates and saves
+    out_shape: torch.Size
+    out_dtype: torch.dtype
+    backward: Mapping[tuple[bool, bool], _Cost]  # (state needed, parameters needed)
+
+
+class _SavedStorages:
+    """Saved-tensor hooks recording which storages the forward saves (kept alive)."""
+
+    def __init__(self, flops: _FlopCounter) -> None:
+        self.saved: dict[int, int] = {}
+        self.flops = flops
+        self.flops_at_last_save = 0
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        self.saved[storage._cdata] = storage.nbytes()
+        self.flops_at_last_save = self.flops.total
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: Tensor) -> Tensor:
+        return tensor
+
+
+def _measured(
+    work: Callable[[], Any], flops: _FlopCounter | None = None
+) -> tuple[Any, _Cost]:
+    flops = flops or _FlopCounter(MODEL_FLOP_FORMULAS)
+    storages = _StorageTracker(count_meta=True)
+    with storages, flops:
+        out = work()
+    return out, _Cost(flops.total, storages.peak)
+
+
+def _calibrate(
+    model: nn.Module,
+    inputs: Sequence[Tensor],
+    state_requires_grad: bool,
+    parameters: Sequence[nn.Parameter],
+    call: Callable[[Sequence[Tensor]], Tensor],
+) -> _Calibration:
+    """Run the call for real (meta tensors) and measure it; in a thread of its own."""
+    input_keys = {t.untyped_storage()._cdata: i for i, t in enumerate(inputs)}
+    patterns = [(s, p) for s in (False, True) for p in (False, True)
+                if (s or p) and (not s or state_requires_grad) and (not p or parameters)]
+    backward: dict[tuple[bool, bool], _Cost] = {}
+    forward = None
+    saved_inputs: tuple[int, ...] = ()
+    saved_fresh: tuple[int, ...] = ()
+    out_shape, out_dtype = torch.Size(), torch.float32
+    for needs_state, needs_params in patterns:
+        state = inputs[0].detach().requires_grad_(state_requires_grad)
+        args = [state, *inputs[1:]]
+        counter = _FlopCounter(MODEL_FLOP_FORMULAS)
+        recorder = _SavedStorages(counter)
+        # One storage tracker over forward and backward: the backward frees the forward's
+        # activations as it goes, and its peak is measured from the level they leave.
+        storages = _StorageTracker(count_meta=True)
+        with storages, counter:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                recorder.pack, recorder.unpack
+            ):
+                out = call(args)
+            forward_cost = _Cost(counter.total, storages.peak)
+            level = storages.current
+            grad_out = torch.empty_like(out)
+            level += grad_out.untyped_storage().nbytes()
+            storages.peak = storages.current
+            flops_before = counter.total
+            wanted = [state] if needs_state else []
+            wanted += list(parameters) if needs_params else []
+            if forward is None:
+                forward = forward_cost
+                until_last_save = recorder.flops_at_last_save
+                param_keys = {p.untyped_storage()._cdata for p in model.parameters()}
+                param_keys |= {b.untyped_storage()._cdata for b in model.buffers()}
+                # The state's detached copy shares its storage: it counts as input 0.
+                saved_inputs = tuple(
+                    sorted({input_keys[k] for k in recorder.saved if k in input_keys})
+                )
+                saved_fresh = tuple(
+                    nbytes for k, nbytes in recorder.saved.items()
+                    if k not in input_keys and k not in param_keys
+                )  # fmt: skip
+                out_shape, out_dtype = out.shape, out.dtype
+            del recorder
+            grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+            backward[(needs_state, needs_params)] = _Cost(
+                counter.total - flops_before, storages.peak - level
+            )
+            del out, grad_out, grads
+    assert forward is not None
+    return _Calibration(
+        forward, until_last_save, saved_inputs, saved_fresh, out_shape, out_dtype, backward
+    )
+
+
+class _ReplayedCall(torch.autograd.Function):
+    """The call up to its last saved tensor; :class:`_ReplayedTail` does the rest.
+
+    Two functions because a non-reentrant checkpoint (gradest's ``checkpoint=True``)
+    stops its recomputation as soon as the last saved tensor is recomputed: the real
+    model's operators after that point do not run again, and the tail's FLOPs must not
+    be counted then.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, calibration: _Calibration, count: int, *tensors: Tensor) -> Tensor:
+        report(calibration.flops_until_last_save, calibration.forward.transient)
+        inputs = tensors[:count]
+        kept = [inputs[i] for i in calibration.saved_inputs]
+        kept += [torch.empty(n, dtype=torch.uint8, device="meta") for n in calibration.saved_fresh]
+        ctx.save_for_backward(*kept)
+        ctx.calibration = calibration
+        ctx.count = count
+        ctx.likes = [(t.shape, t.dtype) for t in tensors]
+        return torch.empty(calibration.out_shape, dtype=calibration.out_dtype, device="meta")
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
+        nodes = [node for node, _ in ctx.next_functions]
+        # Every differentiable input was passed through a view (a non-leaf node), so the
+        # engine can say which of them this backward pass needs (autograd.grad w.r.t. the
+        # state only skips the weight gradients, as it does in the real model).
+        needed = [
+            node is not None and torch._C._will_engine_execute_node(node) for node in nodes
+        ]  # one node per tensor input (calibration and count are not tensors)
+        needs_state = needed[0]
+        needs_params = any(needed[ctx.count:])
+        cost = ctx.calibration.backward.get((needs_state, needs_params))
+        if cost is not None:
+            report(cost.flops, cost.transient)
+        saved = ctx.saved_tensors  # unpacked as the real backward would
+        del saved
+        # A real backward frees each layer's activations before the next layer's
+        # gradients exist; the replayed activations are freed only after this returns,
+        # so the gradients are allocated as if they were gone already.
+        with _discounted(sum(ctx.calibration.saved_fresh)):
+            grads = [
+                torch.empty(shape, dtype=dtype, device="meta") if need else None
+                for (shape, dtype), need in zip(ctx.likes, needed, strict=True)
+            ]
+        return (None, None, *grads)
+
+
+class _ReplayedTail(torch.autograd.Function):
+    """The call's operators after its last saved tensor (no saves, free backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, flops: int, out: Tensor) -> Tensor:
+        report(flops, 0)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
+        return None, grad_out
+
+
+class ReplayCalls(nn.Module):
+    """``model`` on the meta device with each call signature traced once, then replayed.
+
+    Calls on real tensors, and calls whose conditioning requires grad, run the model.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self._calibrations: dict[tuple, _Calibration] = {}
+        self._no_grad: dict[tuple, tuple[_Cost, torch.Size, torch.dtype]] = {}
+
+    def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
+        names = sorted(k for k, v in cond.items() if isinstance(v, Tensor))
+        tensors = [z, t, *(cond[k] for k in names)]
+        if z.device.type != "meta" or any(c.requires_grad for c in tensors[1:]):
+            return self.model(z, t, **cond)
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        records_graph = torch.is_grad_enabled() and (z.requires_grad or bool(parameters))
+        key = (_signature(tensors, cond, names), z.requires_grad, bool(parameters),
+               records_graph, torch.is_autocast_enabled())
+
+        def call(args: Sequence[Tensor]) -> Tensor:
+            rest = dict(cond) | dict(zip(names, args[2:], strict=True))
+            return self.model(args[0], args[1], **rest)
+
+        if not records_graph:
+            known = self._no_grad.get(key)
+            if known is None:
+                out, cost = _in_thread(lambda: _measured(lambda: call(tensors)))
+                self._no_grad[key] = (cost, out.shape, out.dtype)
+                known = self._no_grad[key]
+            cost, shape, dtype = known
+            report(cost.flops, cost.transient)
+            return torch.empty(shape, dtype=dtype, device="meta")
+        calibration = self._calibrations.get(key)
+        if calibration is None:
+            calibration = _in_thread(
+                lambda: _calibrate(self.model, tensors, z.requires_grad, parameters, call)
+            )
+            self._calibrations[key] = calibration
+        # Views give every differentiable input a node of its own (see backward).
+        differentiable = [t.view_as(t) if t.requires_grad else t for t in tensors + parameters]
+        out = _ReplayedCall.apply(calibration, len(tensors), *differentiable)
+        tail = calibration.forward.flops - calibration.flops_until_last_save
+        return _ReplayedTail.apply(tail, out)
+
+
+def _in_thread(work: Callable[[], Any]) -> Any:
+    """Run ``work`` where the step's thread-local counters and saved-tensor hooks are not
+    active (a fresh thread), so calibration is not counted as part of the step."""
+    grad_mode = torch.is_grad_enabled()  # thread-local: carried over by hand
+
+    def in_grad_mode() -> Any:
+        with torch.set_grad_enabled(grad_mode):
+            return work()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(in_grad_mode).result()
+
+
+def _signature(tensors: Sequence[Tensor], cond: Mapping[str, Any], names: Sequence[str]) -> tuple:
+    shapes = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+    others = tuple(sorted((k, repr(v)) for k, v in cond.items() if k not in names))
+    return shapes, others

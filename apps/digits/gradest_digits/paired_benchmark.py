@@ -308,23 +308,45 @@ def summarize(
     return summary
 
 
+def distinct_estimators(summary: dict[str, Any]) -> list[list[str]]:
+    """Estimators grouped by identical training: same agreement metrics and the same
+    final reward (mean and spread over the seeds), as when jagg falls back everywhere and
+    takes exact's gradient. Identical gradients give bitwise identical runs, so exact
+    float equality is the test. Delegating estimators (``auto``) are left out."""
+    groups: dict[tuple, list[str]] = {}
+    for spec, row in summary.items():
+        if row.get("selected"):
+            continue
+        key = tuple(
+            row.get(name, math.nan)
+            for name in ("final_reward_mean", "final_reward_std", "cosine", "adam_cosine",
+                         "sign_agreement")
+        )  # fmt: skip
+        key = tuple("nan" if v != v else v for v in key)
+        groups.setdefault(key, []).append(spec)
+    return list(groups.values())
+
+
 def metric_rank_correlations(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Spearman's rho (and p) across estimators between each agreement metric measured on
     one minibatch and the final reward after fine-tuning: does the metric predict training?
 
-    Delegating estimators (``auto``, whose rows repeat the estimator they ran) are left out,
-    so that no estimator counts twice."""
+    Estimators that trained identically (:func:`distinct_estimators`) count once, so a
+    gradient that several rows share does not inflate the correlation; delegating
+    estimators (``auto``) are left out. ``rows`` says how many distinct rows remain."""
     from scipy import stats
 
-    rows = [row for row in summary.values() if not row.get("selected")]
+    groups = distinct_estimators(summary)
+    rows = [summary[group[0]] for group in groups]
     rewards = [row["final_reward_mean"] for row in rows]
-    out = {}
+    out: dict[str, dict[str, float]] = {}
     for metric in ("cosine", "adam_cosine", "sign_agreement"):
         values = [row.get(metric, math.nan) for row in rows]
         if len(values) < 3 or any(v != v for v in values):
             continue
         result = stats.spearmanr(values, rewards)
-        out[metric] = {"rho": float(result.statistic), "p": float(result.pvalue)}
+        out[metric] = {"rho": float(result.statistic), "p": float(result.pvalue),
+                       "rows": len(rows)}
     return out
 
 
@@ -398,8 +420,11 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
         lines += [
             "",
             "Does a one-minibatch agreement metric predict the final reward? Spearman rank "
-            f"correlation across the {sum(not s.get('selected') for s in summary.values())} "
-            "estimators (auto's rows left out: they repeat the estimators they ran):",
+            f"correlation across the {len(distinct_estimators(summary))} distinct rows of "
+            f"the {sum(not s.get('selected') for s in summary.values())} estimators "
+            "(estimators that trained identically, e.g. a jagg that fell back to exact "
+            "everywhere, count once; auto's rows are left out: they repeat the estimators "
+            "they ran):",
             "",
             "| metric | rho | p |",
             "|---|---|---|",

@@ -45,3 +45,33 @@ def test_the_paired_benchmark_runs_and_reports(tmp_path, capsys):
     assert "gain/backward-GFLOP wins" in markdown and "Spearman" in markdown
     assert "`auto` ran, in each training step's last backward" in markdown
     assert f"`{next(iter(picks))}`" in markdown
+
+
+def test_identical_training_counts_once_in_the_rank_correlation():
+    """A jagg that fell back everywhere trains exactly as exact: one row, not two.
+    With the duplicate the correlation of these rows is inflated; merged, it is the
+    correlation of the distinct rows."""
+    pytest.importorskip("scipy")
+    from scipy import stats
+
+    def row(reward, cosine):
+        return {"final_reward_mean": reward, "final_reward_std": 0.1, "cosine": cosine,
+                "adam_cosine": cosine, "sign_agreement": cosine}
+
+    summary = {
+        "exact": row(-1.0, 1.0),
+        "jagg": row(-1.0, 1.0),  # fell back everywhere: identical to exact
+        "sdo": row(-1.1, 0.2),
+        "truncated:k=1": row(-1.6, 0.5),
+        "alignprop": row(-1.3, 0.4),
+        "auto": {**row(-1.0, 1.0), "selected": {"exact": 4}},
+    }
+    groups = digits_paired.distinct_estimators(summary)
+    assert sorted(map(sorted, groups)) == [["alignprop"], ["exact", "jagg"], ["sdo"],
+                                           ["truncated:k=1"]]
+    result = digits_paired.metric_rank_correlations(summary)["cosine"]
+    distinct = stats.spearmanr([1.0, 0.2, 0.5, 0.4], [-1.0, -1.1, -1.6, -1.3])
+    assert result["rows"] == 4
+    assert result["rho"] == pytest.approx(distinct.statistic)
+    with_duplicate = stats.spearmanr([1.0, 1.0, 0.2, 0.5, 0.4], [-1.0, -1.0, -1.1, -1.6, -1.3])
+    assert result["rho"] != pytest.approx(with_duplicate.statistic)

@@ -235,9 +235,21 @@ def run_seed(
             # What a delegating estimator (auto) ran in each step's last backward (exact on
             # a probe; GRPO takes several backwards per step).
             "selected": [h["info"].get("auto_choice") for h in run.history],
-            **fid_kid(samples.float().cpu(), reference, seed=seed),
+            **(
+                fid_kid(samples.float().cpu(), reference, seed=seed)
+                if fid_reference_is_adequate(reference)
+                else {"fid": None, "kid_mean": None, "kid_std": None}
+            ),
         }
     return out
+
+
+def fid_reference_is_adequate(reference: torch.Tensor) -> bool:
+    """Whether FID/KID against ``reference`` mean anything: at least twice as many images
+    as the classifier's feature dimension, so the reference covariance is not singular
+    (the held-out set has 37 of each digit against 64 features: not adequate, and the
+    benchmark then leaves FID/KID out instead of printing a number)."""
+    return reference.shape[0] >= 2 * load_digit_classifier().fc.out_features
 
 
 def _paired(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
@@ -292,8 +304,8 @@ def summarize(
             "selected": dict(
                 collections.Counter(c for r in rows for c in r.get("selected", []) if c)
             ),
-            "fid_mean": statistics.fmean(r["fid"] for r in rows),
-            "kid_mean": statistics.fmean(r["kid_mean"] for r in rows),
+            "fid_mean": _mean_or_none(r["fid"] for r in rows),
+            "kid_mean": _mean_or_none(r["kid_mean"] for r in rows),
             "backward_time_ratio": statistics.median(
                 r["backward_seconds"] / e["backward_seconds"]
                 for r, e in zip(rows, exact, strict=True)
@@ -350,6 +362,15 @@ def metric_rank_correlations(summary: dict[str, Any]) -> dict[str, dict[str, flo
     return out
 
 
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mean_or_none(values: Any) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
 def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -375,7 +396,8 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
         f"batch. Backward FLOPs = model units (each estimator's `Cost`) x one forward's FLOPs "
         f"({config['forward_flops'] / 1e6:.1f} MFLOP). FID/KID: {config['eval_samples']} "
         f"samples vs the held-out digits of the target class, on the digit classifier's "
-        f"features (torch-fidelity). Agreement columns: one minibatch at the initial model. "
+        f"features (torch-fidelity); '-' where that reference has fewer images than twice "
+        f"the feature dimension (a singular covariance: no meaningful FID). Agreement columns: one minibatch at the initial model. "
         f"\"gain / exact's\": the estimator's reward gain (final - initial, mean over seeds) "
         f"as a share of exact's. Goal (issue 12): >= 7/8 paired wins on reward gain per "
         f"backward-GFLOP at Wilcoxon p < 0.05 with >= 99% of exact's gain.",
@@ -399,7 +421,8 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
             f"| {fw['wins']}/{n} ({fw['wilcoxon_p']:.3g}) "
             f"| {gw['wins']}/{n} ({gw['wilcoxon_p']:.3g}) "
             f"| {'met' if s['meets_goal'] else '-'} "
-            f"| {s['fid_mean']:.2f} | {s['kid_mean']:.4f} | {s['backward_flops_ratio']:.2f} "
+            f"| {_number(s['fid_mean'], '.2f')} | {_number(s['kid_mean'], '.4f')} "
+            f"| {s['backward_flops_ratio']:.2f} "
             f"| {s['backward_time_ratio']:.2f} | {s.get('retained_ratio', math.nan):.3f} "
             f"| {s.get('cosine', math.nan):.4f} | {s.get('adam_cosine', math.nan):.4f} "
             f"| {s.get('sign_agreement', math.nan):.3f} "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from gradest_digits import paired_benchmark as digits_paired
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,11 @@ def test_the_paired_benchmark_runs_and_reports(tmp_path, capsys):
     for rows in saved["runs"].values():
         assert [r["seed"] for r in rows] == [0, 1]
         assert all(r["backward_flops"] > 0 and r["backward_seconds"] > 0 for r in rows)
+    # 37 held-out digits of the target against 64 classifier features: FID/KID left out.
+    assert all(r["fid"] is None and r["kid_mean"] is None for rs in saved["runs"].values()
+               for r in rs)
+    assert not digits_paired.fid_reference_is_adequate(torch.zeros(127, 1, 8, 8))
+    assert digits_paired.fid_reference_is_adequate(torch.zeros(128, 1, 8, 8))
     summary = saved["summary"]
     # Deterministic cost: sdo evaluates one step of 16 per inner epoch, exact all of them.
     assert summary["sdo"]["backward_flops_ratio"] == pytest.approx(1 / 16, rel=1e-9)

@@ -93,29 +93,42 @@ def model_setup(
         raise InvalidValue(f"--lora-rank must be an int >= 1, got {lora_rank!r}")
     if cfg is not None and not (isinstance(cfg, int | float) and cfg == cfg):
         raise InvalidValue(f"--cfg must be a guidance scale (a number), got {cfg!r}")
-    settings: dict[str, Any] = {"batch": batch, "dtype": dtype, "lora_rank": lora_rank,
-                                "gradient_checkpointing": gradient_checkpointing, "cfg": cfg}
+    settings: dict[str, Any] = {
+        "batch": batch,
+        "dtype": dtype,
+        "lora_rank": lora_rank,
+        "gradient_checkpointing": gradient_checkpointing,
+        "cfg": cfg,
+    }
     if model in MODELS:
-        extra = {"height": height, "width": width, "prompt_tokens": prompt_tokens,
-                 "cfg": cfg, "lora_rank": lora_rank}
+        extra = {
+            "height": height,
+            "width": width,
+            "prompt_tokens": prompt_tokens,
+            "cfg": cfg,
+            "lora_rank": lora_rank,
+        }
         given = [k for k, v in extra.items() if v is not None]
         if given or gradient_checkpointing:
             names = ", ".join("--" + k.replace("_", "-") for k in given) or (
-                "--gradient-checkpointing")
+                "--gradient-checkpointing"
+            )
             raise InvalidValue(
                 f"{names} apply to diffusers models; the embedded model {model!r} has a "
                 f"fixed state shape (drop them, or pass a preset or a config folder)"
             )
         n = 50 if steps is None else steps
-        problem = embedded_problem(model, steps=n, objective="terminal", batch=batch,
-                                   dtype=torch_dtype)
+        problem = embedded_problem(
+            model, steps=n, objective="terminal", batch=batch, dtype=torch_dtype
+        )
         velocity = problem.model.to("meta")
         noise = problem.noise_fn(0)
-        cond = {k: v.to("meta") if isinstance(v, torch.Tensor) else v
-                for k, v in problem.cond_fn(0).items()}
+        cond = {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v
+            for k, v in problem.cond_fn(0).items()
+        }
         settings.update(steps=n)
-        return ModelSetup(model, velocity, tuple(noise.shape), cond, n, torch_dtype,
-                          settings)
+        return ModelSetup(model, velocity, tuple(noise.shape), cond, n, torch_dtype, settings)
     from gradest.integrations.diffusers_presets import diffusers_shapes, load_config
 
     config, preset = load_config(model)
@@ -127,17 +140,22 @@ def model_setup(
     height = height if height is not None else preset.height  # type: ignore[union-attr]
     width = width if width is not None else preset.width  # type: ignore[union-attr]
     n = steps if steps is not None else preset.steps  # type: ignore[union-attr]
-    tokens = prompt_tokens if prompt_tokens is not None else (
-        preset.prompt_tokens if preset is not None else None)
+    tokens = (
+        prompt_tokens
+        if prompt_tokens is not None
+        else (preset.prompt_tokens if preset is not None else None)
+    )
     shapes = diffusers_shapes(
         config, batch=batch, height=height, width=width, dtype=torch_dtype,
         prompt_tokens=tokens, cfg_scale=cfg, lora_rank=lora_rank,
         gradient_checkpointing=gradient_checkpointing,
     )  # fmt: skip
-    settings.update(height=height, width=width, steps=n, prompt_tokens=tokens,
-                    model_class=config["_class_name"])
-    return ModelSetup(model, shapes.velocity, shapes.latent_shape, shapes.cond,
-                      n, torch_dtype, settings)
+    settings.update(
+        height=height, width=width, steps=n, prompt_tokens=tokens, model_class=config["_class_name"]
+    )
+    return ModelSetup(
+        model, shapes.velocity, shapes.latent_shape, shapes.cond, n, torch_dtype, settings
+    )
 
 
 def predict_costs(
@@ -161,26 +179,41 @@ def predict_costs(
         else StepwiseObjective(lambda k, v, trajectory: v.float().square().mean())
     )
     noise = torch.zeros(setup.noise_shape, dtype=setup.dtype, device="meta")
-    built = {spec if isinstance(spec, str) else repr(spec): registry.estimator(spec)
-             for spec in estimators}
+    built = {
+        spec if isinstance(spec, str) else repr(spec): registry.estimator(spec)
+        for spec in estimators
+    }
     # Every estimator is tried on a stand-in first: one that cannot be traced (jagg's
     # gate, auto) fails now, not after minutes of tracing the others.
     varies = {spec: decisions_vary(est, sampler, goal) for spec, est in built.items()}
     # One replaying wrapper for every estimator: each call signature is traced once.
     model = ReplayCalls(setup.velocity)
     costs: dict[str, TrainingCost] = {}
-    for spec, est in tqdm(built.items(), desc="gradest cost", disable=not show_progress,
-                          leave=False):
+    for spec, est in tqdm(
+        built.items(), desc="gradest cost", disable=not show_progress, leave=False
+    ):
         costs[spec] = training_step_cost(
-            est, model, sampler, goal, noise=noise, cond=setup.cond, draws=draws,
-            attention=attention, varies=varies[spec],
+            est,
+            model,
+            sampler,
+            goal,
+            noise=noise,
+            cond=setup.cond,
+            draws=draws,
+            attention=attention,
+            varies=varies[spec],
         )
     return costs
 
 
 def _fmt_flops(value: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
-                        ("kFLOP", 1e3)):
+    for unit, scale in (
+        ("PFLOP", 1e15),
+        ("TFLOP", 1e12),
+        ("GFLOP", 1e9),
+        ("MFLOP", 1e6),
+        ("kFLOP", 1e3),
+    ):
         if value >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value:.3g} FLOP"
@@ -226,8 +259,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder with config.json (SD3, Flux, UNet2DCondition), or an embedded model "
         "(mlp, dit)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="sampling steps N (default: "
-                        "the preset's pipeline default; 50 for mlp / dit)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="sampling steps N (default: the preset's pipeline default; 50 for mlp / dit)",
+    )
     parser.add_argument("--height", type=int, default=None, help="image height in pixels")
     parser.add_argument("--width", type=int, default=None, help="image width in pixels")
     parser.add_argument("--batch", type=int, default=1, help="images per step (default 1)")
@@ -239,24 +276,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"estimator specs separated by ',' (default {DEFAULT_ESTIMATORS}; jagg's gate "
         "reads values, so give jagg:gate=off: its cost when every group interpolates)",
     )
-    parser.add_argument("--prompt-tokens", type=int, default=None,
-                        help="text tokens per prompt (default 333 SD3, 512 Flux, 77 SDXL)")
-    parser.add_argument("--cfg", type=float, nargs="?", const=4.5, default=None,
-                        help="classifier-free guidance in every call (2B rows); optional scale")
-    parser.add_argument("--lora-rank", type=int, default=None,
-                        help="train LoRA adapters of this rank on the attention projections "
-                        "(default: full fine-tuning)")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="diffusers' enable_gradient_checkpointing()")
-    parser.add_argument("--objective", default="terminal",
-                        help="terminal (a reward on the sample, default) or stepwise (GRPO-like)")
-    parser.add_argument("--memory", default=DEFAULT_MEMORY,
-                        help=f"device memory sizes to check, comma-separated (default "
-                        f"{DEFAULT_MEMORY})")
-    parser.add_argument("--draws", type=int, default=4,
-                        help="draws averaged for stochastic estimators (default 4)")
-    parser.add_argument("--attention", default="fused",
-                        help="fused (a GPU's flash / memory-efficient kernel, default) or math")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="text tokens per prompt (default 333 SD3, 512 Flux, 77 SDXL)",
+    )
+    parser.add_argument(
+        "--cfg",
+        type=float,
+        nargs="?",
+        const=4.5,
+        default=None,
+        help="classifier-free guidance in every call (2B rows); optional scale",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="train LoRA adapters of this rank on the attention projections "
+        "(default: full fine-tuning)",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="diffusers' enable_gradient_checkpointing()",
+    )
+    parser.add_argument(
+        "--objective",
+        default="terminal",
+        help="terminal (a reward on the sample, default) or stepwise (GRPO-like)",
+    )
+    parser.add_argument(
+        "--memory",
+        default=DEFAULT_MEMORY,
+        help=f"device memory sizes to check, comma-separated (default {DEFAULT_MEMORY})",
+    )
+    parser.add_argument(
+        "--draws", type=int, default=4, help="draws averaged for stochastic estimators (default 4)"
+    )
+    parser.add_argument(
+        "--attention",
+        default="fused",
+        help="fused (a GPU's flash / memory-efficient kernel, default) or math",
+    )
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -273,22 +336,29 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype, prompt_tokens=args.prompt_tokens, cfg=args.cfg,
         lora_rank=args.lora_rank, gradient_checkpointing=args.gradient_checkpointing,
     )  # fmt: skip
-    costs = predict_costs(setup, specs, objective=args.objective, draws=args.draws,
-                          attention=args.attention, show_progress=not args.quiet)
+    costs = predict_costs(
+        setup,
+        specs,
+        objective=args.objective,
+        draws=args.draws,
+        attention=args.attention,
+        show_progress=not args.quiet,
+    )
     seconds = time.perf_counter() - started
     settings = ", ".join(f"{k}={v}" for k, v in setup.settings.items() if v is not None)
-    print(f"# gradest cost: {args.model} ({settings}), objective={args.objective}, "
-          f"attention={args.attention}, traced in {seconds:.0f} s\n")
+    print(
+        f"# gradest cost: {args.model} ({settings}), objective={args.objective}, "
+        f"attention={args.attention}, traced in {seconds:.0f} s\n"
+    )
     print(format_table(costs, memories))
     if args.json is not None:
         payload = {
             "model": args.model,
-            "settings": setup.settings | {"objective": args.objective,
-                                          "attention": args.attention},
+            "settings": setup.settings | {"objective": args.objective, "attention": args.attention},
             "memory": {label: limit for label, limit in memories},
             "estimators": {
-                spec: cost.as_dict() | {"fits": {label: cost.fits(limit)
-                                                 for label, limit in memories}}
+                spec: cost.as_dict()
+                | {"fits": {label: cost.fits(limit) for label, limit in memories}}
                 for spec, cost in costs.items()
             },
             "seconds": seconds,

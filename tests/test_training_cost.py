@@ -81,8 +81,11 @@ def _shapes(family: str, device: str, **kw):
 
 def _cost(spec, family, device, objective, *, replay=True, attention="math", **kw):
     shapes = _shapes(family, device, **kw)
-    noise = torch.randn(shapes.latent_shape, device=device) if device != "meta" else (
-        torch.zeros(shapes.latent_shape, device="meta"))
+    noise = (
+        torch.randn(shapes.latent_shape, device=device)
+        if device != "meta"
+        else (torch.zeros(shapes.latent_shape, device="meta"))
+    )
     with sdpa_kernel(SDPBackend.MATH):
         return training_step_cost(
             gradest.estimator(spec), shapes.velocity, gradest.RectifiedFlow(steps=STEPS),
@@ -191,8 +194,9 @@ def test_fused_attention_keeps_no_attention_matrix() -> None:
     the fused kernel's recomputation)."""
 
     def retained(attention: str, tokens: int) -> tuple[float, float]:
-        shapes = diffusers_shapes(TINY["sd3"], batch=BATCH, height=64, width=64,
-                                  dtype=torch.float32, prompt_tokens=tokens)
+        shapes = diffusers_shapes(
+            TINY["sd3"], batch=BATCH, height=64, width=64, dtype=torch.float32, prompt_tokens=tokens
+        )
         cost = training_step_cost(
             gradest.estimator("exact"), shapes.velocity, gradest.RectifiedFlow(steps=2),
             _terminal(), noise=torch.zeros(shapes.latent_shape, device="meta"),
@@ -236,18 +240,25 @@ def test_stochastic_estimators_report_mean_and_range() -> None:
     cost = _cost("alignprop", "sd3", "meta", _terminal())
     low, high = cost.flops_range
     assert cost.draws == 4 and low < cost.flops < high
-    assert not decisions_vary(gradest.estimator("exact"), gradest.RectifiedFlow(steps=4), _terminal())
+    assert not decisions_vary(
+        gradest.estimator("exact"), gradest.RectifiedFlow(steps=4), _terminal()
+    )
     assert decisions_vary(gradest.estimator("sdo"), gradest.RectifiedFlow(steps=4), _terminal())
 
 
 def test_presets_build_on_meta_with_their_published_sizes() -> None:
     """Parameter counts of the presets, as the public checkpoints state them."""
-    expected = {"sd3-medium": 2.03e9, "sd3.5-large": 8.05e9, "flux-dev": 11.9e9,
-                "sdxl-unet": 2.57e9}
+    expected = {
+        "sd3-medium": 2.03e9,
+        "sd3.5-large": 8.05e9,
+        "flux-dev": 11.9e9,
+        "sdxl-unet": 2.57e9,
+    }
     for name, count in expected.items():
         preset = PRESETS[name]
-        shapes = diffusers_shapes(preset.config, batch=1, height=preset.height,
-                                  width=preset.width, dtype=torch.bfloat16)
+        shapes = diffusers_shapes(
+            preset.config, batch=1, height=preset.height, width=preset.width, dtype=torch.bfloat16
+        )
         params = sum(p.numel() for p in shapes.model.parameters())
         assert abs(params - count) / count < 0.01, (name, params)
         assert all(p.device.type == "meta" for p in shapes.model.parameters())

@@ -105,9 +105,7 @@ class _SavedStorages:
         return tensor
 
 
-def _measured(
-    work: Callable[[], Any], flops: _FlopCounter | None = None
-) -> tuple[Any, _Cost]:
+def _measured(work: Callable[[], Any], flops: _FlopCounter | None = None) -> tuple[Any, _Cost]:
     flops = flops or _FlopCounter(MODEL_FLOP_FORMULAS)
     storages = _StorageTracker(count_meta=True)
     with storages, flops:
@@ -124,8 +122,12 @@ def _calibrate(
 ) -> _Calibration:
     """Run the call for real (meta tensors) and measure it; in a thread of its own."""
     input_keys = {t.untyped_storage()._cdata: i for i, t in enumerate(inputs)}
-    patterns = [(s, p) for s in (False, True) for p in (False, True)
-                if (s or p) and (not s or state_requires_grad) and (not p or parameters)]
+    patterns = [
+        (s, p)
+        for s in (False, True)
+        for p in (False, True)
+        if (s or p) and (not s or state_requires_grad) and (not p or parameters)
+    ]
     backward: dict[tuple[bool, bool], _Cost] = {}
     forward = None
     saved_inputs: tuple[int, ...] = ()
@@ -140,8 +142,9 @@ def _calibrate(
         # activations as it goes, and its peak is measured from the level they leave.
         storages = _StorageTracker(count_meta=True)
         with storages, counter:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                recorder.pack, recorder.unpack
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
             ):
                 out = call(args)
             forward_cost = _Cost(counter.total, storages.peak)
@@ -209,7 +212,7 @@ class _ReplayedCall(torch.autograd.Function):
             node is not None and torch._C._will_engine_execute_node(node) for node in nodes
         ]  # one node per tensor input (calibration and count are not tensors)
         needs_state = needed[0]
-        needs_params = any(needed[ctx.count:])
+        needs_params = any(needed[ctx.count :])
         cost = ctx.calibration.backward.get((needs_state, needs_params))
         if cost is not None:
             report(cost.flops, cost.transient)
@@ -258,8 +261,13 @@ class ReplayCalls(nn.Module):
             return self.model(z, t, **cond)
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         records_graph = torch.is_grad_enabled() and (z.requires_grad or bool(parameters))
-        key = (_signature(tensors, cond, names), z.requires_grad, bool(parameters),
-               records_graph, torch.is_autocast_enabled())
+        key = (
+            _signature(tensors, cond, names),
+            z.requires_grad,
+            bool(parameters),
+            records_graph,
+            torch.is_autocast_enabled(),
+        )
 
         def call(args: Sequence[Tensor]) -> Tensor:
             rest = dict(cond) | dict(zip(names, args[2:], strict=True))

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from gradest.errors import InvalidValue
-from gradest.harness.cost import _FlopCounter, _StorageTracker
 from gradest.harness.call_replay import ReplayCalls, active_counters
+from gradest.harness.cost import _FlopCounter, _StorageTracker
 from gradest.harness.fused_attention import MODEL_FLOP_FORMULAS, fused_attention
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.trajectory import rollout
@@ -330,17 +330,17 @@ def decisions_vary(estimator: Any, sampler: Any, objective: Objective, *, seed: 
 
     model = tiny_mlp(2, hidden=2, depth=1).to("meta")
     noise = torch.zeros(1, 2, dtype=torch.float64, device="meta")
-    objective: Objective
+    stand_in: Objective
     inputs: dict[str, Any]
     if isinstance(objective, StepwiseObjective):
-        objective = StepwiseObjective(lambda k, v, trajectory: v.square().sum())
+        stand_in = StepwiseObjective(lambda k, v, trajectory: v.square().sum())
         inputs = {"trajectory": rollout(model, sampler, noise)}
     else:
-        objective = TerminalObjective(lambda z: z.square().sum())
+        stand_in = TerminalObjective(lambda z: z.square().sum())
         inputs = {"noise": noise}
     seen = []
     for offset in (0, 1):
         generator = torch.Generator().manual_seed(seed + offset)
-        result = estimator.estimate(model, sampler, objective, generator=generator, **inputs)
+        result = estimator.estimate(model, sampler, stand_in, generator=generator, **inputs)
         seen.append(repr(getattr(result, "decisions", None)))
     return seen[0] != seen[1]

@@ -186,8 +186,11 @@ def load_config(source: str | Path) -> tuple[dict[str, Any], ModelPreset | None]
         return dict(preset.config), preset
     path = Path(text)
     if path.is_dir():
-        for candidate in (path / "config.json", path / "transformer" / "config.json",
-                          path / "unet" / "config.json"):
+        for candidate in (
+            path / "config.json",
+            path / "transformer" / "config.json",
+            path / "unet" / "config.json",
+        ):
             if candidate.is_file():
                 path = candidate
                 break
@@ -263,8 +266,15 @@ class _AddedConditions(nn.Module):
         super().__init__()
         self.velocity = velocity
 
-    def forward(self, z: torch.Tensor, t: torch.Tensor, *, text_embeds: torch.Tensor,
-                time_ids: torch.Tensor, **cond: Any) -> torch.Tensor:
+    def forward(
+        self,
+        z: torch.Tensor,
+        t: torch.Tensor,
+        *,
+        text_embeds: torch.Tensor,
+        time_ids: torch.Tensor,
+        **cond: Any,
+    ) -> torch.Tensor:
         added = {"text_embeds": text_embeds, "time_ids": time_ids}
         return self.velocity(z, t, added_cond_kwargs=added, **cond)
 
@@ -291,7 +301,9 @@ class _GuidedBatch(nn.Module):
                 return torch.cat([value, value])
             return value
 
-        both = self.velocity(torch.cat([z, z]), doubled(t), **{k: doubled(v) for k, v in cond.items()})
+        both = self.velocity(
+            torch.cat([z, z]), doubled(t), **{k: doubled(v) for k, v in cond.items()}
+        )
         unconditional, conditional = both.chunk(2)
         return unconditional + self.scale * (conditional - unconditional)
 
@@ -381,7 +393,7 @@ def diffusers_shapes(
         # model is built here in one dtype, as --dtype asks.)
         model = cls(**_init_kwargs(cls, config)).to(dtype)
     if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method
     if lora_rank is not None:
         from gradest.integrations.peft import add_lora
 

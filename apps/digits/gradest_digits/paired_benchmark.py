@@ -357,8 +357,7 @@ def metric_rank_correlations(summary: dict[str, Any]) -> dict[str, dict[str, flo
         if len(values) < 3 or any(v != v for v in values):
             continue
         result = stats.spearmanr(values, rewards)
-        out[metric] = {"rho": float(result.statistic), "p": float(result.pvalue),
-                       "rows": len(rows)}
+        out[metric] = {"rho": float(result.statistic), "p": float(result.pvalue), "rows": len(rows)}
     return out
 
 
@@ -397,7 +396,8 @@ def to_markdown(config: dict[str, Any], summary: dict[str, Any]) -> str:
         f"({config['forward_flops'] / 1e6:.1f} MFLOP). FID/KID: {config['eval_samples']} "
         f"samples vs the held-out digits of the target class, on the digit classifier's "
         f"features (torch-fidelity); '-' where that reference has fewer images than twice "
-        f"the feature dimension (a singular covariance: no meaningful FID). Agreement columns: one minibatch at the initial model. "
+        f"the feature dimension (a singular covariance: no meaningful FID). Agreement "
+        f"columns: one minibatch at the initial model. "
         f"\"gain / exact's\": the estimator's reward gain (final - initial, mean over seeds) "
         f"as a share of exact's. Goal (issue 12): >= 7/8 paired wins on reward gain per "
         f"backward-GFLOP at Wilcoxon p < 0.05 with >= 99% of exact's gain.",

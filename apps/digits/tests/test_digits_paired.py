@@ -30,8 +30,9 @@ def test_the_paired_benchmark_runs_and_reports(tmp_path, capsys):
         assert [r["seed"] for r in rows] == [0, 1]
         assert all(r["backward_flops"] > 0 and r["backward_seconds"] > 0 for r in rows)
     # 37 held-out digits of the target against 64 classifier features: FID/KID left out.
-    assert all(r["fid"] is None and r["kid_mean"] is None for rs in saved["runs"].values()
-               for r in rs)
+    assert all(
+        r["fid"] is None and r["kid_mean"] is None for rs in saved["runs"].values() for r in rs
+    )
     assert not digits_paired.fid_reference_is_adequate(torch.zeros(127, 1, 8, 8))
     assert digits_paired.fid_reference_is_adequate(torch.zeros(128, 1, 8, 8))
     summary = saved["summary"]
@@ -61,8 +62,13 @@ def test_identical_training_counts_once_in_the_rank_correlation():
     from scipy import stats
 
     def row(reward, cosine):
-        return {"final_reward_mean": reward, "final_reward_std": 0.1, "cosine": cosine,
-                "adam_cosine": cosine, "sign_agreement": cosine}
+        return {
+            "final_reward_mean": reward,
+            "final_reward_std": 0.1,
+            "cosine": cosine,
+            "adam_cosine": cosine,
+            "sign_agreement": cosine,
+        }
 
     summary = {
         "exact": row(-1.0, 1.0),
@@ -73,8 +79,12 @@ def test_identical_training_counts_once_in_the_rank_correlation():
         "auto": {**row(-1.0, 1.0), "selected": {"exact": 4}},
     }
     groups = digits_paired.distinct_estimators(summary)
-    assert sorted(map(sorted, groups)) == [["alignprop"], ["exact", "jagg"], ["sdo"],
-                                           ["truncated:k=1"]]
+    assert sorted(map(sorted, groups)) == [
+        ["alignprop"],
+        ["exact", "jagg"],
+        ["sdo"],
+        ["truncated:k=1"],
+    ]
     result = digits_paired.metric_rank_correlations(summary)["cosine"]
     distinct = stats.spearmanr([1.0, 0.2, 0.5, 0.4], [-1.0, -1.1, -1.6, -1.3])
     assert result["rows"] == 4

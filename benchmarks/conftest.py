@@ -1,9 +1,13 @@
 """pytest-benchmark setup: one workload per session, fixed threads, a speedup table at the end.
 
 Run with ``python -m pytest benchmarks --benchmark-only`` (``GRADEST_BENCH_ROUNDS=N``
-sets the timed rounds per benchmark, default 5). Wall-time speedups are recorded in each
-benchmark's ``extra_info`` and printed as a table; they are never asserted, because a
-shared machine makes timed asserts flaky. ``tests/test_cost_model.py`` pins the
+sets the timed rounds per benchmark, default 5). Wall-time speedups, the quotient
+``(wall ratio) / (FLOPs ratio)`` and, against a hand-written loop, the overhead per step
+in microseconds are recorded in each benchmark's ``extra_info`` and printed as a table;
+they are never asserted, because a shared machine makes timed asserts flaky. pytest-
+benchmark times one benchmark after the other; ``python -m benchmarks.overhead`` and
+``python -m benchmarks.report`` interleave the methods of a setting, which a busy machine
+needs for ratios of a few percent. ``tests/test_cost_model.py`` pins the
 deterministic costs (FLOPs, retained activation bytes) instead.
 """
 
@@ -27,8 +31,11 @@ if _ROOT not in sys.path:
 from benchmarks.workloads import (  # noqa: E402
     NUM_THREADS,
     SPEEDUP_TARGETS,
+    TINY_WORKLOAD,
+    WIDE_WORKLOAD,
     Bench,
     DiTWorkload,
+    Workload,
     target_of,
 )
 from gradest.harness.cost import count_flops, ratio, retained_activation_bytes  # noqa: E402
@@ -55,6 +62,25 @@ def bench_dit() -> Bench:
     torch.set_num_threads(previous)
 
 
+def _bench_of(workload: Workload) -> Bench:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(NUM_THREADS)
+    yield Bench(workload)
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def bench_wide() -> Bench:
+    """The MLP whose forward takes >= 2 ms on one thread (``WIDE_WORKLOAD``)."""
+    yield from _bench_of(WIDE_WORKLOAD)
+
+
+@pytest.fixture(scope="session")
+def bench_tiny() -> Bench:
+    """The overhead-dominated MLP (``TINY_WORKLOAD``, forward ~0.1 ms)."""
+    yield from _bench_of(TINY_WORKLOAD)
+
+
 @pytest.fixture
 def measure(benchmark) -> Callable[..., None]:
     """Time ``fn`` with pytest-benchmark and record its costs next to its group's baseline.
@@ -63,7 +89,9 @@ def measure(benchmark) -> Callable[..., None]:
     the same group the ratios are taken against (measured earlier in the session).
     """
 
-    def run(fn: Callable[[], Any], *, group: str, method: str, baseline: str) -> None:
+    def run(
+        fn: Callable[[], Any], *, group: str, method: str, baseline: str, steps: int = 0
+    ) -> None:
         benchmark.group = group
         flops = count_flops(fn)
         retained = retained_activation_bytes(fn)
@@ -75,11 +103,19 @@ def measure(benchmark) -> Callable[..., None]:
         base = _RESULTS[group].get(baseline)
         benchmark.extra_info.update(method=method, baseline=baseline, **row)
         if base is not None:
+            flops_ratio = ratio(flops, base["flops"])
             benchmark.extra_info.update(
                 speedup=ratio(base["median_s"], median),
-                flops_ratio=ratio(flops, base["flops"]),
+                flops_ratio=flops_ratio,
+                # wall time follows FLOPs: (wall ratio) / (FLOPs ratio), target <= 1.10
+                wall_per_flops=ratio(ratio(median, base["median_s"]), flops_ratio),
                 retained_bytes_ratio=ratio(retained, base["retained_bytes"]),
             )
+            if steps:
+                # gradest's overhead per step over the baseline (a hand-written loop)
+                overhead = 1e6 * (median - base["median_s"]) / steps
+                benchmark.extra_info.update(overhead_us_per_step=overhead)
+                _RESULTS[group][method]["overhead_us_per_step"] = overhead
 
     return run
 
@@ -92,7 +128,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write("gradest benchmark ratios to each group's baseline (speedup = baseline / median time)")
     write(
         f"{'group':<36} {'method':<42} {'baseline':<18} {'ms':>8} {'speedup':>8} {'target':>7} "
-        f"{'FLOPs':>6} {'bytes':>6}"
+        f"{'FLOPs':>6} {'bytes':>6} {'wall/FLOPs':>10} {'us/step':>8}"
     )
     for group, rows in _RESULTS.items():
         for method, row in rows.items():
@@ -100,10 +136,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
             if baseline is None:
                 continue
             target = target_of(SPEEDUP_TARGETS, group, method)
+            flops_ratio = ratio(row["flops"], baseline["flops"])
+            wall_per_flops = ratio(ratio(row["median_s"], baseline["median_s"]), flops_ratio)
+            overhead = row.get("overhead_us_per_step")
             write(
                 f"{group:<36} {method:<42} {row['baseline']:<18} {1e3 * row['median_s']:>8.1f} "
                 f"{ratio(baseline['median_s'], row['median_s']):>7.2f}x "
                 f"{(f'{target:.2f}x' if target else ''):>7} "
-                f"{ratio(row['flops'], baseline['flops']):>6.3f} "
-                f"{ratio(row['retained_bytes'], baseline['retained_bytes']):>6.3f}"
+                f"{flops_ratio:>6.3f} "
+                f"{ratio(row['retained_bytes'], baseline['retained_bytes']):>6.3f} "
+                f"{wall_per_flops:>10.3f} "
+                f"{(f'{overhead:.0f}' if overhead is not None else ''):>8}"
             )

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make ``benchmarks.*`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.overhead import forward_ms, machine  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     FLOPS_TARGETS,
     NUM_THREADS,
@@ -154,13 +154,6 @@ def markdown(results: dict[str, list[Row]], forward_flops: int) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    return (
-        f"{platform.platform()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.report", description=(__doc__ or "").split("\n")[0]
@@ -170,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="also write the markdown to this file")
     args = parser.parse_args(argv)
 
+    load_before = os.getloadavg()
     torch.set_num_threads(NUM_THREADS)
     bench = Bench()
     forward_flops = bench.forward_flops()
+    forward = forward_ms(bench)
     results = {
         name: measure_setting(calls, args.repeats, args.warmup)
         for name, calls in settings(bench).items()
@@ -183,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC with `{command}`",
             f"on {machine()}.",
             f"Workload: {bench.workload.description()}; F = one forward = "
-            f"{forward_flops / 1e6:.0f} MFLOP; median of {args.repeats} interleaved rounds.",
+            f"{forward_flops / 1e6:.0f} MFLOP, {forward:.2f} ms (no grad, median of 31); "
+            f"median of {args.repeats} interleaved rounds. Load average (1/5/15 min): "
+            f"{'/'.join(f'{x:.1f}' for x in load_before)} at the start, "
+            f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())} at the end.",
             "",
             markdown(results, forward_flops),
             "",

@@ -47,6 +47,20 @@ TERMINAL_JAGG = (
 )
 TERMINAL_ESTIMATORS = ("exact", *TERMINAL_JAGG, "sdo:samples=1", "truncated:k=1")
 
+# Every built-in estimator at its defaults (jagg with the rows above), for the wall-time
+# against FLOPs check of ``python -m benchmarks.overhead``; alignprop, draft_lv and refl
+# define terminal objectives only. Each call draws from ``fresh_generator()``, so a
+# stochastic estimator makes the same draw in every call and its FLOPs and wall time
+# belong to the same work.
+ALL_TERMINAL_ESTIMATORS = (
+    *TERMINAL_ESTIMATORS,
+    "alignprop",
+    "telescope",
+    "draft_lv",
+    "refl",
+)
+ALL_STEPWISE_ESTIMATORS = (*STEPWISE_ESTIMATORS, "sdo:samples=1", "truncated:k=1", "telescope")
+
 # Targets of the issues, keyed by (objective kind, method); reported, never asserted.
 # Wall-time speedup against gradest exact:
 SPEEDUP_TARGETS = {
@@ -130,6 +144,16 @@ class DiTWorkload:
 
     def description(self) -> str:
         return f"DiT tiny (8x8x1), batch {self.batch}, float32, {NUM_THREADS} thread(s)"
+
+
+# The workload of "wall time follows FLOPs" and of the overhead per step
+# (``python -m benchmarks.overhead``): a forward of at least 2 ms on one CPU thread
+# (about 4 ms on the 2-core Xeon of docs/benchmarks.md; the overhead script measures and
+# prints it), so the ratios speak about the model's work, not about Python.
+WIDE_WORKLOAD = Workload(hidden=768)
+# Overhead-dominated (forward ~0.1 ms): ``(gradest - hand-written) / N`` on it is gradest's
+# Python work per step, with little model time to add noise.
+TINY_WORKLOAD = Workload(hidden=32, batch=8)
 
 
 def terminal_loss(z: Tensor) -> Tensor:

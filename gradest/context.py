@@ -39,7 +39,14 @@ from gradest.trajectory import (
     host_coefficients,
     integrate,
 )
-from gradest.vjp import CostMeter, ParamGradient, RetainedChain, VelocityField, add_grads
+from gradest.vjp import (
+    CostMeter,
+    ParamGradient,
+    RetainedChain,
+    VelocityField,
+    add_grads,
+    velocities_checked,
+)
 
 
 @attrs.frozen(eq=False)
@@ -72,13 +79,18 @@ def _as_lists(value: Any) -> Any:
 
 def host_floats(values: Any) -> list[float]:
     """0-dim tensors as Python floats in one transfer (not one host sync each)."""
-    items = [v.detach().reshape(()) for v in values]
+    items = [
+        v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in values
+    ]
     if not items:
         return []
     if any(is_symbolic(v) for v in items):
         return [float("nan")] * len(items)  # fake/meta tensors: no values (cost tracing)
     device = items[0].device
-    return torch.stack([v.to(device=device, dtype=torch.float64) for v in items]).tolist()
+    # One stack (it promotes to a common dtype; half and bfloat16 widen exactly) and one
+    # conversion, not one per value.
+    stacked = torch.stack([v if v.device == device else v.to(device) for v in items])
+    return stacked.to(torch.float64).tolist()
 
 
 class EstimationContext:
@@ -234,13 +246,16 @@ class EstimationContext:
         return self._step_noise
 
     def _sample_without_graph(self, z: Tensor, steps: range) -> tuple[list[Tensor], list[Tensor]]:
-        return integrate(
-            lambda k, state: self.field.velocity(state, self.host_times[k]),
-            self.host_coefficients,
-            z,
-            self.step_noise(),
-            steps,
-        )
+        velocities: list[Tensor] = []
+
+        def velocity(k: int, state: Tensor) -> Tensor:
+            velocities.append(self.field.velocity(state, self.host_times[k], check=False))
+            return velocities[-1]
+
+        # Every velocity checked at once when the loop ends (the first non-finite step is
+        # named, as a check per step would).
+        with velocities_checked(velocities, [self.host_times[k] for k in steps]):
+            return integrate(velocity, self.host_coefficients, z, self.step_noise(), steps)
 
     def trajectory(self) -> Trajectory:
         """The given trajectory, or a no-graph rollout from ``noise`` (``N`` forwards)."""
@@ -273,6 +288,26 @@ class EstimationContext:
                 for name, value in _as_lists(fields).items()
             }
         )
+
+    def velocities_at(self, steps: Sequence[int], *, chunk: int | None = None) -> list[Tensor]:
+        """Current-model velocities at recorded states ``steps``: the recording's, or
+        no-graph forwards of the states stacked, at most ``chunk`` states per model call
+        (one call's transient memory bounded by ``chunk`` states)."""
+        trajectory = self.trajectory()
+        steps = list(steps)
+        if not steps:
+            return []
+        if self._velocities_are_current:
+            return [trajectory.velocities[k] for k in steps]
+        size = len(steps) if chunk is None else max(1, chunk)
+        out: list[Tensor] = []
+        for first in range(0, len(steps), size):
+            part = steps[first : first + size]
+            stacked = self.field.velocities(
+                trajectory.states[part], [self.host_times[k] for k in part]
+            )
+            out.extend(stacked.unbind(0))
+        return out
 
     def velocity(self, k: int) -> Tensor:
         """Current-model velocity at recorded state ``k`` (a no-graph forward if needed)."""
@@ -414,7 +449,9 @@ class EstimationContext:
             else:
                 v, z_grad = self.field.state_vjp(z, t, cotangent)
             cotangents[k - start], velocities[k - start] = cotangent, v
-            adjoint = alpha[k] * adjoint + z_grad if z_grad is not None else adjoint
+            if z_grad is not None:
+                # alpha = 1 (Euler) skips a multiply; adjoint * 1.0 == adjoint exactly.
+                adjoint = (adjoint if alpha[k] == 1.0 else alpha[k] * adjoint) + z_grad
             check_finite(adjoint, "adjoint", [t])
         return AdjointSweep(
             cotangents=torch.stack(cotangents),

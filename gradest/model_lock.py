@@ -19,6 +19,14 @@ A second hazard, in one thread: when one submodule is registered under two names
 instead of the original ``Parameter`` (measured: the model then trains a copy the optimizer
 does not hold). :func:`tensors_restored` records every module's parameter and buffer
 slots before the call and puts back any that changed.
+
+A third, with ``torch.compile``: TorchDynamo cannot trace a compiled module called from
+eager code inside a ``torch.func`` transform (``torch.func.vjp(compiled)``, PyTorch issue
+128711). It then marks the module's ``forward`` code as "skip", so from that call on
+*every* call of that module class runs eagerly, silently (or raises, with
+``fullgraph=True``). :func:`compiled_code_eager` runs the ``functional_call`` forwards
+with the compiler's ``force_eager`` stance instead: those forwards run the module's
+Python code, and its compiled code stays in use for every other call.
 """
 
 from __future__ import annotations
@@ -29,7 +37,35 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
+
+
+class _Shared:
+    """The shared section of one lock as a context manager object (no per-entry state, so
+    one object serves every thread and nesting): entered around every model call, where a
+    generator-based context manager cost a few microseconds per step."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: _SharedExclusiveLock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        me = threading.get_ident()
+        with lock._condition:
+            # A thread already inside its own exclusive section may call the module too.
+            if lock._writer != me:
+                while lock._writer is not None:
+                    lock._condition.wait()
+            lock._readers += 1
+
+    def __exit__(self, *exc: object) -> None:
+        lock = self._lock
+        with lock._condition:
+            lock._readers -= 1
+            lock._condition.notify_all()
 
 
 class _SharedExclusiveLock:
@@ -38,22 +74,10 @@ class _SharedExclusiveLock:
         self._readers = 0
         self._writer: int | None = None
         self._depth = 0
+        self._shared = _Shared(self)
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
-        me = threading.get_ident()
-        with self._condition:
-            # A thread already inside its own exclusive section may call the module too.
-            if self._writer != me:
-                while self._writer is not None:
-                    self._condition.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._readers -= 1
-                self._condition.notify_all()
+    def shared(self) -> _Shared:
+        return self._shared
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -121,3 +145,48 @@ def tensors_restored(model: nn.Module) -> Iterator[None]:
             for name, tensor in saved.items():
                 if live.get(name) is not tensor:
                     live[name] = tensor
+
+
+def has_compiled_code(model: nn.Module) -> bool:
+    """Whether ``model`` is or holds a ``torch.compile``'d module (``torch.compile(m)``, an
+    ``OptimizedModule``, or ``m.compile()`` in place)."""
+    return any(
+        hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+    )
+
+
+_stance_lock = threading.Lock()
+_eager_depth = 0
+_eager_stance: Any = None
+
+
+@contextlib.contextmanager
+def compiled_code_eager() -> Iterator[None]:
+    """Run ``torch.compile``'d code inside the block eagerly (``force_eager`` stance).
+
+    For forwards under a ``torch.func`` transform, which Dynamo cannot trace (see the
+    module docstring). The stance is process-wide, not per thread, so it is entered by
+    the first of overlapping blocks (any thread) and left by the last: nested and
+    concurrent blocks never restore each other's stance. Meanwhile compiled code in other
+    threads runs eagerly too (same values; only slower). A no-op on torch without
+    ``torch.compiler.set_stance`` (before 2.6) and when called from inside a compiled
+    region, where torch refuses to change the stance.
+    """
+    global _eager_depth, _eager_stance
+    with _stance_lock:
+        if _eager_depth == 0:
+            set_stance = getattr(torch.compiler, "set_stance", None)
+            try:
+                _eager_stance = set_stance("force_eager") if set_stance is not None else None
+            except RuntimeError:  # "attempted to set_stance in a torch.compile region"
+                _eager_stance = None
+        _eager_depth += 1
+    try:
+        yield
+    finally:
+        with _stance_lock:
+            _eager_depth -= 1
+            if _eager_depth == 0 and _eager_stance is not None:
+                _eager_stance.__exit__(None, None, None)  # back to the stance before
+                _eager_stance = None

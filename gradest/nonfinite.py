@@ -118,6 +118,29 @@ def _all_finite(tensors: Iterable[Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in items)
 
 
+def _sum_dtype(value: Tensor) -> torch.dtype | None:
+    """What a finiteness sum accumulates in: wide enough that finite values cannot
+    overflow it (float32 for half precision, float64 for float32/bfloat16; float64 and
+    complex tensors in their own dtype)."""
+    if value.dtype == torch.float16:
+        return torch.float32
+    if value.dtype == torch.float64 or not value.is_floating_point():
+        return None
+    return torch.float64
+
+
+def finite_sums(value: Tensor, rows: int = 0) -> Tensor:
+    """The sums whose finiteness is ``value``'s (one op, no host sync): 0-dim, or ``[rows]``
+    sums, one per leading row, when ``rows`` is given (see :func:`_all_finite`)."""
+    if value.requires_grad:
+        value = value.detach()  # no graph for the check (an op: only when there is one)
+    dtype = _sum_dtype(value)
+    if rows:
+        flat = value.reshape(rows, -1)
+        return flat.sum(1, dtype=dtype) if dtype is not None else flat.sum(1)
+    return value.sum(dtype=dtype) if dtype is not None else value.sum()
+
+
 def finite_flags(value: Tensor, rows: int = 0) -> Tensor:
     """Device-side finiteness flags of ``value`` (no host sync): a 0-dim bool tensor, or
     ``[rows]`` flags, one per leading row, when ``rows`` is given.
@@ -126,48 +149,64 @@ def finite_flags(value: Tensor, rows: int = 0) -> Tensor:
     values cannot overflow it: float32 for half precision, float64 for float32/bfloat16.
     (Only float64 tensors whose finite elements sum past 1.8e308 would be flagged.)
     """
-    value = value.detach()
-    if value.dtype == torch.float16:
-        dtype = torch.float32
-    elif value.dtype == torch.float64 or not value.is_floating_point():
-        dtype = None
-    else:
-        dtype = torch.float64
-    if rows:
-        flat = value.reshape(rows, -1)
-        sums = flat.sum(1, dtype=dtype) if dtype is not None else flat.sum(1)
-    else:
-        sums = value.sum(dtype=dtype) if dtype is not None else value.sum()
-    return torch.isfinite(sums)
+    return torch.isfinite(finite_sums(value, rows))
 
 
 class DeferredChecks:
     """Finiteness checks of one estimator call, decided once at its end.
 
-    Each check records device-side flags (no host sync) and how to build its
-    :class:`NonFiniteError`; :meth:`resolve` makes one host sync over all flags and, only
-    if one failed, raises the error of the first failing check in the order they were
-    recorded: the error the check would have raised where it ran.
+    Each check records device-side values (no host sync) and how to build its
+    :class:`NonFiniteError`: boolean flags (:meth:`add`), or sums that are finite iff
+    the checked tensor is (:meth:`add_sums`, one op per check: the ``isfinite`` of every
+    check runs once, at the end, over the 0-dim sums stacked in one op). :meth:`resolve`
+    makes one host sync over all of them and, only if one failed, raises the error of
+    the first failing check in the order they were recorded: the error the check would
+    have raised where it ran.
     """
 
     def __init__(self) -> None:
-        self._entries: list[tuple[Tensor, Callable[[Tensor], NonFiniteError]]] = []
+        # (values, values are sums (else boolean flags), error from the flags)
+        self._entries: list[tuple[Tensor, bool, Callable[[Tensor], NonFiniteError]]] = []
+        # The fast path's view of the same values: 0-dim sums per device, and the rest.
+        self._scalars: dict[torch.device, list[Tensor]] = {}
+        self._others: list[tuple[Tensor, bool]] = []
 
     def add(self, flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
         if is_symbolic(flags):
             return  # fake/meta tensors: no values to check
-        self._entries.append((flags, error))
+        self._entries.append((flags, False, error))
+        self._others.append((flags, False))
+
+    def add_sums(self, sums: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
+        """Record sums (from :func:`finite_sums`, real tensors) for one check."""
+        self._entries.append((sums, True, error))
+        if sums.ndim:
+            self._others.append((sums, True))
+        else:
+            self._scalars.setdefault(sums.device, []).append(sums)
+
+    def _passed(self) -> bool:
+        """One host sync: whether every recorded check passed."""
+        parts = [torch.isfinite(torch.stack(sums)) for sums in self._scalars.values()]
+        device = parts[0].device if parts else self._others[0][0].device
+        sums = [v.reshape(-1).to(device) for v, is_sum in self._others if is_sum]
+        if sums:
+            parts.append(torch.isfinite(torch.cat(sums)))
+        parts += [v.reshape(-1).to(device) for v, is_sum in self._others if not is_sum]
+        parts = [part.to(device) for part in parts]
+        return bool((parts[0] if len(parts) == 1 else torch.cat(parts)).all())
 
     def first_error(self) -> NonFiniteError | None:
         """The first failing check's error, or None (one host sync unless one failed)."""
-        entries, self._entries = self._entries, []
+        entries = self._entries
         if not entries:
             return None
-        device = entries[0][0].device
-        flags = torch.cat([flag.reshape(-1).to(device) for flag, _ in entries])
-        if bool(flags.all()):
+        passed = self._passed()
+        self._entries, self._scalars, self._others = [], {}, []
+        if passed:
             return None
-        for flag, error in entries:  # the failure path only
+        for values, is_sum, error in entries:  # the failure path only
+            flag = torch.isfinite(values) if is_sum else values
             if not bool(flag.all()):
                 return error(flag)
         return None  # pragma: no cover
@@ -232,78 +271,116 @@ def defer_check(flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> Non
         raise error(flags)
 
 
+def defer_finite(value: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
+    """Raise ``error(flags)`` unless ``value`` is finite: at the end of the enclosing
+    :func:`deferred_checks` block if there is one (one sum now), otherwise now."""
+    if is_symbolic(value):
+        return  # fake/meta tensors: no values to check
+    pending = _PENDING.get()
+    if pending is not None:
+        pending.add_sums(finite_sums(value), error)
+    elif not _all_finite([value]):
+        raise error(torch.zeros((), dtype=torch.bool))
+
+
 def check_finite(
     value: Tensor | Mapping[str, Tensor],
     tensor: str,
     times: Sequence[float] = (),
     *,
     refine: Callable[[], NonFiniteError | None] | None = None,
+    sequential: bool = False,
 ) -> None:
     """Raise :class:`NonFiniteError` if ``value`` (a tensor or a gradient dict) has NaN/Inf.
 
     For ``[M, B, ...]`` stacked values with ``M`` times, only the offending rows' times
-    are reported. Inside :func:`deferred_checks` the decision is made at the block's end
-    (device flags now, one host sync then). ``refine()``, called on the failure path
-    only, may return a more precise error (e.g. from a step-by-step re-run).
+    are reported; with ``sequential=True`` (rows computed one after the other, each from
+    the previous: a chain's velocities) only the first offending row's, the step where
+    the value first went non-finite, which is what one check per step would have
+    reported. Inside :func:`deferred_checks` the decision is made at the block's end (one
+    sum now, one host sync then). ``refine()``, called on the failure path only, may
+    return a more precise error (e.g. from a step-by-step re-run).
     """
     times = tuple(times)
-
-    def refined(error: NonFiniteError) -> NonFiniteError:
-        better = refine() if refine is not None else None
-        return better if better is not None else error
-
-    if _PENDING.get() is None:
+    pending = _PENDING.get()
+    if pending is None:
         if any(is_symbolic(t) for t in ([value] if isinstance(value, Tensor) else value.values())):
             return  # fake/meta tensors: no values to check
         try:
-            _check_finite_now(value, tensor, times)
+            _check_finite_now(value, tensor, times, sequential)
         except NonFiniteError as err:
-            better = refined(err)
-            if better is err:
+            better = refine() if refine is not None else None
+            if better is None:
                 raise
             raise better from err
         return
     if isinstance(value, Tensor):
+        if is_symbolic(value):
+            return  # fake/meta tensors: no values to check
+        if not value.is_floating_point() and not value.is_complex():
+            return  # integers and booleans are finite
         if len(times) > 1 and value.ndim and value.shape[0] == len(times):
-
-            def rows_error(flags: Tensor) -> NonFiniteError:
-                ok = flags.tolist()
-                bad = [t for t, f in zip(times, ok, strict=True) if not f]
-                return refined(NonFiniteError(tensor, times=bad))
-
-            defer_check(finite_flags(value, len(times)), rows_error)
+            pending.add_sums(
+                finite_sums(value, len(times)),
+                lambda flags: _refined(
+                    NonFiniteError(tensor, times=_bad_times(times, flags, sequential)), refine
+                ),
+            )
         else:
-            defer_check(
-                finite_flags(value), lambda _: refined(NonFiniteError(tensor, times=times))
+            pending.add_sums(
+                finite_sums(value),
+                lambda _: _refined(NonFiniteError(tensor, times=times), refine),
             )
         return
     items = list(value.items())
     if not items:
         return
+    if is_symbolic(items[0][1]):
+        return  # fake/meta tensors: no values to check
     names = [name for name, _ in items]
 
     def dict_error(flags: Tensor) -> NonFiniteError:
         bad = [n for n, ok in zip(names, flags.tolist(), strict=True) if not ok]
-        return refined(
+        return _refined(
             NonFiniteError(
                 f"{tensor} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})", times=times
-            )
+            ),
+            refine,
         )
 
     device = items[0][1].device
-    flags = torch.stack([finite_flags(g).to(device) for _, g in items])
-    defer_check(flags, dict_error)
+    # One sum per gradient, stacked (stack promotes to a common dtype) on one device.
+    sums = [finite_sums(g) for _, g in items]
+    pending.add_sums(
+        torch.stack([s if s.device == device else s.to(device) for s in sums]), dict_error
+    )
+
+
+def _refined(
+    error: NonFiniteError, refine: Callable[[], NonFiniteError | None] | None
+) -> NonFiniteError:
+    better = refine() if refine is not None else None
+    return better if better is not None else error
+
+
+def _bad_times(times: Sequence[float], flags: Tensor, sequential: bool) -> list[float]:
+    """The times of the rows whose flag is False (the first of them if ``sequential``)."""
+    bad = [t for t, ok in zip(times, flags.tolist(), strict=True) if not ok]
+    return bad[:1] if sequential else bad
 
 
 def _check_finite_now(
-    value: Tensor | Mapping[str, Tensor], tensor: str, times: Sequence[float] = ()
+    value: Tensor | Mapping[str, Tensor],
+    tensor: str,
+    times: Sequence[float] = (),
+    sequential: bool = False,
 ) -> None:
     if isinstance(value, Tensor):
         if _all_finite([value]):
             return
         if len(times) > 1 and value.shape[0] == len(times):
-            bad = [t for t, row in zip(times, value, strict=True) if not _all_finite([row])]
-            raise NonFiniteError(tensor, times=bad)
+            flags = torch.stack([torch.tensor(_all_finite([row])) for row in value])
+            raise NonFiniteError(tensor, times=_bad_times(times, flags, sequential))
         raise NonFiniteError(tensor, times=times)
     if not _all_finite(value.values()):
         names = [n for n, g in value.items() if not _all_finite([g])]
@@ -318,13 +395,16 @@ class BackwardWatch:
     :meth:`observe` hooks each model call of the surrogate (the engine calls it for every
     forward whose graph reaches the parameters); :meth:`start` runs at the beginning of
     the loss's backward (a hook on the loss), hooks the trainable parameters for the
-    duration of that backward and queues :meth:`_finish` for its end. The hooks store
-    ``isfinite(sum)`` per step as device tensors; the one host sync is in ``_finish``.
+    duration of that backward and queues :meth:`_finish` for its end. The hooks store the
+    gradient's sum per step as device tensors (finite iff the gradient is); the one
+    ``isfinite`` and the one host sync are in ``_finish``.
     """
 
     def __init__(self) -> None:
         self._flags: list[tuple[str, tuple[float, ...], Tensor]] = []
         self._calls: list[tuple[tuple[float, ...], bool]] = []
+        # (a chain step's times, the previous step's): see observe_chain_step.
+        self._links: list[tuple[tuple[float, ...], tuple[float, ...]]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._loss_grad: Tensor | None = None
         self.flow_times: Tensor | None = None
@@ -338,33 +418,77 @@ class BackwardWatch:
         An input that does not require grad (recorded states, the noise) is not hooked:
         its gradient is never computed, and computing it would cost a VJP of its own.
         """
-        steps = tuple(float(t) for t in times)
+        steps = tuple(map(float, times))
         observed = z.requires_grad
         self._calls.append((steps, observed))
         if observed:
-            z.register_hook(self._hook("input", steps))
+            self._hook(z, "input", steps)
         if v.requires_grad:
-            v.register_hook(self._hook("output", steps))
+            self._hook(v, "output", steps)
 
-    def _hook(self, kind: str, times: tuple[float, ...]):
-        count = len(times)
+    def observe_chain_step(
+        self, z: Tensor, v: Tensor, times: Sequence[float], previous: Sequence[float] | None
+    ) -> None:
+        """Hook step ``k`` of a chain ``z_{k+1} = alpha_k z_k + beta_k v_k (+ sigma_k xi_k)``
+        by its output only.
 
-        def record(grad: Tensor) -> None:
-            rows = grad.detach().reshape(count, -1)
+        The gradient w.r.t. ``z_k`` is ``alpha_k a_{k+1}`` plus what step ``k``'s model
+        sends back, and it reaches step ``k-1``'s output as ``beta_{k-1}`` times itself:
+        if step ``k``'s output gradient is finite, step ``k-1``'s is non-finite exactly
+        when step ``k``'s model made a non-finite input gradient. So the flag of the
+        ``previous`` step's output (its times; None for the chain's first step) stands
+        for this step's input flag in :meth:`_error`, and the step needs one hook instead
+        of :meth:`observe`'s two (and no alias of ``z_k``).
+        """
+        steps = tuple(map(float, times))
+        linked = previous is not None and z.requires_grad
+        self._calls.append((steps, linked))
+        if linked:
+            assert previous is not None
+            self._links.append((steps, tuple(map(float, previous))))
+        if v.requires_grad:
+            self._hook(v, "output", steps)
+
+    def _hook(self, tensor: Tensor, kind: str, times: tuple[float, ...]) -> None:
+        """Record the sums of ``tensor``'s gradient per step (finite iff the gradient is).
+
+        A pre-hook on the node that made ``tensor`` (it receives the gradient w.r.t. each
+        of the node's outputs, ``tensor``'s at ``output_nr``): what ``tensor.register_hook``
+        does, at a third of its Python cost per model call.
+        """
+        count, flags = len(times), self._flags
+
+        def record(grad: Tensor | None) -> None:
+            if grad is None:
+                return
+            if grad.requires_grad:  # a create_graph backward: no graph for the check
+                grad = grad.detach()
+            if count == 1:  # one op: the sum of the one step's gradient, [1]
+                total = grad.sum(dtype=torch.float32) if grad.dtype in _HALF else grad.sum()
+                flags.append((kind, times, total))
+                return
+            rows = grad.reshape(count, -1)
             sums = rows.sum(1, dtype=torch.float32) if rows.dtype in _HALF else rows.sum(1)
-            self._flags.append((kind, times, torch.isfinite(sums)))
+            flags.append((kind, times, sums))
 
-        return record
+        node = tensor.grad_fn
+        if node is None:  # a leaf output: the tensor's own hook
+            tensor.register_hook(record)
+            return
+        index = tensor.output_nr
+        node.register_prehook(lambda grads: record(grads[index]))
 
     def _parameter_hook(self, grad: Tensor) -> None:
-        total = grad.detach().sum(dtype=torch.float32) if grad.dtype in _HALF else grad.sum()
-        self._flags.append(("parameter", (), torch.isfinite(total.detach()).reshape(1)))
+        if grad.requires_grad:
+            grad = grad.detach()
+        total = grad.sum(dtype=torch.float32) if grad.dtype in _HALF else grad.sum()
+        self._flags.append(("parameter", (), total))
 
     def start(self, loss_grad: Tensor, parameters: Iterable[Tensor]) -> None:
         """At the start of the loss's backward: forget earlier flags (the cotangent work's
         own VJPs, checked where they ran), hook the parameters, queue the final check."""
         self._remove_hooks()
-        self._flags = []
+        self._flags.clear()
         self._loss_grad = loss_grad.detach()
         self._handles = [p.register_hook(self._parameter_hook) for p in parameters]
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -376,17 +500,24 @@ class BackwardWatch:
 
     def _finish(self) -> None:
         self._remove_hooks()
-        flags, self._flags = self._flags, []
-        flags = [entry for entry in flags if not is_symbolic(entry[2])]
-        if not flags:
+        recorded = [entry for entry in self._flags if not is_symbolic(entry[2])]
+        self._flags.clear()
+        if not recorded:
             return
-        device = flags[0][2].device
-        if bool(torch.cat([flag.to(device) for *_, flag in flags]).all()):
+        device = recorded[0][2].device
+        scalars = [sums.to(device) for *_, sums in recorded if not sums.ndim]
+        rows = [sums.to(device) for *_, sums in recorded if sums.ndim]
+        parts = [torch.stack(scalars)] if scalars else []
+        if rows:
+            parts.append(torch.cat(rows))
+        if bool(torch.isfinite(parts[0] if len(parts) == 1 else torch.cat(parts)).all()):
             return
         scale = self._loss_grad
         if scale is not None and not bool(scale.abs() <= 1):
             return  # a loss scaler's overflow: GradScaler skips the step and lowers the scale
-        raise self._error(flags)
+        raise self._error(
+            [(kind, times, torch.isfinite(sums).reshape(-1)) for kind, times, sums in recorded]
+        )
 
     def _error(self, flags: list[tuple[str, tuple[float, ...], Tensor]]) -> NonFiniteError:
         """Name the steps where the non-finite gradient first appeared (failure path only)."""
@@ -394,6 +525,10 @@ class BackwardWatch:
         for kind, times, flag in flags:
             if kind in bad:
                 bad[kind].update(t for t, ok in zip(times, flag.tolist(), strict=True) if not ok)
+        # A chain step's input gradient went bad iff the previous step's output's did.
+        for steps, previous in self._links:
+            if bad["output"].intersection(previous):
+                bad["input"].update(steps)
         # A step whose model backward turned a finite output gradient non-finite.
         origins = bad["input"] - bad["output"]
         if not origins:

@@ -21,7 +21,7 @@ from torch import Tensor
 from gradest._checks import check_scalar_loss
 from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
-from gradest.nonfinite import NonFiniteError, defer_check, finite_flags
+from gradest.nonfinite import NonFiniteError, defer_finite
 from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory
 
@@ -30,7 +30,13 @@ def _loss_and_grad(
     fn: Callable[[Tensor], Tensor], x: Tensor, where: str
 ) -> tuple[Tensor, Tensor, bool]:
     """``(loss, d loss / d x, whether the loss depends on x at all)``."""
-    leaf = x.detach().requires_grad_(True)
+    leaf = x.detach()
+    if leaf.untyped_storage().nbytes() > leaf.numel() * leaf.element_size():
+        # x is a view of the trajectory's [N+1, B, ...] buffer: tensors the loss saves
+        # would keep the whole buffer in its graph (and count as N+1 samples' bytes); the
+        # loss gets the sample alone, as a hand-written loop gives it.
+        leaf = leaf.clone()
+    leaf.requires_grad_(True)
     with torch.enable_grad():
         try:
             value = fn(leaf)
@@ -49,7 +55,7 @@ def _loss_and_grad(
         (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
     if grad is None:
         return loss.detach(), torch.zeros_like(x), False
-    defer_check(finite_flags(grad), lambda _: NonFiniteError(f"gradient of the loss {where}"))
+    defer_finite(grad, lambda _: NonFiniteError(f"gradient of the loss {where}"))
     return loss.detach(), grad, True
 
 

@@ -143,7 +143,33 @@ class StepRandomness:
     # -- evaluations ------------------------------------------------------------------------
 
     def _first(self, call: Callable[[Tensor, Tensor], Tensor], z: Tensor, t: Tensor):
-        """A first evaluation from the stream: ``(output, state it started from, drew)``."""
+        """A first evaluation from the stream: ``(output, state it started from, drew)``.
+
+        Runs for the first evaluation of every step of a model in training mode, so the
+        common case (the CPU generator only) calls torch's generator directly."""
+        if self._cuda is not None:
+            return self._first_any(call, z, t)
+        generator = torch.default_generator
+        if self._generator is None:
+            before_cpu = generator.get_state()
+            out = call(z, t)
+            after_cpu = generator.get_state()
+        else:
+            before_cpu = self._stream_state()[0]
+            outside = generator.get_state()
+            generator.set_state(before_cpu)
+            try:
+                out = call(z, t)
+                after_cpu = generator.get_state()
+            finally:
+                generator.set_state(outside)
+            self._stream = (after_cpu, None)
+        with outside_fake_mode():  # RNG states are real host tensors
+            drew = not torch.equal(before_cpu, after_cpu)
+        return out, (before_cpu, None), drew
+
+    def _first_any(self, call: Callable[[Tensor, Tensor], Tensor], z: Tensor, t: Tensor):
+        """:meth:`_first` with the CUDA generator beside the CPU one."""
         before = self._stream_state()
         if self._private():
             outside = self._snapshot()
@@ -177,6 +203,8 @@ class StepRandomness:
         """``call(z, t)`` on ``len(times)`` stacked states, each step with its own randomness."""
         if not self.watched:
             return call(z, t)
+        if len(times) == 1:  # one step (every step of a chain): the same rules, inlined
+            return self._evaluate_one(call, z, t, times[0])
         known = [self._recorded.get(time, _UNKNOWN) for time in times]
         if all(state is None for state in known):
             return call(z, t)  # every step drew nothing at its first evaluation
@@ -196,6 +224,23 @@ class StepRandomness:
                 # One stacked call drew numbers for M*B rows at once; redo it step by step.
                 self._set_stream(before)
             return self._step_by_step(call, z, t, times)
+
+    def _evaluate_one(self, call, z: Tensor, t: Tensor, time: float) -> Tensor:
+        """:meth:`evaluate` for one step: a plain call if its first evaluation drew
+        nothing, its recorded state replayed if it drew, a first evaluation otherwise."""
+        state = self._recorded.get(time, _UNKNOWN)
+        if state is None:
+            return call(z, t)
+        with RNG_LOCK:
+            state = self._recorded.get(time, _UNKNOWN)
+            if state is None:
+                return call(z, t)
+            if state is not _UNKNOWN:
+                return self._replay(call, z, t, state)
+            out, before, drew = self._first(call, z, t)
+            self._recorded[time] = before if drew else None
+            self.stochastic |= drew
+            return out
 
     def _step_by_step(self, call, z: Tensor, t: Tensor, times: list[float]) -> Tensor:
         rows = z.shape[0] // len(times)

@@ -33,8 +33,8 @@ transformers and MLPs do (no batch norm in training mode).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import attrs
@@ -52,7 +52,13 @@ from gradest._checks import (
 )
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
-from gradest.model_lock import has_shared_submodules, lock_for, tensors_restored
+from gradest.model_lock import (
+    compiled_code_eager,
+    has_compiled_code,
+    has_shared_submodules,
+    lock_for,
+    tensors_restored,
+)
 from gradest.nonfinite import BackwardWatch, NonFiniteError, check_finite
 from gradest.replay import StepRandomness
 from gradest.trajectory import SamplerSteps, integrate
@@ -169,6 +175,35 @@ def _saved_tensor_hooks_error(err: RuntimeError) -> bool:
     return "saved tensor hooks" in str(err).lower()
 
 
+def _retain_refused(err: RuntimeError) -> bool:
+    """AOTAutograd's refusal of ``retain_graph=True`` on a backward with donated buffers."""
+    return "donated buffer" in str(err).lower()
+
+
+@contextmanager
+def velocities_checked(velocities: list[Tensor], times: Sequence[float]) -> Iterator[list[Tensor]]:
+    """Check the velocities a chain appends to ``velocities`` once, when the block ends
+    (also when it raises): one finiteness sum over them all, stacked, instead of one
+    per step; the error names the first non-finite step, as a check per step would
+    have. The block's ``as`` target receives the stacked velocities (detached)."""
+    stacked: list[Tensor] = []
+    try:
+        yield stacked
+    finally:
+        # The steps before a failing one (a model whose output changed shape at a late
+        # step fails in the loop, naming that step; the earlier ones are still checked).
+        count = 0
+        for v in velocities:
+            first = velocities[0]
+            if not isinstance(v, Tensor) or v.shape != first.shape or v.dtype != first.dtype:
+                break
+            count += 1
+        if count:
+            with torch.no_grad():
+                stacked.append(torch.stack(velocities[:count]).detach())
+            check_finite(stacked[0], "velocity", times[:count], sequential=True)
+
+
 @attrs.frozen(eq=False)
 class ChainPullback:
     """A chain sampled with its graph, waiting for the terminal adjoint ``a_N``.
@@ -209,6 +244,8 @@ class RetainedChain:
         outputs: list[Tensor],
         states: Tensor,
         times: Sequence[float],
+        *,
+        velocities: Tensor | None = None,
     ):
         self._field = field
         self.start = start
@@ -216,17 +253,33 @@ class RetainedChain:
         self._outputs: list[Tensor | None] = list(outputs)
         self._times = list(times)
         self.states = states
-        self.velocities = torch.stack([v.detach() for v in outputs])
+        self.velocities = (
+            torch.stack([v.detach() for v in outputs]) if velocities is None else velocities
+        )
+        self._retain_refused = False
 
     def state_vjp(self, k: int, cotangent: Tensor, *, keep: bool) -> Tensor:
         """``(dv_k/dz_k)^T cotangent`` through step ``k``'s graph; frees it unless ``keep``."""
         index = k - self.start
         output = self._outputs[index]
         assert output is not None, f"step {k}'s graph was already released"
-        with torch.enable_grad():
-            (z_grad,) = torch.autograd.grad(
-                output, self._leaves[index], cotangent, retain_graph=keep, allow_unused=True
-            )
+        if keep and self._retain_refused:
+            return self._field.state_vjp(self._leaves[index], self._times[index], cotangent)[1]
+        try:
+            with torch.enable_grad():
+                (z_grad,) = torch.autograd.grad(
+                    output, self._leaves[index], cotangent, retain_graph=keep, allow_unused=True
+                )
+        except RuntimeError as err:
+            if not (keep and _retain_refused(err)):
+                raise
+            # A torch.compile'd model: AOTAutograd's compiled backward frees ("donates") its
+            # saved activations, so it refuses retain_graph=True, before running (the graph
+            # is intact). The kept steps' state VJPs then go through a second forward of
+            # the step (one forward more per kept step, counted); the first graph stays
+            # for the parameter VJP.
+            self._retain_refused = True
+            return self._field.state_vjp(self._leaves[index], self._times[index], cotangent)[1]
         if not keep:
             self._outputs[index] = None
         if z_grad is None:  # a model that ignores its state
@@ -249,6 +302,13 @@ class RetainedChain:
             outputs.append(output)
         self._field.meter.param_vjps += len(steps)
         if self._field.surrogate:
+            watch = self._field.watch
+            if watch is not None:
+                # The kept steps' calls are the surrogate's: watch their backward now (the
+                # leaf is the model's own input, so it needs no alias).
+                for k, output in zip(steps, outputs, strict=True):
+                    index = k - self.start
+                    watch.observe(self._leaves[index], output, [self._times[index]])
             return SurrogateTerms([inner(v, c) for v, c in zip(outputs, cotangents, strict=True)])
         inputs = list(self._field.params.values())
         with torch.enable_grad():
@@ -316,6 +376,7 @@ class VelocityField:
                 }
                 self.frozen.update(dict(self.module.named_buffers()))
                 self._shared_submodules = has_shared_submodules(self.module)
+        self._compiled = has_compiled_code(self.module)
         self.cond = dict(cond)
         self.batch_size = batch_size
         self.meter = meter
@@ -328,6 +389,8 @@ class VelocityField:
 
     def _row_times(self, times: Sequence[float], like: Tensor) -> Tensor:
         """Per-row model times for ``len(times)`` stacked states of batch ``B``."""
+        if len(times) == 1:  # one op, as a hand-written loop makes it
+            return torch.full((self.batch_size,), times[0], dtype=like.dtype, device=like.device)
         t = torch.tensor(list(times), dtype=like.dtype).to(like.device)
         return t.repeat_interleave(self.batch_size)
 
@@ -350,11 +413,20 @@ class VelocityField:
         def call(z: Tensor, t: Tensor) -> Tensor:
             cond = model_kwargs(self.cond, self.batch_size, z.shape[0] // self.batch_size)
             if params is None:
+                if self._compiled and z.storage_offset():
+                    # States are views into the stacked path; torch.compile guards a
+                    # view's storage offset (0 apart from the others) and would recompile
+                    # for it, running into its recompile limit (then eager, for good).
+                    z = z.clone()
                 with self._lock.shared():
                     return module(z, t, **cond)
             named = {self._func_names[n]: p for n, p in params.items()}
             restored = tensors_restored(module) if self._shared_submodules else nullcontext()
-            with self._lock.exclusive(), restored:
+            # Always under a torch.func transform, which torch.compile'd code cannot run
+            # in: eager here, compiled everywhere else (gradest.model_lock). ~10us a
+            # call, so only for models that hold a compiled module.
+            eager = compiled_code_eager() if self._compiled else nullcontext()
+            with self._lock.exclusive(), restored, eager:
                 return functional_call(module, (named, self.frozen), (z, t), cond)
 
         return call
@@ -392,15 +464,22 @@ class VelocityField:
             raise
 
     def _graph_forward(
-        self, z: Tensor, times: Sequence[float], params: Grads | None, *, low_memory: bool
+        self,
+        z: Tensor,
+        times: Sequence[float],
+        params: Grads | None,
+        *,
+        low_memory: bool,
+        watched: bool = True,
     ) -> Tensor:
         """A forward whose graph reaches the parameters (estimate or surrogate term).
 
         In surrogate mode the call is watched (:class:`~gradest.nonfinite.BackwardWatch`):
         its input is an alias of ``z`` (so the hook sees the model's own input gradient)
-        and its output is hooked; the hooks only record device flags.
+        and its output is hooked; the hooks only record device flags. ``watched=False``:
+        the caller observes the call itself, later (a retained chain's kept steps).
         """
-        watch = self.watch
+        watch = self.watch if watched else None
         if watch is not None and z.requires_grad:
             z = z.view_as(z)
         if low_memory and self.surrogate:
@@ -436,13 +515,28 @@ class VelocityField:
 
     # -- cotangent work: no parameter gradient in any mode --------------------------------
 
-    def velocity(self, z: Tensor, t: float | Tensor) -> Tensor:
-        """``v(z, t)`` without a graph (one forward; the module as itself in every engine)."""
+    def velocity(self, z: Tensor, t: float | Tensor, *, check: bool = True) -> Tensor:
+        """``v(z, t)`` without a graph (one forward; the module as itself in every engine).
+
+        ``check=False`` leaves the finiteness check to the caller (a sampling loop checks
+        all its velocities at once, :func:`velocities_checked`)."""
         self.meter.forwards_without_graph += 1
         times = self._floats(t)
         with torch.no_grad():
             v = self._evaluate(z, times)
-        check_finite(v, "velocity", times)
+        if check:
+            check_finite(v, "velocity", times)
+        return v
+
+    def velocities(self, states: Tensor, times: Sequence[float] | Tensor) -> Tensor:
+        """``v`` at ``M`` stacked states ``[M, B, ...]`` without a graph: one model call on
+        ``M*B`` rows (``M`` forwards), ``[M, B, ...]``."""
+        count = states.shape[0]
+        self.meter.forwards_without_graph += count
+        step_times = self._floats(times)
+        with torch.no_grad():
+            v = self._evaluate(self._stack(states), step_times).reshape(states.shape)
+        check_finite(v, "velocity", step_times)
         return v
 
     def state_vjp(self, z: Tensor, t: float | Tensor, cotangent: Tensor) -> tuple[Tensor, Tensor]:
@@ -567,23 +661,34 @@ class VelocityField:
         def pin(k: int, z: Tensor) -> Tensor:
             return z.detach() if recorded is None else recorded[k - start]
 
+        detached: list[Tensor] = []
+
         def velocity(k: int, z: Tensor) -> Tensor:
             leaf = z.detach().requires_grad_(True)
             with torch.enable_grad():
-                v = self._graph_forward(leaf, [times[k]], None, low_memory=False)
+                # Watched in param_vjp, for the kept steps only (the sweep's state-only
+                # backward would fire the hooks of every step for nothing).
+                v = self._graph_forward(leaf, [times[k]], None, low_memory=False, watched=False)
             if k == start:
                 check_model_output(v, z, step=k)
-            check_finite(v.detach(), "velocity", [times[k]])
             leaves.append(leaf)
             outputs.append(v)
-            return v.detach()
+            detached.append(v.detach())
+            return detached[-1]
 
-        states, _ = integrate(
-            velocity, sampler.coefficients, z_start.detach(), sampler.step_noise, steps, pin=pin
-        )
+        with velocities_checked(detached, [times[k] for k in steps]) as stacked:
+            states, _ = integrate(
+                velocity, sampler.coefficients, z_start.detach(), sampler.step_noise, steps, pin=pin
+            )
         self.meter.forwards_with_graph += len(steps)
         return RetainedChain(
-            self, start, leaves, outputs, torch.stack(states), [times[k] for k in steps]
+            self,
+            start,
+            leaves,
+            outputs,
+            torch.stack(states),
+            [times[k] for k in steps],
+            velocities=stacked[0] if stacked else None,
         )
 
     def chain(
@@ -623,16 +728,27 @@ class VelocityField:
             # Value of the recording, derivative of the chain (z - z.detach() is 0).
             return z - z.detach() + recorded[k - start]
 
+        watch = self.watch
+
         def run(params: Grads | None, z0: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+            velocities: list[Tensor] = []
+
             def velocity(k: int, z: Tensor) -> Tensor:
-                v = self._graph_forward(z, [times[k]], params, low_memory=low_memory)
+                v = self._graph_forward(z, [times[k]], params, low_memory=low_memory, watched=False)
+                if watch is not None:
+                    # Its output only: the gradient step k's model sends into z_k reaches
+                    # step k-1's output (z_k = alpha z_{k-1} + beta v_{k-1}), whose flag
+                    # stands for it (one hook a step instead of two, no alias of z_k).
+                    previous = None if k == start else [times[k - 1]]
+                    watch.observe_chain_step(z, v, [times[k]], previous)
                 if k == start:
                     check_model_output(v, z, step=k)
-                check_finite(v, "velocity", [times[k]])
+                velocities.append(v)
                 return v
 
-            states, velocities = integrate(velocity, coefficients, z0, step_noise, steps, pin=pin)
-            return states[-1], (torch.stack(states).detach(), torch.stack(velocities).detach())
+            with velocities_checked(velocities, chain_times) as stacked:
+                states, _ = integrate(velocity, coefficients, z0, step_noise, steps, pin=pin)
+            return states[-1], (torch.stack(states).detach(), stacked[0])
 
         count = len(steps)
         self.meter.forwards_with_graph += count

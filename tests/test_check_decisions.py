@@ -44,7 +44,9 @@ def test_a_moved_node_fails(monkeypatch, capsys):
 
 def test_a_wrong_gate_fails(monkeypatch, capsys):
     # A gate that always passes: the dense velocities fail every group at tau = 1.
-    monkeypatch.setattr(jagg, "group_cosine", lambda *args: 1.0)
+    monkeypatch.setattr(
+        jagg, "gate_cosines", lambda groups, *args: [None if g.is_exact else 1.0 for g in groups]
+    )
     assert not check.run_check(["jagg:tau=1.0"], steps=STEPS, show_progress=False)
     assert all("fallback_groups=()" in row for row in failing_rows(capsys))
 

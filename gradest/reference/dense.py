@@ -21,7 +21,7 @@ from torch.func import functional_call, jacrev
 
 from gradest._deprecation import sampler_keyword
 from gradest.conditioning import model_kwargs
-from gradest.model_lock import tensors_restored
+from gradest.model_lock import compiled_code_eager, tensors_restored
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory
@@ -117,7 +117,8 @@ def dense_chain(
     def velocity(flat: Tensor, z_flat: Tensor, t: Tensor) -> Tensor:
         z = z_flat.reshape(state_shape)
         times = torch.full((state_shape[0],), float(t), dtype=torch.float64)
-        with tensors_restored(model):
+        # Under jacrev: a torch.compile'd model runs eagerly here (gradest.model_lock).
+        with tensors_restored(model), compiled_code_eager():
             v = functional_call(model, (unflatten(flat), others), (z, times), kwargs)
         return v.reshape(-1)
 

@@ -61,7 +61,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import is_symbolic, outside_fake_mode
+from gradest._checks import is_symbolic
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -79,8 +79,8 @@ from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import jagg_fallbacks, jagg_layout, replay_subset
 from gradest.reference.dense import DenseChain, exact_noise_grad
 from gradest.reference.jagg_definition import jagg_definition
-from gradest.strategies.jagg_gate import group_cosine, host_cosines, interpolated_count
-from gradest.strategies.jagg_layout import Group, distinct_nodes, lagrange_weights, layout_groups
+from gradest.strategies.jagg_gate import gate_cosines, interpolated_count
+from gradest.strategies.jagg_layout import Group, distinct_nodes, lagrange_rows, layout_groups
 from gradest.strategies.sampling import draw_steps
 from gradest.vjp import ParamGradient, add_grads
 
@@ -112,7 +112,7 @@ class _Plan:
     """The layout, the gate's outcome, the debiasing draw, and where each cotangent goes."""
 
     groups: tuple[Group, ...]
-    weights: list[Tensor]  # per group: [len(steps), len(nodes)] Lagrange weights
+    weights: list[list[list[float]]]  # per group: [len(steps)][len(nodes)] L_j(t_k), host
     cosines: list[float | None]
     fallback_groups: list[int]
     debias_steps: list[int]
@@ -132,30 +132,70 @@ class _Plan:
         steps.update(self.corrected())
         return sorted(steps)
 
-    def route(self, cotangents: Sequence[Tensor]) -> dict[int, Tensor]:
-        """Each evaluated step's cotangent: ``G_j`` at nodes of passing groups, ``c_k`` at
-        the steps of failing groups, and the debiasing terms (``+s c_k`` at the drawn step,
-        ``-s L_j(t_k) c_k`` at its group's nodes)."""
-        totals = {k: torch.zeros_like(cotangents[k]) for k in self.evaluated()}
+    def routing(self) -> list[list[tuple[int, float]]]:
+        """Per evaluated step (in :meth:`evaluated` order), the ``(step k, weight)`` terms
+        of its cotangent ``sum w c_k``: ``G_j`` at nodes of passing groups, ``c_k`` at the
+        steps of failing groups, and the debiasing terms (``+s c_k`` at the drawn step,
+        ``-s L_j(t_k) c_k`` at its group's nodes). Host floats, in the order the terms
+        are summed."""
+        position = {k: i for i, k in enumerate(self.evaluated())}
+        terms: list[list[tuple[int, float]]] = [[] for _ in position]
         failed = set(self.fallback_groups)
-        host = [w.tolist() for w in self.weights]  # host floats: no sync per weight
         group_of = {k: index for index, group in enumerate(self.groups) for k in group.steps}
         for index, group in enumerate(self.groups):
             if index in failed:
                 for k in group.steps:
-                    totals[k] = totals[k] + cotangents[k]
+                    terms[position[k]].append((k, 1.0))
                 continue
             for column, node in enumerate(group.nodes):
                 for row, k in enumerate(group.steps):
-                    totals[node] = totals[node] + host[index][row][column] * cotangents[k]
+                    terms[position[node]].append((k, self.weights[index][row][column]))
         for k in self.corrected():
             group = self.groups[group_of[k]]
             row = group.steps.index(k)
-            scaled = self.debias_scale * cotangents[k]
-            totals[k] = totals[k] + scaled
+            terms[position[k]].append((k, self.debias_scale))
             for column, node in enumerate(group.nodes):
-                totals[node] = totals[node] - host[group_of[k]][row][column] * scaled
-        return totals
+                weight = self.weights[group_of[k]][row][column]
+                terms[position[node]].append((k, -weight * self.debias_scale))
+        return terms
+
+    def route(self, cotangents: Tensor) -> Tensor:
+        """The evaluated steps' cotangents ``[len(evaluated), B, ...]`` (see :meth:`routing`)
+        from every step's ``cotangents [N, B, ...]``.
+
+        Vectorized over the evaluated steps: with the steps ordered by their number of
+        terms, the ``i``-th terms of all steps that have one are a prefix, added in one
+        gather and one ``addcmul_`` (a few ops per term slot, about ``window`` slots, not
+        two per (node, step) pair), each step's terms in the order of :meth:`routing`.
+        In-place adds on disjoint rows: deterministic on every device. Elementwise work
+        only: no matmul to count as FLOPs.
+        """
+        terms = self.routing()
+        order = sorted(range(len(terms)), key=lambda row: -len(terms[row]))  # stable
+        flat = cotangents.reshape(cotangents.shape[0], -1)
+        steps: list[int] = []
+        weights: list[float] = []
+        counts: list[int] = []
+        for slot in range(len(terms[order[0]])):
+            rows = [row for row in order if slot < len(terms[row])]  # a prefix of order
+            counts.append(len(rows))
+            steps += [terms[row][slot][0] for row in rows]
+            weights += [terms[row][slot][1] for row in rows]
+        device = cotangents.device
+        index = torch.tensor(steps, device=device)
+        scale = torch.tensor(weights, dtype=cotangents.dtype, device=device)[:, None]
+        totals = scale[: counts[0]] * flat[index[: counts[0]]]
+        start = counts[0]
+        for count in counts[1:]:
+            part = slice(start, start + count)
+            totals[:count].addcmul_(scale[part], flat[index[part]])
+            start += count
+        if order != list(range(len(terms))):
+            inverse = [0] * len(order)
+            for position, row in enumerate(order):
+                inverse[row] = position
+            totals = totals[inverse]
+        return totals.reshape(len(terms), *cotangents.shape[1:])
 
 
 @accept_deprecated_options
@@ -241,13 +281,12 @@ class Jagg(EstimatorBase):
         if self.checkpoint or ctx.field.engine == "func":
             return self._terminal_recomputing(ctx, debias_steps)
         chain = ctx.retained_chain()
-        plan = self._plan(ctx, list(chain.velocities), debias_steps)
+        plan = self._plan(ctx, chain.velocities, debias_steps)
         # The adjoint stays exact: a state-only backward through every step's kept graph;
         # the graphs of the steps that take a parameter VJP stay for the one backward.
         evaluated = plan.evaluated()
         sweep = ctx.adjoint_sweep(ctx.terminal_adjoint(), chain=chain, keep=frozenset(evaluated))
-        totals = plan.route(list(sweep.cotangents))
-        grads = chain.param_vjp(evaluated, torch.stack([totals[k] for k in evaluated]))
+        grads = chain.param_vjp(evaluated, plan.route(sweep.cotangents))
         self._report(ctx, plan)
         return grads, sweep.state_grad
 
@@ -256,13 +295,12 @@ class Jagg(EstimatorBase):
     ) -> tuple[ParamGradient, Tensor | None]:
         """Sample without a graph, recompute each step in the sweep, then the node VJPs."""
         sweep = ctx.adjoint_sweep(ctx.terminal_adjoint())
-        plan = self._plan(ctx, list(sweep.velocities), debias_steps)
-        totals = plan.route(list(sweep.cotangents))
+        plan = self._plan(ctx, sweep.velocities, debias_steps)
         evaluated = plan.evaluated()
         grads = ctx.field.param_vjp(
             ctx.trajectory().states[evaluated],
-            ctx.times_at(evaluated),
-            torch.stack([totals[k] for k in evaluated]),
+            [ctx.host_times[k] for k in evaluated],
+            plan.route(sweep.cotangents),
         )
         self._report(ctx, plan)
         return grads, sweep.state_grad
@@ -275,27 +313,38 @@ class Jagg(EstimatorBase):
         # Node forwards keep their graph: they give the node velocities (cotangents, gate)
         # now and take the aggregated cotangents G_j later, in one batched VJP.
         node_velocities, pull_nodes = ctx.field.param_pullback(
-            trajectory.states[nodes], ctx.times_at(nodes)
+            trajectory.states[nodes], [ctx.host_times[k] for k in nodes]
         )
         row_of = {k: row for row, k in enumerate(nodes)}
+        # The other steps' velocities (cotangents, gate): recorded, or no-graph forwards of
+        # all of them in one batched call (its transient memory is small beside the node
+        # graphs held meanwhile).
+        others = [k for k in range(ctx.num_steps) if k not in row_of]
+        other_of = dict(zip(others, ctx.velocities_at(others), strict=True))
         velocities = [
-            node_velocities[row_of[k]] if k in row_of else ctx.velocity(k)
+            node_velocities[row_of[k]] if k in row_of else other_of[k]
             for k in range(ctx.num_steps)
         ]
-        cotangents = [ctx.step_cotangent(k, velocities[k]) for k in range(ctx.num_steps)]
+        cotangents = torch.stack(
+            [ctx.step_cotangent(k, velocities[k]) for k in range(ctx.num_steps)]
+        )
         plan = self._plan(ctx, velocities, debias_steps)
+        evaluated = plan.evaluated()
         totals = plan.route(cotangents)
-        grads = pull_nodes(torch.stack([totals[k] for k in nodes]))
-        # Steps of failing groups and corrected steps that are not nodes have no graph
-        # yet: one more batched forward with graph and VJP over all of them.
-        extra = [k for k in plan.evaluated() if k not in row_of]
-        if extra:
+        if evaluated == nodes:  # every group passed, nothing to correct
+            grads = pull_nodes(totals)
+        else:
+            position = {k: i for i, k in enumerate(evaluated)}
+            grads = pull_nodes(totals[[position[k] for k in nodes]])
+            # Steps of failing groups and corrected steps that are not nodes have no graph
+            # yet: one more batched forward with graph and VJP over all of them.
+            extra = [k for k in evaluated if k not in row_of]
             grads = add_grads(
                 grads,
                 ctx.field.param_vjp(
                     trajectory.states[extra],
-                    ctx.times_at(extra),
-                    torch.stack([totals[k] for k in extra]),
+                    [ctx.host_times[k] for k in extra],
+                    totals[[position[k] for k in extra]],
                 ),
             )
         self._report(ctx, plan)
@@ -313,7 +362,10 @@ class Jagg(EstimatorBase):
         return ctx.ranks.same_ints(draw_steps(ctx.num_steps, self.debias, ctx.generator))
 
     def _plan(
-        self, ctx: EstimationContext, velocities: Sequence[Tensor], debias_steps: list[int]
+        self,
+        ctx: EstimationContext,
+        velocities: Tensor | Sequence[Tensor],
+        debias_steps: list[int],
     ) -> _Plan:
         """Gate every group on the velocities; the routing of cotangents follows."""
         if self.gate != "off" and any(is_symbolic(v) for v in velocities[:1]):
@@ -322,19 +374,14 @@ class Jagg(EstimatorBase):
                 f"gate=off (got gate={self.gate})"
             )
         groups = self._layout(ctx)
-        with outside_fake_mode():  # schedule math: real values under FakeTensorMode
-            weights = [
-                lagrange_weights(ctx.times_at(list(g.nodes)), ctx.times_at(list(g.steps)))
-                for g in groups
-            ]
-        # Every group's cosine on the device, then one transfer for all of them (no host
-        # sync per group).
-        cosines = host_cosines(
-            [
-                group_cosine(group, w, velocities, self.gate, True)
-                for group, w in zip(groups, weights, strict=True)
-            ]
-        )
+        times = ctx.host_times  # schedule math on host floats: no tensor op per group
+        weights = [
+            lagrange_rows([times[j] for j in g.nodes], [times[k] for k in g.steps])
+            for g in groups
+        ]
+        # Every group's cosine on the device, groups of one shape together, then one
+        # transfer for all of them (no host sync per group).
+        cosines = gate_cosines(groups, weights, velocities, self.gate)
         # Data-parallel ranks gate on the union of their samples (gradest.ranks), so every
         # rank falls back in the same groups and makes the same model calls.
         batch = velocities[0].shape[0]

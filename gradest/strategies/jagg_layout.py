@@ -127,3 +127,24 @@ def lagrange_weights(
             if m != j:
                 weights[:, j] *= (query - nodes[m]) / (nodes[j] - nodes[m])
     return weights
+
+
+def lagrange_rows(node_times: Sequence[float], at_times: Sequence[float]) -> list[list[float]]:
+    """:func:`lagrange_weights` as host floats, ``[Q][M]``, with no tensor op (the same
+    float64 arithmetic in the same order, so the same values): jagg's per-call bookkeeping
+    reads them as floats, and a tensor per group would cost an op and a sync each."""
+    nodes = [float(t) for t in node_times]
+    if not nodes:
+        raise InvalidValue("lagrange_weights needs at least one node")
+    if len(set(nodes)) != len(nodes):
+        raise InvalidValue(f"node times must be distinct, got {nodes}")
+    rows = []
+    for query in at_times:
+        q = float(query)
+        row = [1.0] * len(nodes)
+        for j, node_j in enumerate(nodes):
+            for m, node_m in enumerate(nodes):
+                if m != j:
+                    row[j] *= (q - node_m) / (node_j - node_m)
+        rows.append(row)
+    return rows

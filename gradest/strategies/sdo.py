@@ -55,7 +55,6 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import outside_fake_mode
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -69,6 +68,14 @@ from gradest.strategies.sampling import draw_steps, stepwise_vjp_over
 from gradest.vjp import ParamGradient, scale_grads
 
 SCALES = ("unbiased", "none")
+
+
+def host_products_after(alpha: list[float]) -> list[float]:
+    """:func:`products_after` on host floats (the same float64 products, in the same order)."""
+    products = [1.0] * len(alpha)
+    for k in reversed(range(len(alpha) - 1)):
+        products[k] = products[k + 1] * alpha[k + 1]
+    return products
 
 
 def products_after(alpha: Tensor) -> Tensor:
@@ -129,15 +136,16 @@ class ShortcutDiffusion(EstimatorBase):
         steps, factor = self._draw(ctx)
         trajectory = ctx.trajectory()
         terminal_adjoint = ctx.terminal_adjoint()
-        alpha, beta, _ = ctx.coefficients
-        # c~_k = w_k a_N: the model-detached chain's derivative of z_N in v_k.
-        with outside_fake_mode():  # schedule math: real values under FakeTensorMode
-            after = products_after(alpha)
-            weights = beta * after
-            host_weights = weights.tolist()  # one transfer, not a host sync per drawn step
-            first_scale = float(alpha[0] * after[0])
+        alpha, beta, _ = ctx.host_coefficients
+        # c~_k = w_k a_N: the model-detached chain's derivative of z_N in v_k. Schedule
+        # math on host floats (the float64 products of products_after, no op per step).
+        after = host_products_after(alpha)
+        host_weights = [b * a for b, a in zip(beta, after, strict=True)]
+        first_scale = alpha[0] * after[0]
         cotangents = torch.stack([host_weights[step] * terminal_adjoint for step in steps])
-        grads = ctx.field.param_vjp(trajectory.states[steps], ctx.times_at(steps), cotangents)
+        grads = ctx.field.param_vjp(
+            trajectory.states[steps], [ctx.host_times[k] for k in steps], cotangents
+        )
         noise_grad = None
         if ctx.want_noise_grad:
             # d z_N / d z_0 with the model kept in step 0 only:

@@ -17,6 +17,7 @@ the training manifold.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,9 +131,51 @@ def train_classifier(
         ``(classifier, info)``: the trained model in eval mode, and ``info`` with
         ``train_accuracy``, ``heldout_accuracy``, ``seconds`` and the settings.
     """
+    return fit_classifier(
+        DigitClassifier,
+        load_digits_dataset,
+        name="train_classifier",
+        description="classifier",
+        seed=seed,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        weight_decay=weight_decay,
+        max_shift=max_shift,
+        threads=threads,
+        progress=progress,
+    )
+
+
+def fit_classifier(
+    make_model: Callable[[], nn.Module],
+    load_split: Callable[[str], tuple[Tensor, Tensor]],
+    *,
+    name: str,
+    description: str,
+    seed: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    max_shift: int,
+    threads: int,
+    progress: bool,
+    heldout_metrics: Callable[[nn.Module, Tensor, Tensor], dict[str, Any]] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """The classifiers' training loop (8x8 digits and MNIST alike).
+
+    Seeds torch and a data generator with ``seed``, builds ``make_model()``, and trains it
+    on ``load_split("train")`` with AdamW and a cosine decay over ``epochs`` passes, each
+    batch randomly translated by up to ``max_shift`` pixels; ``threads`` CPU threads during
+    training (restored afterwards). ``name`` is the caller's name in error messages,
+    ``description`` the progress bar's. Returns ``(model in eval mode, info)``: the settings,
+    ``train_accuracy``, ``heldout_accuracy`` (on ``load_split("heldout")``), what
+    ``heldout_metrics(model, images, labels)`` adds, and ``seconds``.
+    """
     if epochs < 1 or batch_size < 1:
         raise InvalidValue(
-            f"train_classifier needs epochs >= 1 and batch_size >= 1, got epochs={epochs}, "
+            f"{name} needs epochs >= 1 and batch_size >= 1, got epochs={epochs}, "
             f"batch_size={batch_size}"
         )
     if max_shift < 0:
@@ -143,16 +186,16 @@ def train_classifier(
         start = time.perf_counter()
         torch.manual_seed(seed)
         generator = torch.Generator().manual_seed(seed)
-        train_x, train_y = load_digits_dataset("train")
-        heldout_x, heldout_y = load_digits_dataset("heldout")
-        model = DigitClassifier()
+        train_x, train_y = load_split("train")
+        heldout_x, heldout_y = load_split("heldout")
+        model = make_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         batches_per_epoch = -(-len(train_x) // batch_size)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
             optimizer, T_max=epochs * batches_per_epoch
         )
         model.train()
-        bar = tqdm(range(epochs), desc="classifier", unit="epoch", disable=not progress)
+        bar = tqdm(range(epochs), desc=description, unit="epoch", disable=not progress)
         for _ in bar:
             order = torch.randperm(len(train_x), generator=generator)
             for first in range(0, len(train_x), batch_size):
@@ -165,6 +208,7 @@ def train_classifier(
                 scheduler.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
         model.eval()
+        extra = {} if heldout_metrics is None else heldout_metrics(model, heldout_x, heldout_y)
         info = {
             "seed": seed,
             "epochs": epochs,
@@ -174,6 +218,7 @@ def train_classifier(
             "max_shift": max_shift,
             "train_accuracy": accuracy(model, train_x, train_y),
             "heldout_accuracy": accuracy(model, heldout_x, heldout_y),
+            **extra,
             "seconds": time.perf_counter() - start,
         }
     finally:

@@ -8,16 +8,14 @@ classifier judges shapes rather than exact pixel positions.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from gradest.errors import InvalidValue
-from gradest_digits.classifier import accuracy, random_translate
+from gradest_digits.classifier import fit_classifier
 from gradest_digits.mnist import IMAGE_SHAPE, NUM_CLASSES, load_mnist_dataset
 
 
@@ -93,58 +91,25 @@ def train_mnist_classifier(
     ``train_accuracy``, ``heldout_accuracy`` (the 1,000 held-out digits), per-class
     held-out accuracy, ``seconds`` and the settings.
     """
-    if epochs < 1 or batch_size < 1:
-        raise InvalidValue(
-            f"train_mnist_classifier needs epochs >= 1 and batch_size >= 1, got "
-            f"epochs={epochs}, batch_size={batch_size}"
-        )
-    if max_shift < 0:
-        raise InvalidValue(f"max_shift must be >= 0 pixels, got {max_shift}")
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        start = time.perf_counter()
-        torch.manual_seed(seed)
-        generator = torch.Generator().manual_seed(seed)
-        train_x, train_y = load_mnist_dataset("train")
-        heldout_x, heldout_y = load_mnist_dataset("heldout")
-        model = MnistClassifier()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        batches_per_epoch = -(-len(train_x) // batch_size)
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=epochs * batches_per_epoch
-        )
-        model.train()
-        bar = tqdm(range(epochs), desc="mnist classifier", unit="epoch", disable=not progress)
-        for _ in bar:
-            order = torch.randperm(len(train_x), generator=generator)
-            for first in range(0, len(train_x), batch_size):
-                index = order[first : first + batch_size]
-                images = random_translate(train_x[index], max_shift, generator)
-                loss = F.cross_entropy(model(images), train_y[index])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                scheduler.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        model.eval()
-        with torch.no_grad():
-            predicted = model(heldout_x).argmax(dim=1)
-        per_class = [
-            float((predicted[heldout_y == c] == c).float().mean()) for c in range(NUM_CLASSES)
-        ]
-        info = {
-            "seed": seed,
-            "epochs": epochs,
-            "batch_size": batch_size,
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "max_shift": max_shift,
-            "train_accuracy": accuracy(model, train_x, train_y),
-            "heldout_accuracy": accuracy(model, heldout_x, heldout_y),
-            "heldout_accuracy_per_class": per_class,
-            "seconds": time.perf_counter() - start,
-        }
-    finally:
-        torch.set_num_threads(previous_threads)
-    return model, info
+    return fit_classifier(
+        MnistClassifier,
+        load_mnist_dataset,
+        name="train_mnist_classifier",
+        description="mnist classifier",
+        seed=seed,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        weight_decay=weight_decay,
+        max_shift=max_shift,
+        threads=threads,
+        progress=progress,
+        heldout_metrics=_per_class_accuracy,
+    )
+
+
+def _per_class_accuracy(model: nn.Module, images: Tensor, labels: Tensor) -> dict[str, Any]:
+    with torch.no_grad():
+        predicted = model(images).argmax(dim=1)
+    per_class = [float((predicted[labels == c] == c).float().mean()) for c in range(NUM_CLASSES)]
+    return {"heldout_accuracy_per_class": per_class}

@@ -15,19 +15,14 @@ overall and per class.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import atomic_save, check_output_dir
@@ -43,7 +38,7 @@ from gradest_digits.mnist_assets import (
     mnist_dit_checkpoint,
 )
 from gradest_digits.mnist_classifier import train_mnist_classifier
-from gradest_digits.pretrain import _sample_times
+from gradest_digits.pretrain import pretrain_dit
 
 DIT_CONFIG = "digits"
 
@@ -65,69 +60,21 @@ def pretrain_mnist_dit(
     Returns ``(EMA model in eval mode, info)``; ``info`` holds the settings, the parameter
     count, the final (smoothed) training loss and the seconds taken.
     """
-    if steps < 1 or batch_size < 1:
-        raise InvalidValue(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
-    if not 0.0 <= ema_decay < 1.0:
-        raise InvalidValue(f"ema_decay must be in [0, 1), got {ema_decay}")
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        start = time.perf_counter()
-        torch.manual_seed(seed)
-        generator = torch.Generator().manual_seed(seed)
-        model = DiT.from_config(DIT_CONFIG, num_classes=NUM_CLASSES)
-        ema = copy.deepcopy(model).requires_grad_(False)
-        images, labels = load_mnist_dataset("train")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            fraction = (step - warmup) / max(1, steps - warmup)
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * fraction))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        model.train()
-        running = 0.0
-        bar = tqdm(range(steps), desc="MNIST DiT", unit="step", disable=not progress)
-        for step in bar:
-            index = torch.randint(0, len(images), (batch_size,), generator=generator)
-            x, y = images[index], labels[index]
-            drop = torch.rand(batch_size, generator=generator) < label_dropout
-            y = torch.where(drop, torch.full_like(y, NUM_CLASSES), y)
-            t = _sample_times(batch_size, "logit_normal", generator, x.dtype)
-            eps = torch.randn(x.shape, generator=generator, dtype=x.dtype)
-            tb = t[:, None, None, None]
-            loss = F.mse_loss(model((1 - tb) * x + tb * eps, t, y), eps - x)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            decay = min(ema_decay, step / (step + 10.0))
-            with torch.no_grad():
-                for averaged, current in zip(ema.parameters(), model.parameters(), strict=True):
-                    averaged.lerp_(current, 1.0 - decay)
-            running = loss.item() if step == 0 else 0.98 * running + 0.02 * loss.item()
-            if step % 50 == 0 or step == steps - 1:
-                bar.set_postfix(loss=f"{running:.4f}")
-        ema.eval()
-        info = {
-            "config": DIT_CONFIG,
-            "parameters": sum(p.numel() for p in ema.parameters()),
-            "steps": steps,
-            "batch_size": batch_size,
-            "lr": lr,
-            "seed": seed,
-            "label_dropout": label_dropout,
-            "time_sampling": "logit_normal",
-            "ema_decay": ema_decay,
-            "warmup": warmup,
-            "final_loss": running,
-            "seconds": time.perf_counter() - start,
-        }
-    finally:
-        torch.set_num_threads(previous_threads)
-    return ema, info
+    return pretrain_dit(
+        steps,
+        batch_size,
+        lr,
+        seed,
+        config=DIT_CONFIG,
+        label_dropout=label_dropout,
+        ema_decay=ema_decay,
+        warmup=warmup,
+        threads=threads,
+        progress=progress,
+        load_split=load_mnist_dataset,
+        image_shape=IMAGE_SHAPE,
+        description="MNIST DiT",
+    )
 
 
 @torch.no_grad()

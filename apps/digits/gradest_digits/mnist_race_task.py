@@ -39,13 +39,11 @@ import torch
 from torch import Tensor, nn
 
 from gradest.errors import InvalidValue
-from gradest.harness.race import MIN_EVAL_SAMPLES, StepProblem
-from gradest.objectives import TerminalObjective
-from gradest.protocol import Cost
+from gradest.harness.race import MIN_EVAL_SAMPLES
 from gradest.samplers import RectifiedFlow
-from gradest.trajectory import rollout
 from gradest_digits.mnist import IMAGE_SHAPE, load_mnist_dataset
 from gradest_digits.mnist_assets import load_mnist_classifier, load_mnist_dit
+from gradest_digits.race_task import RewardWithPrior
 from gradest_digits.rewards import ClassifierReward
 
 TARGET_DIGIT = 3
@@ -73,11 +71,12 @@ def _heldout_triples() -> tuple[Tensor, Tensor, Tensor]:
     return weight * eps + (1 - weight) * x, t, eps - x
 
 
-class MnistRewardTask:
+class MnistRewardTask(RewardWithPrior):
     """Reward backpropagation with a flow-matching prior on 28x28 MNIST (module docstring)."""
 
     name = "mnist"
     objective_kind = "terminal"
+    image_shape = IMAGE_SHAPE
 
     def __init__(
         self,
@@ -151,43 +150,6 @@ class MnistRewardTask:
                 total += float(error.sum())
                 count += error.numel()
         return total / count
-
-    def step_problem(
-        self, model: nn.Module, sampler: Any, generator: torch.Generator, step: int
-    ) -> StepProblem:
-        del model, sampler, step
-        shape = (self.batch, *IMAGE_SHAPE)
-        noise = torch.randn(shape, generator=generator).to(self.device)
-        index = torch.randint(0, self.train_images.shape[0], (self.batch,), generator=generator)
-        t = torch.rand(self.batch, generator=generator).to(self.device)
-        eps = torch.randn(shape, generator=generator).to(self.device)
-        x = self.train_images[index.to(self.device)]
-        weight = t.reshape(-1, 1, 1, 1)
-        z = weight * eps + (1 - weight) * x
-        reward, w = self.reward, self.prior_weight
-
-        def prior(trained: nn.Module) -> Tensor:
-            return w * (trained(z, t) - (eps - x)).pow(2).mean()
-
-        return StepProblem(
-            objective=TerminalObjective(lambda images: -reward(images).mean()),
-            inputs={"noise": noise},
-            extra_cost=Cost(forwards_with_graph=1, param_vjps=1) if w else Cost(),
-            extra_loss=prior if w else None,
-        )
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        flow = RectifiedFlow(steps=self.sampler_steps)
-        with torch.no_grad():
-            samples = rollout(model, flow, self.eval_noise).states[-1]
-            log_p = float(self.reward(samples).mean())
-        fm = self._heldout_fm(model)
-        return {
-            "reward": log_p - self.prior_weight * fm,
-            "drift": fm - self.initial_fm,
-            "log_p_target": log_p,
-            "heldout_fm": fm,
-        }
 
 
 def mnist_reward_task(

@@ -25,7 +25,7 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,9 @@ def pretrain_dit(
     weight_decay: float = 0.0,
     threads: int = 1,
     progress: bool = True,
+    load_split: Callable[[str], tuple[Tensor, Tensor]] = load_digits_dataset,
+    image_shape: tuple[int, int, int] = IMAGE_SHAPE,
+    description: str = "DiT flow matching",
 ) -> tuple[DiT, dict[str, Any]]:
     """Train a class-conditional DiT on the train digits by rectified-flow matching.
 
@@ -82,7 +85,8 @@ def pretrain_dit(
             decay to 10% of the peak).
         seed: seeds the initialisation, batches, times, noise and label dropout.
         config: a name in :data:`gradest.models.dit.DIT_CONFIGS`; ``overrides`` change
-            its fields (``num_classes`` is always 10, ``input_size`` 8, ``in_channels`` 1).
+            its fields (``num_classes`` is always 10, ``input_size`` and ``in_channels``
+            those of ``image_shape``).
         label_dropout: probability of training on the null label (unconditional).
         time_sampling: ``"logit_normal"`` (``t = sigmoid(N(0, 1))``) or ``"uniform"``.
         ema_decay: decay of the weight average that is returned (0 returns the raw weights).
@@ -91,6 +95,10 @@ def pretrain_dit(
         threads: ``torch.set_num_threads`` during training (restored afterwards);
             one thread is fastest for a model this small on a shared CPU.
         progress: show a tqdm progress bar.
+        load_split: the dataset, ``load_split("train") -> (images, labels)``: the 8x8
+            digits by default, :func:`gradest_digits.mnist.load_mnist_dataset` for MNIST.
+        image_shape: ``(channels, height, width)`` of its images.
+        description: the progress bar's label.
 
     Returns:
         ``(model, info)``: the EMA model in eval mode, and ``info`` with the settings,
@@ -109,7 +117,11 @@ def pretrain_dit(
         raise InvalidValue(f"label_dropout must be in [0, 1), got {label_dropout}")
     if not 0.0 <= ema_decay < 1.0:
         raise InvalidValue(f"ema_decay must be in [0, 1) (0: no averaging), got {ema_decay}")
-    fixed = {"num_classes": NUM_CLASSES, "input_size": IMAGE_SHAPE[1], "in_channels": 1}
+    fixed = {
+        "num_classes": NUM_CLASSES,
+        "input_size": image_shape[1],
+        "in_channels": image_shape[0],
+    }
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
@@ -118,7 +130,7 @@ def pretrain_dit(
         generator = torch.Generator().manual_seed(seed)
         model = DiT.from_config(config, **{**dict(overrides or {}), **fixed})
         ema = copy.deepcopy(model).requires_grad_(False)
-        images, labels = load_digits_dataset("train")
+        images, labels = load_split("train")
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
         def learning_rate_factor(step: int) -> float:
@@ -130,7 +142,7 @@ def pretrain_dit(
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_factor)
         model.train()
         running = 0.0
-        bar = tqdm(range(steps), desc="DiT flow matching", unit="step", disable=not progress)
+        bar = tqdm(range(steps), desc=description, unit="step", disable=not progress)
         for step in bar:
             index = torch.randint(0, len(images), (batch_size,), generator=generator)
             x, y = images[index], labels[index]

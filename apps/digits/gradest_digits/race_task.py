@@ -46,6 +46,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -147,36 +148,41 @@ class _DigitsTask:
             return float((velocity - target).pow(2).mean())
 
 
-class DigitsRewardTask(_DigitsTask):
-    """Reward backpropagation with a flow-matching prior (module docstring)."""
+class RewardWithPrior:
+    """Reward backpropagation with a flow-matching prior, for a task of any image size.
 
-    name = "digits"
-    objective_kind = "terminal"
-    ceiling: float | None = REWARD_CEILING
+    The ``digits`` and ``mnist`` tasks share it: each training step draws the sampling
+    noise and the prior's batch of real training digits (``z_t, t, eps``) from the race's
+    data stream; the objective is the classifier reward of the samples, the extra loss
+    ``w * FM`` on that batch (its forward and VJP counted for every estimator); an
+    evaluation is ``J = log p(target | x) - w * FM_heldout`` on the fixed noise set.
 
-    def __init__(self, *, prior_weight: float = PRIOR_WEIGHT, **kwargs: Any) -> None:
-        self.prior_weight = prior_weight
-        super().__init__(**kwargs)
-        self.reward = ClassifierReward(self.classifier, TARGET_DIGIT)
-        self.train_images = load_digits_dataset("train")[0].to(self.device)
-        if prior_weight != PRIOR_WEIGHT:
-            self.ceiling = None  # measured for the default weight only
+    The task sets ``image_shape``, ``batch``, ``device``, ``sampler_steps``, ``reward``,
+    ``prior_weight``, ``train_images``, ``eval_noise``, ``initial_fm`` and
+    ``_heldout_fm(model)``.
+    """
 
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "target": TARGET_DIGIT, "prior_weight": self.prior_weight}
-
-    def sampler(self) -> RectifiedFlow:
-        return RectifiedFlow(steps=self.sampler_steps)
+    image_shape: tuple[int, ...]
+    batch: int
+    device: torch.device
+    sampler_steps: int
+    reward: Any
+    prior_weight: float
+    train_images: Tensor
+    eval_noise: Tensor
+    initial_fm: float
+    _heldout_fm: Callable[[nn.Module], float]
 
     def step_problem(
         self, model: nn.Module, sampler: Any, generator: torch.Generator, step: int
     ) -> StepProblem:
         del model, sampler, step
-        noise = torch.randn((self.batch, *IMAGE_SHAPE), generator=generator).to(self.device)
+        shape = (self.batch, *self.image_shape)
+        noise = torch.randn(shape, generator=generator).to(self.device)
         # The prior's batch of real training digits, drawn from the same data stream.
         index = torch.randint(0, self.train_images.shape[0], (self.batch,), generator=generator)
         t = torch.rand(self.batch, generator=generator).to(self.device)
-        eps = torch.randn((self.batch, *IMAGE_SHAPE), generator=generator).to(self.device)
+        eps = torch.randn(shape, generator=generator).to(self.device)
         x = self.train_images[index.to(self.device)]
         weight = t.reshape(-1, 1, 1, 1)
         z = weight * eps + (1 - weight) * x
@@ -204,6 +210,29 @@ class DigitsRewardTask(_DigitsTask):
             "log_p_target": log_p,
             "heldout_fm": fm,
         }
+
+
+class DigitsRewardTask(RewardWithPrior, _DigitsTask):
+    """Reward backpropagation with a flow-matching prior (module docstring)."""
+
+    name = "digits"
+    objective_kind = "terminal"
+    ceiling: float | None = REWARD_CEILING
+    image_shape = IMAGE_SHAPE
+
+    def __init__(self, *, prior_weight: float = PRIOR_WEIGHT, **kwargs: Any) -> None:
+        self.prior_weight = prior_weight
+        super().__init__(**kwargs)
+        self.reward = ClassifierReward(self.classifier, TARGET_DIGIT)
+        self.train_images = load_digits_dataset("train")[0].to(self.device)
+        if prior_weight != PRIOR_WEIGHT:
+            self.ceiling = None  # measured for the default weight only
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "target": TARGET_DIGIT, "prior_weight": self.prior_weight}
+
+    def sampler(self) -> RectifiedFlow:
+        return RectifiedFlow(steps=self.sampler_steps)
 
 
 class DigitsGrpoTask(_DigitsTask):

@@ -16,47 +16,16 @@ import torch
 from torch import Tensor
 
 from gradest.errors import InvalidType, InvalidValue
+from gradest.nonfinite import NonFiniteError, _all_finite, defer_finite
 
-
-def is_symbolic(t: Any) -> bool:
-    """Whether ``t`` has no values to read: a meta-device or fake tensor
-    (``torch._subclasses.FakeTensorMode``), run to trace costs without data or weights.
-
-    On such tensors no data-dependent decision is taken: finiteness is not checked, loss
-    values are NaN, and options that need values (jagg's gate, auto) refuse to run.
-    """
-    if not isinstance(t, Tensor):
-        return False
-    if t.is_meta:
-        return True
-    if type(t) is Tensor and not _functorch_wrapped(t) and not torch._is_functional_tensor(t):
-        return False  # a plain tensor (what is_fake would conclude, ~10x cheaper per step)
-    from torch._subclasses.fake_tensor import FakeTensor, is_fake
-
-    return isinstance(t, FakeTensor) or is_fake(t)
-
-
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
-
-
-def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
-    """A block computed on real tensors even under ``FakeTensorMode``: the sampler's
-    schedule (grid, coefficients) is a host object, read as floats, never data-dependent.
-    """
-    if torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is None:
-        return contextlib.nullcontext()  # no fake mode active: nothing to unset
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    return unset_fake_temporarily()
+# Re-exported: the engine's modules take these two from the boundary checks.
+from gradest.symbolic import is_symbolic, outside_fake_mode  # noqa: F401
 
 
 def all_finite(value: Tensor) -> bool:
     """Whether every element of ``value`` is finite (one host sync), by one wide sum per
     tensor (``gradest.nonfinite``): ``isfinite(value).all()`` materialises a boolean per
     element and took half a millisecond per call on a 17-step recorded path."""
-    from gradest.nonfinite import _all_finite
-
     return _all_finite([value])
 
 
@@ -243,8 +212,6 @@ def check_scalar_loss(loss: Any, where: str) -> Tensor:
         f"the loss {where} must be a scalar, got shape {tuple(loss.shape)}; "
         f"reduce it with .mean() or .sum()",
     )
-    from gradest.nonfinite import NonFiniteError, defer_finite
-
     # A copy: holding the loss's own storage until the end of the call would keep what
     # its graph saved alive (memory measured as retained activations).
     value = loss.detach().clone()

@@ -33,8 +33,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from gradest._checks import is_symbolic
 from gradest.errors import GradestError
+from gradest.symbolic import is_symbolic
 
 ON_NONFINITE = ("raise", "skip")
 _HALF = (torch.float16, torch.bfloat16)

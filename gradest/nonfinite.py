@@ -141,58 +141,38 @@ def finite_sums(value: Tensor, rows: int = 0) -> Tensor:
     return value.sum(dtype=dtype) if dtype is not None else value.sum()
 
 
-def finite_flags(value: Tensor, rows: int = 0) -> Tensor:
-    """Device-side finiteness flags of ``value`` (no host sync): a 0-dim bool tensor, or
-    ``[rows]`` flags, one per leading row, when ``rows`` is given.
-
-    One sum per tensor (see :func:`_all_finite`), accumulated wide enough that finite
-    values cannot overflow it: float32 for half precision, float64 for float32/bfloat16.
-    (Only float64 tensors whose finite elements sum past 1.8e308 would be flagged.)
-    """
-    return torch.isfinite(finite_sums(value, rows))
-
-
 class DeferredChecks:
     """Finiteness checks of one estimator call, decided once at its end.
 
-    Each check records device-side values (no host sync) and how to build its
-    :class:`NonFiniteError`: boolean flags (:meth:`add`), or sums that are finite iff
-    the checked tensor is (:meth:`add_sums`, one op per check: the ``isfinite`` of every
-    check runs once, at the end, over the 0-dim sums stacked in one op). :meth:`resolve`
-    makes one host sync over all of them and, only if one failed, raises the error of
-    the first failing check in the order they were recorded: the error the check would
-    have raised where it ran.
+    Each check records sums that are finite iff the checked tensor is
+    (:func:`finite_sums`; one op per check, no host sync) and how to build its
+    :class:`NonFiniteError` (:meth:`add_sums`). :meth:`resolve` takes the ``isfinite``
+    of every sum at once (the 0-dim sums stacked in one op), makes one host sync and,
+    only if one failed, raises the error of the first failing check in the order they
+    were recorded: the error the check would have raised where it ran.
     """
 
     def __init__(self) -> None:
-        # (values, values are sums (else boolean flags), error from the flags)
-        self._entries: list[tuple[Tensor, bool, Callable[[Tensor], NonFiniteError]]] = []
-        # The fast path's view of the same values: 0-dim sums per device, and the rest.
+        self._entries: list[tuple[Tensor, Callable[[Tensor], NonFiniteError]]] = []
+        # The fast path's view of the same sums: 0-dim ones per device, and the rows.
         self._scalars: dict[torch.device, list[Tensor]] = {}
-        self._others: list[tuple[Tensor, bool]] = []
-
-    def add(self, flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
-        if is_symbolic(flags):
-            return  # fake/meta tensors: no values to check
-        self._entries.append((flags, False, error))
-        self._others.append((flags, False))
+        self._rows: list[Tensor] = []
 
     def add_sums(self, sums: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
         """Record sums (from :func:`finite_sums`, real tensors) for one check."""
-        self._entries.append((sums, True, error))
+        self._entries.append((sums, error))
         if sums.ndim:
-            self._others.append((sums, True))
+            self._rows.append(sums)
         else:
             self._scalars.setdefault(sums.device, []).append(sums)
 
     def _passed(self) -> bool:
         """One host sync: whether every recorded check passed."""
         parts = [torch.isfinite(torch.stack(sums)) for sums in self._scalars.values()]
-        device = parts[0].device if parts else self._others[0][0].device
-        sums = [v.reshape(-1).to(device) for v, is_sum in self._others if is_sum]
-        if sums:
-            parts.append(torch.isfinite(torch.cat(sums)))
-        parts += [v.reshape(-1).to(device) for v, is_sum in self._others if not is_sum]
+        device = parts[0].device if parts else self._rows[0].device
+        if self._rows:
+            rows = torch.cat([v.reshape(-1).to(device) for v in self._rows])
+            parts.append(torch.isfinite(rows))
         parts = [part.to(device) for part in parts]
         return bool((parts[0] if len(parts) == 1 else torch.cat(parts)).all())
 
@@ -202,13 +182,13 @@ class DeferredChecks:
         if not entries:
             return None
         passed = self._passed()
-        self._entries, self._scalars, self._others = [], {}, []
+        self._entries, self._scalars, self._rows = [], {}, []
         if passed:
             return None
-        for values, is_sum, error in entries:  # the failure path only
-            flag = torch.isfinite(values) if is_sum else values
-            if not bool(flag.all()):
-                return error(flag)
+        for sums, error in entries:  # the failure path only
+            flags = torch.isfinite(sums)
+            if not bool(flags.all()):
+                return error(flags)
         return None  # pragma: no cover
 
     def resolve(self) -> None:
@@ -224,8 +204,8 @@ _PENDING: contextvars.ContextVar[DeferredChecks | None] = contextvars.ContextVar
 
 @contextmanager
 def deferred_checks() -> Iterator[DeferredChecks]:
-    """Within the block, :func:`check_finite` (and :func:`defer_check`) record device
-    flags instead of synchronising; they are decided once when the block ends.
+    """Within the block, :func:`check_finite` and :func:`defer_finite` record device-side
+    sums instead of synchronising; they are decided once when the block ends.
 
     If the block raises and a recorded check had failed, that check's
     :class:`NonFiniteError` is raised instead (it happened first: later code ran on the
@@ -257,18 +237,6 @@ def immediate_checks() -> Iterator[None]:
         yield
     finally:
         _PENDING.reset(token)
-
-
-def defer_check(flags: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:
-    """Raise ``error(flags)`` unless every flag is True: at the end of the enclosing
-    :func:`deferred_checks` block if there is one, otherwise now."""
-    if is_symbolic(flags):
-        return  # fake/meta tensors: no values to check
-    pending = _PENDING.get()
-    if pending is not None:
-        pending.add(flags, error)
-    elif not bool(flags.all()):
-        raise error(flags)
 
 
 def defer_finite(value: Tensor, error: Callable[[Tensor], NonFiniteError]) -> None:

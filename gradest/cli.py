@@ -194,6 +194,7 @@ def _budget_flag(text: str) -> float:
 def _cmd_race(args: argparse.Namespace) -> int:
     from gradest.harness.plots import plots_unavailable
     from gradest.harness.race import RACE_TASKS_GROUP, _check_fractions, race, registered_tasks
+    from gradest.harness.task_options import parse_task_options
 
     specs = _estimator_specs(args.estimators, example="exact,sdo,truncated:k=1")
     if "exact" not in specs:
@@ -222,12 +223,13 @@ def _cmd_race(args: argparse.Namespace) -> int:
             f"tasks under the {RACE_TASKS_GROUP!r} entry points, e.g. pip install ./apps/digits "
             f"for 'digits' and 'digits-grpo'"
         )
+    options = parse_task_options(tasks[args.model], args.task_option, model=args.model)
     check_path_length(args.out, what=f"--out {args.out!r}")
     out = check_output_dir(args.out, what="--out", create=False)
     missing = None if args.no_plots else plots_unavailable()
     if missing is not None and not args.quiet:
         print(f"gradest race: plots will be skipped: {missing}")
-    task = tasks[args.model](eval_samples=args.eval_samples, device=args.device)
+    task = tasks[args.model](eval_samples=args.eval_samples, device=args.device, **options)
     report = race(
         task,
         specs,
@@ -343,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rc.add_argument(
         "--eval-samples", type=int, default=256, help="fixed evaluation set size (>= 256)"
+    )
+    rc.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the task, repeatable, e.g. --task-option lr=1e-4 (a task's options "
+        "and defaults are named when a wrong one is given; the race records them)",
     )
     rc.add_argument("--device", default="cpu", help="cpu or cuda")
     rc.add_argument(

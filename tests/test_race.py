@@ -323,3 +323,34 @@ def test_shares_of_exacts_gain_are_undefined_when_exact_lost_reward() -> None:
         for reach in summary[spec]["reach"].values():
             assert reach["undefined"] == "exact did not gain" and reach["mean"] is None
     assert "- (exact did not gain)" in report.to_markdown()
+
+
+def quadratic_task(
+    *, eval_samples: int = MIN_EVAL_SAMPLES, device: str = "cpu", lr: float = 0.02, steps: int = 4
+) -> QuadraticTask:
+    """A race-task factory as applications register them: its keywords are task options."""
+    del device
+    return QuadraticTask(eval_samples=eval_samples, lr=lr, steps=steps)
+
+
+def test_cli_task_options_reach_the_task_and_the_record(tmp_path, monkeypatch, capsys) -> None:
+    from gradest.cli import main
+    from gradest.harness import race as race_module
+
+    monkeypatch.setattr(race_module, "registered_tasks", lambda: {"quadratic": quadratic_task})
+    out = tmp_path / "race"
+    argv = ["race", "--model", "quadratic", "--estimators", "exact", "--seeds", "1"]
+    argv += ["--budget", "1x", "--fractions", "1", "--out", str(out), "--no-plots", "--quiet"]
+    assert main([*argv, "--task-option", "lr=0.1", "--task-option", "steps=3"]) == 0
+    settings = json.loads((out / "report.json").read_text())["config"]["task_settings"]
+    assert settings == {"steps": 3, "batch": 8, "lr": 0.1}
+    capsys.readouterr()
+    # the same folder without the option is another race: refused, saying how to set it
+    assert main(argv[:-1]) == 2
+    err = capsys.readouterr().err
+    assert "task setting lr" in err and "0.1 there, 0.02 now" in err and "--task-option" in err
+    # a key the factory does not take is refused naming the task's options, before any work
+    assert main([*argv, "--task-option", "rate=1"]) == 2
+    assert "it takes: lr=0.02, steps=4" in capsys.readouterr().err
+    assert main([*argv, "--task-option", "steps=2.5"]) == 2
+    assert "steps is a whole number" in capsys.readouterr().err

@@ -525,17 +525,21 @@ def _settings(
 
 def _check_same_race(saved: Mapping[str, Any], settings: Mapping[str, Any], out: Path) -> None:
     differing = [k for k in settings if k != "task_settings" and saved.get(k) != settings[k]]
+    details = [f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in differing]
     ours, theirs = settings["task_settings"], saved.get("task_settings") or {}
-    differing += [
-        f"task setting {k}" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)
-    ]
+    for k in sorted(set(ours) | set(theirs)):
+        if ours.get(k) != theirs.get(k):
+            differing.append(f"task setting {k}")
+            details.append(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} now")
     if differing:
-        details = "; ".join(
-            f"{k}: {saved.get(k)!r} there, {settings[k]!r} now" for k in differing if k in settings
+        hint = (
+            " (gradest race sets a task setting with --task-option KEY=VALUE)"
+            if any(k.startswith("task setting") for k in differing)
+            else ""
         )
         raise InvalidValue(
-            f"--out {str(out)!r} holds a race with other settings ({', '.join(differing)}"
-            f"{'; ' + details if details else ''}); rerun with its settings to continue it, "
+            f"--out {str(out)!r} holds a race with other settings ({', '.join(differing)}; "
+            f"{'; '.join(details)}); rerun with its settings to continue it{hint}, "
             f"or pass a new --out"
         )
 

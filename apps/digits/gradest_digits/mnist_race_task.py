@@ -43,7 +43,7 @@ from gradest.harness.race import MIN_EVAL_SAMPLES
 from gradest.samplers import RectifiedFlow
 from gradest_digits.mnist import IMAGE_SHAPE, load_mnist_dataset
 from gradest_digits.mnist_assets import load_mnist_classifier, load_mnist_dit
-from gradest_digits.race_task import RewardWithPrior
+from gradest_digits.race_task import RewardWithPrior, check_finite_at_least, check_step_settings
 from gradest_digits.rewards import ClassifierReward
 
 TARGET_DIGIT = 3
@@ -91,11 +91,10 @@ class MnistRewardTask(RewardWithPrior):
     ) -> None:
         if eval_samples < MIN_EVAL_SAMPLES:
             raise InvalidValue(f"--eval-samples must be >= {MIN_EVAL_SAMPLES}, got {eval_samples}")
-        if batch < 1 or sampler_steps < 1 or not lr > 0:
-            raise InvalidValue(
-                f"batch and sampler_steps must be >= 1 and lr > 0, got batch={batch}, "
-                f"sampler_steps={sampler_steps}, lr={lr}"
-            )
+        check_step_settings(batch=batch, sampler_steps=sampler_steps, lr=lr)
+        check_finite_at_least("prior_weight", prior_weight, 0.0)
+        if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target <= 9:
+            raise InvalidValue(f"target must be a digit 0..9, got {target!r}")
         self.eval_samples = eval_samples
         self.device = torch.device(device)
         self.batch, self.sampler_steps, self.lr = batch, sampler_steps, lr
@@ -153,7 +152,23 @@ class MnistRewardTask(RewardWithPrior):
 
 
 def mnist_reward_task(
-    *, eval_samples: int = MIN_EVAL_SAMPLES, device: str | torch.device = "cpu"
+    *,
+    eval_samples: int = MIN_EVAL_SAMPLES,
+    device: str | torch.device = "cpu",
+    lr: float = MNIST_RACE_LR,
+    batch: int = BATCH,
+    sampler_steps: int = SAMPLER_STEPS,
+    prior_weight: float = PRIOR_WEIGHT,
+    target: int = TARGET_DIGIT,
 ) -> MnistRewardTask:
-    """``gradest race --model mnist``."""
-    return MnistRewardTask(eval_samples=eval_samples, device=device)
+    """``gradest race --model mnist``; every keyword but the first two is a
+    ``--task-option``."""
+    return MnistRewardTask(
+        eval_samples=eval_samples,
+        device=device,
+        lr=lr,
+        batch=batch,
+        sampler_steps=sampler_steps,
+        prior_weight=prior_weight,
+        target=target,
+    )

@@ -46,6 +46,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ from gradest.harness.race import MIN_EVAL_SAMPLES, StepProblem
 from gradest.objectives import TerminalObjective
 from gradest.protocol import Cost
 from gradest.rl.flow_grpo import group_advantages, grpo_objective
-from gradest.samplers import FlowSDE, RectifiedFlow
+from gradest.samplers import FlowSDE, RectifiedFlow, check_reduction
 from gradest.trajectory import rollout
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.digits import IMAGE_SHAPE, load_digits_dataset
@@ -71,6 +72,10 @@ EVAL_NOISE_SEED = 777
 HELDOUT_SEED = 4242
 HELDOUT_REPEATS = 2
 NUM_CLASSES = 10
+BATCH = 16
+SAMPLER_STEPS = 16
+# Flow-GRPO's race lr; the reward race's is REWARD_RACE_LR (below, with why).
+GRPO_RACE_LR = 3e-4
 
 
 def _heldout_triples(labels: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -86,6 +91,22 @@ def _heldout_triples(labels: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | Non
     return z, t, eps - x, y
 
 
+def check_finite_at_least(name: str, value: Any, low: float, *, open_bound: bool = False) -> None:
+    """Raise unless ``value`` is a real number ``>= low`` (``> low`` with ``open_bound``)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < low or (open_bound and value == low):
+        bound = f"> {low:g}" if open_bound else f">= {low:g}"
+        raise InvalidValue(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+def check_step_settings(*, batch: Any, sampler_steps: Any, lr: Any) -> None:
+    """The training step's settings every race task here shares: whole counts, a positive lr."""
+    for name, count in (("batch", batch), ("sampler_steps", sampler_steps)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidValue(f"{name} must be an int >= 1, got {count!r}")
+    check_finite_at_least("lr", lr, 0.0, open_bound=True)
+
+
 class _DigitsTask:
     """What both digits tasks share: the shipped DiT, the evaluation noise, the drift."""
 
@@ -99,12 +120,13 @@ class _DigitsTask:
         *,
         eval_samples: int = MIN_EVAL_SAMPLES,
         device: str | torch.device = "cpu",
-        batch: int = 16,
-        sampler_steps: int = 16,
-        lr: float = 3e-4,
+        batch: int = BATCH,
+        sampler_steps: int = SAMPLER_STEPS,
+        lr: float = GRPO_RACE_LR,
     ) -> None:
         if eval_samples < MIN_EVAL_SAMPLES:
             raise InvalidValue(f"--eval-samples must be >= {MIN_EVAL_SAMPLES}, got {eval_samples}")
+        check_step_settings(batch=batch, sampler_steps=sampler_steps, lr=lr)
         self.eval_samples = eval_samples
         self.device = torch.device(device)
         self.batch, self.sampler_steps, self.lr = batch, sampler_steps, lr
@@ -221,12 +243,15 @@ class DigitsRewardTask(RewardWithPrior, _DigitsTask):
     image_shape = IMAGE_SHAPE
 
     def __init__(self, *, prior_weight: float = PRIOR_WEIGHT, **kwargs: Any) -> None:
+        check_finite_at_least("prior_weight", prior_weight, 0.0)
         self.prior_weight = prior_weight
         super().__init__(**kwargs)
         self.reward = ClassifierReward(self.classifier, TARGET_DIGIT)
         self.train_images = load_digits_dataset("train")[0].to(self.device)
-        if prior_weight != PRIOR_WEIGHT:
-            self.ceiling = None  # measured for the default weight only
+        if (prior_weight, self.sampler_steps) != (PRIOR_WEIGHT, SAMPLER_STEPS):
+            # Measured for the default weight and sampler only (the optimum depends on both;
+            # not on the lr or the batch).
+            self.ceiling = None
 
     def settings(self) -> dict[str, Any]:
         return {**super().settings(), "target": TARGET_DIGIT, "prior_weight": self.prior_weight}
@@ -253,10 +278,18 @@ class DigitsGrpoTask(_DigitsTask):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+            raise InvalidValue(
+                f"group_size must be an int >= 2 (advantages are normalised within a group), "
+                f"got {group_size!r}"
+            )
         if self.batch % group_size:
             raise InvalidValue(
                 f"the batch ({self.batch}) must be a multiple of group_size={group_size}"
             )
+        check_finite_at_least("noise_level", noise_level, 0.0, open_bound=True)
+        check_finite_at_least("clip", clip, 0.0, open_bound=True)
+        check_reduction(reduction)
         self.group_size, self.noise_level = group_size, noise_level
         self.reduction, self.clip = reduction, clip
         self.eval_reward = ClassifierReward(self.classifier, self.eval_labels)
@@ -317,14 +350,48 @@ REWARD_RACE_LR = 1e-4
 
 
 def digits_reward_task(
-    *, eval_samples: int = MIN_EVAL_SAMPLES, device: str | torch.device = "cpu"
+    *,
+    eval_samples: int = MIN_EVAL_SAMPLES,
+    device: str | torch.device = "cpu",
+    lr: float = REWARD_RACE_LR,
+    batch: int = BATCH,
+    sampler_steps: int = SAMPLER_STEPS,
+    prior_weight: float = PRIOR_WEIGHT,
 ) -> DigitsRewardTask:
-    """``gradest race --model digits`` (AdamW at :data:`REWARD_RACE_LR`)."""
-    return DigitsRewardTask(eval_samples=eval_samples, device=device, lr=REWARD_RACE_LR)
+    """``gradest race --model digits`` (AdamW at :data:`REWARD_RACE_LR`); every keyword but
+    the first two is a ``--task-option``."""
+    return DigitsRewardTask(
+        eval_samples=eval_samples,
+        device=device,
+        lr=lr,
+        batch=batch,
+        sampler_steps=sampler_steps,
+        prior_weight=prior_weight,
+    )
 
 
 def digits_grpo_task(
-    *, eval_samples: int = MIN_EVAL_SAMPLES, device: str | torch.device = "cpu"
+    *,
+    eval_samples: int = MIN_EVAL_SAMPLES,
+    device: str | torch.device = "cpu",
+    lr: float = GRPO_RACE_LR,
+    batch: int = BATCH,
+    sampler_steps: int = SAMPLER_STEPS,
+    group_size: int = 4,
+    noise_level: float = 0.7,
+    reduction: str = "mean",
+    clip: float = 0.2,
 ) -> DigitsGrpoTask:
-    """``gradest race --model digits-grpo``."""
-    return DigitsGrpoTask(eval_samples=eval_samples, device=device)
+    """``gradest race --model digits-grpo``; every keyword but the first two is a
+    ``--task-option`` (the race where exact gains runs ``--task-option lr=1e-4``)."""
+    return DigitsGrpoTask(
+        eval_samples=eval_samples,
+        device=device,
+        lr=lr,
+        batch=batch,
+        sampler_steps=sampler_steps,
+        group_size=group_size,
+        noise_level=noise_level,
+        reduction=reduction,
+        clip=clip,
+    )

@@ -70,3 +70,102 @@ def test_reward_task_objective_is_reward_minus_prior():
     assert metrics["drift"] == 0.0
     expected = metrics["log_p_target"] - PRIOR_WEIGHT * metrics["heldout_fm"]
     assert metrics["reward"] == expected < task.ceiling
+
+
+class _Stopped(Exception):
+    """Raised where a race's work would start: its settings were accepted."""
+
+
+def _documented_race_commands() -> list[list[str]]:
+    """Every ``gradest race ... --out docs/results/...`` command in docs/results.md, as argv
+    (continuation lines joined, an environment prefix such as OMP_NUM_THREADS=1 dropped)."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "results.md").read_text()
+    commands = []
+    for block in text.replace("\\\n", " ").splitlines():
+        words = shlex.split(block.strip()) if "gradest race " in block else []
+        words = words[next((i for i, w in enumerate(words) if w == "gradest"), len(words)) :]
+        if words[:2] == ["gradest", "race"] and "--out" in words:
+            commands.append(words[1:])
+    return commands
+
+
+def test_documented_race_commands_reproduce_the_committed_races(tmp_path, monkeypatch):
+    """Each race command docs/results.md shows is accepted as the race committed in its
+    --out folder (same task settings, estimators, seeds, budget, fractions): rerun in a
+    folder holding that race.json, it passes the settings check and reaches the work."""
+    import shutil
+    from pathlib import Path
+
+    from gradest.harness import race as race_module
+
+    repo = Path(__file__).resolve().parents[3]
+    real = registered_tasks()
+
+    def stopping(factory):
+        def build(**kwargs):
+            task = factory(**kwargs)
+
+            def pretrained():
+                raise _Stopped
+
+            task.pretrained = pretrained
+            return task
+
+        return build
+
+    monkeypatch.setattr(
+        race_module, "registered_tasks", lambda: {k: stopping(f) for k, f in real.items()}
+    )
+    commands = _documented_race_commands()
+    assert len(commands) >= 4, commands  # the digits, GRPO (two) and MNIST races
+    for argv in commands:
+        out = argv[argv.index("--out") + 1]
+        committed = repo / out / "race.json"
+        assert committed.is_file(), f"{out} has no committed race.json"
+        folder = tmp_path / out.replace("/", "_")
+        folder.mkdir()
+        shutil.copy(committed, folder / "race.json")
+        at = argv.index("--out")
+        argv = [*argv[:at], *argv[at + 2 :], "--out", str(folder), "--quiet", "--no-plots"]
+        try:
+            rc = main(argv)
+        except _Stopped:
+            continue
+        raise AssertionError(f"{' '.join(argv)} was refused (rc {rc}) by {committed}")
+
+
+def test_task_options_are_bounded_by_the_tasks():
+    """What `--task-option` can set is refused out of bounds by the task, naming it."""
+    import pytest
+    from gradest_digits.mnist_race_task import mnist_reward_task
+
+    from gradest.errors import InvalidValue
+    from gradest.harness.task_options import task_options
+
+    tasks = registered_tasks()
+    assert set(task_options(tasks["digits"])) == {"lr", "batch", "sampler_steps", "prior_weight"}
+    assert {"group_size", "noise_level", "reduction", "clip"} <= set(
+        task_options(tasks["digits-grpo"])
+    )
+    cases = [
+        (tasks["digits"], dict(lr=0.0), "lr must be a finite number > 0"),
+        (tasks["digits"], dict(lr=float("nan")), "lr must be"),
+        (tasks["digits"], dict(batch=0), "batch must be an int >= 1"),
+        (tasks["digits"], dict(sampler_steps=2.5), "sampler_steps must be an int"),
+        (tasks["digits"], dict(prior_weight=-1.0), "prior_weight must be a finite number >= 0"),
+        (tasks["digits-grpo"], dict(group_size=1), "group_size must be an int >= 2"),
+        (tasks["digits-grpo"], dict(group_size=3), "multiple of group_size=3"),
+        (tasks["digits-grpo"], dict(noise_level=0.0), "noise_level must be a finite number > 0"),
+        (tasks["digits-grpo"], dict(clip=-0.2), "clip must be"),
+        (tasks["digits-grpo"], dict(reduction="max"), "reduction must be one of"),
+        (mnist_reward_task, dict(target=10), "target must be a digit 0..9"),
+    ]
+    for factory, options, message in cases:
+        with pytest.raises(InvalidValue, match=message):
+            factory(**options)
+    # the measured ceiling is reported only for the settings it was measured with
+    assert tasks["digits"](sampler_steps=8).ceiling is None
+    assert tasks["digits"](lr=3e-4).ceiling == REWARD_CEILING

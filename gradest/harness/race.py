@@ -813,6 +813,44 @@ class RaceReport:
             "runs": self.runs,
         }
 
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RaceReport:
+        """The report a race wrote (``report.json``, or the folder holding it), rebuilt from
+        its settings, the pretrained evaluation and the per-seed curves alone: every
+        statistic (means, bootstrap intervals, paired differences, compute to reach) is
+        recomputed from those, so ``load(p).to_json()`` equals the file where the stored
+        statistics are the raw data's."""
+        from gradest.harness.report import NON_FINITE
+
+        file = Path(path)
+        if file.is_dir():
+            file = file / "report.json"
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, ValueError) as err:
+            raise InvalidValue(
+                f"{str(file)!r} is not a readable race report.json ({err})"
+            ) from None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            schema = data.get("schema") if isinstance(data, dict) else None
+            raise InvalidValue(
+                f"{str(file)!r} is not a race report (schema {schema!r}, expected {SCHEMA!r})"
+            )
+        back = {text: float(name) for name, text in NON_FINITE.items()}
+
+        def restored(value: Any) -> Any:  # json_safe's inverse for the raw data
+            if isinstance(value, str):
+                return back.get(value, value)
+            if isinstance(value, dict):
+                return {key: restored(item) for key, item in value.items()}
+            if isinstance(value, list):
+                return [restored(item) for item in value]
+            return value
+
+        return cls(
+            config=data["config"], initial=restored(data["initial"]), runs=restored(data["runs"])
+        )
+
     def to_json(self) -> str:
         from gradest.harness.report import json_safe
 

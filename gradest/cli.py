@@ -246,6 +246,13 @@ def _cmd_race(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}/report.md, report.json" + ("" if args.no_plots or missing else " and plots")
     )
+    stalled = sum(len(seeds) for seeds in report.stalls().values())
+    if report.axis == "seconds" and stalled:
+        print(
+            f"gradest race: {stalled} (seed, estimator) runs had machine stalls that spent their "
+            f"wall-time budget (report.md, 'Machine stalls'); rerun on a quiet machine",
+            file=sys.stderr,
+        )
     return 0
 
 

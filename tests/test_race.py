@@ -354,3 +354,73 @@ def test_cli_task_options_reach_the_task_and_the_record(tmp_path, monkeypatch, c
     assert "it takes: lr=0.02, steps=4" in capsys.readouterr().err
     assert main([*argv, "--task-option", "steps=2.5"]) == 2
     assert "steps is a whole number" in capsys.readouterr().err
+
+
+STALL_AT = 4
+
+
+@attrs.define(eq=False, slots=False)
+class StallingTask(QuadraticTask):
+    """Sleeps once, inside one training step: what another process taking the cores does
+    to a wall-time race."""
+
+    stall_at: int = STALL_AT
+    stall_seconds: float = 0.5
+    evaluation_seconds: float = 0.5  # slow evaluations, which a step must not be charged
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        import time
+
+        time.sleep(self.evaluation_seconds)
+        return super().evaluate(model)
+
+    def step_problem(self, model, sampler, generator, step) -> StepProblem:
+        if step == self.stall_at:
+            import time
+
+            time.sleep(self.stall_seconds)
+        return super().step_problem(model, sampler, generator, step)
+
+
+def test_wall_time_budget_rule_and_machine_stalls(tmp_path) -> None:
+    """A wall-time race takes a step while `spent + the previous step's seconds` fits the
+    budget, keeps every step's seconds, and its report names the stalled step."""
+    budget = 2.0
+    report = race(
+        StallingTask(),
+        SPECS,
+        seeds=1,
+        budget_seconds=budget,
+        fractions=(0.5, 1.0),
+        show_progress=False,
+        out=tmp_path / "race",
+        plots=False,
+    )
+    assert report.axis == "seconds" and report.unit_name == "seconds"
+    for spec in SPECS:
+        (row,) = report.runs[spec]
+        times = row["step_seconds"]
+        assert len(times) == row["steps"] > STALL_AT
+        assert math.isclose(sum(times), row["seconds"], rel_tol=1e-9)
+        for k in range(len(times)):  # every step taken fitted when it was taken
+            assert sum(times[:k]) + (times[k - 1] if k else 0.0) <= budget
+        assert sum(times) + times[-1] > budget  # and the next one would not have
+        # one evaluation point per fraction, in order of the seconds spent
+        assert [p["fraction"] for p in row["curve"]] == [0.5, 1.0]
+        assert row["curve"][0]["seconds"] <= row["curve"][1]["seconds"] == row["seconds"]
+        # the one stall is the step's own; the slow evaluations were not charged to a step
+        (stalled,) = [dict(entry["steps"]) for entry in report.stalls()[spec]]
+        assert stalled[STALL_AT] >= 0.5
+        assert max(t for i, t in enumerate(times) if i != STALL_AT) < 0.5
+    text = (tmp_path / "race" / "report.md").read_text()
+    assert "## Machine stalls" in text and f"| `exact` | 0 | {STALL_AT}: " in text
+    # the per-step seconds survive the report file
+    assert RaceReport.load(tmp_path / "race").stalls() == report.stalls()
+
+
+def test_stalled_steps_are_those_far_above_the_runs_median() -> None:
+    from gradest.harness.race import STALL_FACTOR, stalled_steps
+
+    assert stalled_steps([0.1, 0.1, 0.1, 0.1 * STALL_FACTOR]) == []  # not above the factor
+    assert stalled_steps([0.1, 0.1, 0.1, 0.6, 0.1]) == [(3, 0.6)]
+    assert stalled_steps([0.1, 5.0]) == []  # two steps have no median to speak of

@@ -26,7 +26,9 @@ with ``spent <= budget < spent + its next step``). With a wall-time budget each 
 seconds (objective, surrogate, backward, optimizer step; not evaluations) are measured
 where it runs, and a step is taken while ``spent + the previous step's seconds`` fits.
 The estimators of a seed advance in lockstep, one step each in turn with the order
-rotating from round to round, so machine load hits all of them alike.
+rotating from round to round, so machine load hits all of them alike. Every step's seconds
+are kept; a step that took more than :data:`STALL_FACTOR` times its run's median is a
+machine stall (another process had the cores), and a wall-time report names those seeds.
 
 **Evaluation points.** Before the step that would carry the compute past ``f * budget``
 for a fraction ``f`` (and at the end) the model is evaluated: that point is the reward
@@ -56,6 +58,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -91,6 +94,10 @@ SCHEMA = "gradest.race/1"
 REFERENCE = "exact"
 # The estimators' own draws come from a stream apart from the task's data.
 _DRAW_STREAM = 1_000_003
+# A step that took this many times its run's median step is counted as a machine stall
+# (another process took the cores): on a wall-time budget it spent budget that the
+# estimator did not use, so the report names it.
+STALL_FACTOR = 5.0
 
 __all__ = [
     "DEFAULT_FRACTIONS",
@@ -367,6 +374,7 @@ class _Run:
     done: bool = False
     curve: list[dict[str, Any]] = attrs.Factory(list)
     stopped_step: dict[str, float] | None = None
+    step_seconds: list[float] = attrs.Factory(list)  # each step's measured seconds
 
     def state(self, data_state: Tensor, draw_state: Tensor) -> dict[str, Any]:
         return {
@@ -384,6 +392,7 @@ class _Run:
             "done": self.done,
             "curve": json.dumps(self.curve),
             "stopped_step": json.dumps(self.stopped_step),
+            "step_seconds": json.dumps(self.step_seconds),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -395,6 +404,8 @@ class _Run:
             setattr(self, key, state[key])
         self.curve = json.loads(state["curve"])
         self.stopped_step = json.loads(state["stopped_step"])
+        # states written before step times were kept have none
+        self.step_seconds = json.loads(state.get("step_seconds", "[]"))
 
 
 @attrs.define(eq=False)
@@ -469,6 +480,9 @@ class _Race:
         spent = run.flops if self.kind == "flops" else run.seconds
         step_size = step_flops if self.kind == "flops" else run.last_seconds
         evaluated = False
+        # The step's own seconds stop while it evaluates (an evaluation is not training
+        # compute, and it would weigh on whichever estimator reached a fraction first).
+        before_evaluations = time.perf_counter() - started
         while run.next_point < len(self.fractions) and (
             spent + step_size > self.fractions[run.next_point] * self.budget
         ):
@@ -482,6 +496,7 @@ class _Race:
             self._save(run, data_state, draw_state)
         if run.done:
             return
+        resumed = time.perf_counter()
         loss = sur.loss
         if problem.extra_loss is not None:
             loss = loss + problem.extra_loss(run.model)
@@ -493,11 +508,12 @@ class _Race:
                 [p for p in run.model.parameters() if p.requires_grad], clip
             )
         run.optimizer.step()
-        elapsed = time.perf_counter() - started
+        elapsed = before_evaluations + (time.perf_counter() - resumed)
         run.step += 1
         run.flops += step_flops
         run.seconds += elapsed
         run.last_seconds = elapsed
+        run.step_seconds.append(elapsed)
 
 
 # -- the entry point ------------------------------------------------------------------------
@@ -664,6 +680,7 @@ def race(
                         "flops": run.flops,
                         "seconds": run.seconds,
                         "stopped_step": run.stopped_step,
+                        "step_seconds": run.step_seconds,
                         "curve": run.curve,
                     }
                 )
@@ -691,6 +708,16 @@ def _points(
     return [(0.0, initial["reward"])] + [(p[axis], p["reward"]) for p in row["curve"]]
 
 
+def stalled_steps(step_seconds: Sequence[float]) -> list[tuple[int, float]]:
+    """``(step index, seconds)`` of the steps that took more than :data:`STALL_FACTOR` times
+    the run's median step: on a shared machine, time another process took, not the
+    estimator's work (a run needs at least three steps to have a median to speak of)."""
+    if len(step_seconds) < 3:
+        return []
+    median = statistics.median(step_seconds)
+    return [(i, t) for i, t in enumerate(step_seconds) if t > STALL_FACTOR * median]
+
+
 def compute_to_reach(points: Sequence[tuple[float, float]], target: float) -> float:
     """The compute at which a curve ``[(compute, reward), ...]`` first reaches ``target``,
     linearly interpolated between evaluation points; ``+inf`` when it never does."""
@@ -714,7 +741,8 @@ class RaceReport:
             the forward's FLOPs, the ceiling, torch).
         initial: the pretrained model's evaluation (every curve's point at compute 0).
         runs: per estimator, per seed: ``{"seed", "steps", "flops", "seconds",
-            "stopped_step", "curve": [{"fraction", "flops", "seconds", "steps", "reward",
+            "stopped_step", "step_seconds" (each step's, from races run since they are
+            kept), "curve": [{"fraction", "flops", "seconds", "steps", "reward",
             "drift", ...}, ...]}``.
     """
 
@@ -954,7 +982,46 @@ class RaceReport:
             'a seed that never reaches it counts as infinite ("not reached" when any seed '
             "does not).",
         ]
+        if self.axis == "seconds":
+            lines += self._stall_lines()
         return "\n".join(lines) + "\n"
+
+    def stalls(self) -> dict[str, list[dict[str, Any]]]:
+        """Per estimator, the seeds with a machine stall (:func:`stalled_steps`): ``{"seed",
+        "steps": [(index, seconds), ...], "median": seconds}``. Empty for races run before
+        step times were recorded."""
+        found: dict[str, list[dict[str, Any]]] = {}
+        for spec, rows in self.runs.items():
+            for row in rows:
+                times = row.get("step_seconds") or []
+                slow = stalled_steps(times)
+                if slow:
+                    found.setdefault(spec, []).append(
+                        {"seed": row["seed"], "steps": slow, "median": statistics.median(times)}
+                    )
+        return found
+
+    def _stall_lines(self) -> list[str]:
+        stalls = self.stalls()
+        if not stalls:
+            return []
+        lines = [
+            "",
+            "## Machine stalls",
+            "",
+            f"Steps that took more than {STALL_FACTOR:g}x their run's median step. On a "
+            "wall-time budget such a step spends budget on time the machine gave to something "
+            "else, so these seeds' differences reflect load, not the estimator: rerun on a "
+            "quiet machine, or read the FLOPs race.",
+            "",
+            "| estimator | seed | stalled steps (index: seconds) | median step (s) |",
+            "|---|---|---|---|",
+        ]
+        for spec, entries in stalls.items():
+            for entry in entries:
+                steps = ", ".join(f"{i}: {t:.3g}" for i, t in entry["steps"])
+                lines.append(f"| `{spec}` | {entry['seed']} | {steps} | {entry['median']:.3g} |")
+        return lines
 
     def write(self, out: str | os.PathLike[str], *, plots: bool = True) -> Path:
         """Write ``report.md``, ``report.json`` and (with matplotlib) ``reward_vs_compute.png``

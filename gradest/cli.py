@@ -53,7 +53,21 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print("  options:")
         for option, default, text in registry.describe(name):
             print(f"    {option}={default!r}  {text}")
+    _list_race_tasks()
     return 0
+
+
+def _list_race_tasks() -> None:
+    """The installed race tasks and their options (what ``--task-option`` can set)."""
+    from gradest.harness.race import registered_tasks
+    from gradest.harness.task_options import describe_task_options
+
+    tasks = registered_tasks()
+    if not tasks:
+        return
+    print("\nrace tasks (gradest race --model NAME, options set with --task-option KEY=VALUE):")
+    for name, factory in sorted(tasks.items()):
+        print(f"{name}: {describe_task_options(factory)}")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -358,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a setting of the task, repeatable, e.g. --task-option lr=1e-4 (a task's options "
-        "and defaults are named when a wrong one is given; the race records them)",
+        help="a setting of the task, repeatable, e.g. --task-option lr=1e-4 (gradest list shows "
+        "each task's options and defaults; the race records them)",
     )
     rc.add_argument("--device", default="cpu", help="cpu or cuda")
     rc.add_argument(

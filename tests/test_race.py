@@ -354,6 +354,9 @@ def test_cli_task_options_reach_the_task_and_the_record(tmp_path, monkeypatch, c
     assert "it takes: lr=0.02, steps=4" in capsys.readouterr().err
     assert main([*argv, "--task-option", "steps=2.5"]) == 2
     assert "steps is a whole number" in capsys.readouterr().err
+    # gradest list shows each installed task's options
+    assert main(["list"]) == 0
+    assert "\nquadratic: lr=0.02, steps=4\n" in capsys.readouterr().out
 
 
 STALL_AT = 4

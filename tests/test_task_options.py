@@ -3,6 +3,8 @@ type of the factory's default, unknown keys are refused naming the task's option
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from gradest.errors import InvalidValue
@@ -85,3 +87,13 @@ def test_a_factory_with_keyword_catchall_takes_any_key() -> None:
     assert parse("lr=1e-4", "name=x", of=open_factory) == {"lr": 1e-4, "name": "x"}
     with pytest.raises(InvalidValue, match="--device instead"):
         parse("device=cpu", of=open_factory)
+
+
+def test_a_setting_without_default_must_be_given() -> None:
+    def needs_target(*, eval_samples: int = 256, device: str = "cpu", target, lr: float = 1.0):
+        return target, lr
+
+    assert task_options(needs_target)["target"] is inspect.Parameter.empty
+    with pytest.raises(InvalidValue, match="task 'toy' needs target: give --task-option target="):
+        parse("lr=2", of=needs_target)
+    assert parse("target=3", of=needs_target) == {"target": 3}

@@ -125,4 +125,10 @@ def parse_task_options(
             raise InvalidValue(f"--task-option {key} is given twice")
         default = options.get(key, inspect.Parameter.empty)
         parsed[key] = _coerce(key, value.strip(), default, model)
+    required = [k for k, d in options.items() if d is inspect.Parameter.empty and k not in parsed]
+    if required:
+        raise InvalidValue(
+            f"task {model!r} needs {', '.join(required)}: give "
+            + " ".join(f"--task-option {k}=VALUE" for k in required)
+        )
     return parsed

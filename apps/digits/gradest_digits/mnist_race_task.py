@@ -25,8 +25,9 @@ interior: at lr 3e-4, ``exact`` had log p -0.48 after 4 steps but FM 0.391 (``J 
 -3.80 after 24, **-3.69 after 40** (log p -0.18, FM 0.350), still rising by about 0.007
 per step: that is the ceiling reported, an estimate from below. At lr 1e-3 the drift is
 larger (FM 0.605 after 8 steps) and the best of 40 steps was only -4.82. The race runs at
-lr 1e-4 (:data:`MNIST_RACE_LR`, as ``digits``), so that at its budget (4 exact steps'
-FLOPs, ``docs/results.md``) ``exact`` stays well short of the ceiling; each race report
+lr 1e-4 (:data:`MNIST_RACE_LR`, as ``digits``), so that at its budget (8 exact steps'
+FLOPs, ``docs/results.md``: 78% of the attainable gain) ``exact`` stays short of the
+ceiling; each race report
 states exact's share of the attainable gain, so whether it did is read from the report,
 not assumed.
 """

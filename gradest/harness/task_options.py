@@ -24,27 +24,26 @@ from gradest.options import parse_bool
 COMMON_PARAMETERS = ("eval_samples", "device")
 
 
+def _parameters(factory: Callable[..., Any]) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return []
+
+
 def task_options(factory: Callable[..., Any]) -> dict[str, Any]:
     """The settings a task factory takes, with their defaults (``inspect.Parameter.empty``
     where it has none), in the factory's order, without the common ones."""
-    try:
-        parameters = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
-        return {}
     return {
         p.name: p.default
-        for p in parameters
+        for p in _parameters(factory)
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in COMMON_PARAMETERS
     }
 
 
 def _takes_any_keyword(factory: Callable[..., Any]) -> bool:
     """Whether the factory has ``**kwargs`` (then any key goes through to the task)."""
-    try:
-        parameters = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind is p.VAR_KEYWORD for p in parameters)
+    return any(p.kind is p.VAR_KEYWORD for p in _parameters(factory))
 
 
 def describe_task_options(factory: Callable[..., Any]) -> str:

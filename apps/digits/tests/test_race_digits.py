@@ -96,6 +96,7 @@ def test_documented_race_commands_reproduce_the_committed_races(tmp_path, monkey
     """Each race command docs/results.md shows is accepted as the race committed in its
     --out folder (same task settings, estimators, seeds, budget, fractions): rerun in a
     folder holding that race.json, it passes the settings check and reaches the work."""
+    import functools
     import shutil
     from pathlib import Path
 
@@ -105,6 +106,7 @@ def test_documented_race_commands_reproduce_the_committed_races(tmp_path, monkey
     real = registered_tasks()
 
     def stopping(factory):
+        @functools.wraps(factory)  # keeps its signature: the options parse as they would
         def build(**kwargs):
             task = factory(**kwargs)
 

@@ -43,6 +43,9 @@ SPEC_LIST_HELP = (
 def _cmd_list(args: argparse.Namespace) -> int:
     from gradest.axes import describe_axes
 
+    if getattr(args, "tasks", False):
+        _list_race_tasks()
+        return 0
     verbose = getattr(args, "verbose", False)
     for name, cls in sorted(registry.available_estimators().items()):
         doc = (cls.__doc__ or "").strip().splitlines()
@@ -53,19 +56,21 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print("  options:")
         for option, default, text in registry.describe(name):
             print(f"    {option}={default!r}  {text}")
-    _list_race_tasks()
     return 0
 
 
 def _list_race_tasks() -> None:
     """The installed race tasks and their options (what ``--task-option`` can set)."""
-    from gradest.harness.race import registered_tasks
+    from gradest.harness.race import RACE_TASKS_GROUP, registered_tasks
     from gradest.harness.task_options import describe_task_options
 
     tasks = registered_tasks()
     if not tasks:
+        print(
+            f"no race tasks installed (applications register them under the "
+            f"{RACE_TASKS_GROUP!r} entry points, e.g. pip install ./apps/digits)"
+        )
         return
-    print("\nrace tasks (gradest race --model NAME, options set with --task-option KEY=VALUE):")
     for name, factory in sorted(tasks.items()):
         print(f"{name}: {describe_task_options(factory)}")
 
@@ -288,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print each estimator's design axes (cotangents, evaluation), memory "
         "policy and where its cost formula is",
     )
+    listing.add_argument(
+        "--tasks",
+        action="store_true",
+        help="list the installed race tasks (gradest race --model) and their options "
+        "(--task-option KEY=VALUE) instead",
+    )
     listing.set_defaults(run=_cmd_list)
     check = sub.add_parser(
         "check",
@@ -372,8 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a setting of the task, repeatable, e.g. --task-option lr=1e-4 (gradest list shows "
-        "each task's options and defaults; the race records them)",
+        help="a setting of the task, repeatable, e.g. --task-option lr=1e-4 (gradest list --tasks "
+        "shows each task's options and defaults; the race records them)",
     )
     rc.add_argument("--device", default="cpu", help="cpu or cuda")
     rc.add_argument(

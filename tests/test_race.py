@@ -354,9 +354,14 @@ def test_cli_task_options_reach_the_task_and_the_record(tmp_path, monkeypatch, c
     assert "it takes: lr=0.02, steps=4" in capsys.readouterr().err
     assert main([*argv, "--task-option", "steps=2.5"]) == 2
     assert "steps is a whole number" in capsys.readouterr().err
-    # gradest list shows each installed task's options
+    # gradest list --tasks shows each installed task's options; plain list stays estimators
+    assert main(["list", "--tasks"]) == 0
+    assert capsys.readouterr().out == "quadratic: lr=0.02, steps=4\n"
     assert main(["list"]) == 0
-    assert "\nquadratic: lr=0.02, steps=4\n" in capsys.readouterr().out
+    assert "quadratic" not in capsys.readouterr().out
+    monkeypatch.setattr(race_module, "registered_tasks", dict)
+    assert main(["list", "--tasks"]) == 0
+    assert "no race tasks installed" in capsys.readouterr().out
 
 
 STALL_AT = 4

@@ -35,6 +35,7 @@ __all__ = [
     "Interval",
     "bootstrap_mean",
     "paired_bootstrap",
+    "paired_ratio_bootstrap",
 ]
 
 
@@ -144,3 +145,44 @@ def paired_bootstrap(
         )
     diffs = [float(a) - float(b) for a, b in zip(values, baseline, strict=True)]
     return bootstrap_mean(diffs, resamples=resamples, level=level, seed=seed)
+
+
+def paired_ratio_bootstrap(
+    values: Sequence[float],
+    baseline: Sequence[float],
+    *,
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = BOOTSTRAP_SEED,
+) -> Interval:
+    """The ratio of means ``mean(values) / mean(baseline)`` and its paired bootstrap
+    interval: seeds (pairs) are resampled together and the ratio of the resample's means
+    taken. Finite positive values only (a compute to reach a target that every seed
+    reached): a "not reached" seed has no ratio to speak of.
+    """
+    _check(resamples, level)
+    if len(values) != len(baseline) or not values:
+        raise InvalidValue(
+            f"paired values need one per seed each; got {len(values)} and {len(baseline)}"
+        )
+    a = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    b = torch.tensor([float(v) for v in baseline], dtype=torch.float64)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())) or bool(
+        (b <= 0).any() or (a < 0).any()
+    ):
+        raise InvalidValue("a ratio of means needs finite values and a positive baseline")
+    n = int(a.numel())
+    ratio = float(a.mean() / b.mean())
+    if n == 1:
+        return Interval(ratio, ratio, ratio, n, level, resamples)
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, n, (resamples, n), generator=generator)
+    ordered, _ = torch.sort(a[index].mean(1) / b[index].mean(1))
+    return Interval(
+        ratio,
+        _quantile(ordered, (1 - level) / 2),
+        _quantile(ordered, (1 + level) / 2),
+        n,
+        level,
+        resamples,
+    )

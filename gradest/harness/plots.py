@@ -205,3 +205,78 @@ def plot_race(report: Any, folder: Path) -> list[Path]:
     path = folder / "reward_vs_compute.png"
     _save(plt, fig, path)
     return [path]
+
+
+def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
+    """A tuned race's two pictures (:class:`gradest.harness.tuned_race.TunedRaceReport`):
+
+    * ``reward_vs_compute.png``: per estimator, at its lr chosen for the full budget, the
+      mean reward over the report seeds against compute (exact steps), with its 95%
+      bootstrap band, the pretrained model at 0 and the measured ceiling (dashed);
+    * ``tuning_curves.png``: per estimator, the mean final reward over the tuning seeds
+      against the lr (log axis) with its band, the chosen lr marked.
+    """
+    from gradest.harness.bootstrap import bootstrap_mean
+    from gradest.harness.race_shards import lr_label
+
+    config, initial = report.config, report.initial["reward"]
+    choices = report.choices()
+    plt, fig, ax = _figure(6.4, 4.2)
+    for spec in config["estimators"]:
+        lr = choices[spec]["by_fraction"][-1]
+        rows = report.runs[spec][lr_label(lr)]
+        xs, means, lows, highs = [0.0], [initial], [initial], [initial]
+        for i in range(len(config["fractions"])):
+            xs.append(sum(r["curve"][i]["flops"] for r in rows) / len(rows) / report.unit)
+            band = bootstrap_mean([r["curve"][i]["reward"] for r in rows])
+            means.append(band.mean)
+            lows.append(band.low)
+            highs.append(band.high)
+        (line,) = ax.plot(xs, means, marker="o", markersize=3, label=f"{spec} (lr {lr:.2g})")
+        ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
+    ax.axhline(report.ceiling, color="black", linestyle="--", linewidth=1, label="ceiling")
+    ax.set_xlabel("compute (exact training steps)")
+    ax.set_ylabel("reward on the fixed evaluation set")
+    ax.set_title(
+        f"{config['task']}: tuned lrs, mean and 95% band over {len(config['seeds'])} report seeds",
+        fontsize=9,
+    )
+    ax.legend(fontsize=6)
+    first = folder / "reward_vs_compute.png"
+    _save(plt, fig, first)
+
+    plt, fig, ax = _figure(6.4, 4.2)
+    lrs = config["lrs"]
+    for spec in config["estimators"]:
+        bands = [
+            bootstrap_mean([r["curve"][-1]["reward"] for r in report.tuning[spec][lr_label(lr)]])
+            for lr in lrs
+        ]
+        (line,) = ax.plot(lrs, [b.mean for b in bands], marker="o", markersize=3, label=spec)
+        ax.fill_between(
+            lrs,
+            [b.low for b in bands],
+            [b.high for b in bands],
+            color=line.get_color(),
+            alpha=0.15,
+            linewidth=0,
+        )
+        chosen = choices[spec]["by_fraction"][-1]
+        ax.plot(
+            [chosen],
+            [bands[lrs.index(chosen)].mean],
+            marker="*",
+            markersize=10,
+            color=line.get_color(),
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final reward, tuning seeds")
+    ax.set_title(
+        f"{config['task']}: tuning curves ({len(config['tune_seeds'])} tuning seeds; * chosen)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=6)
+    second = folder / "tuning_curves.png"
+    _save(plt, fig, second)
+    return [first, second]

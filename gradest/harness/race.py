@@ -352,6 +352,83 @@ def _check_budget(
     return name.removeprefix("budget_"), float(value)
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's ``lr`` (a tuned race's grid point) on a task's optimizer."""
+    for group in optimizer.param_groups:
+        if "lr" not in group:
+            raise InvalidValue(
+                f"the task's optimizer ({type(optimizer).__name__}) has a parameter group "
+                f"without an 'lr'; a tuned race sets each group's lr"
+            )
+        group["lr"] = lr
+
+
+@attrs.frozen(eq=False)
+class MeasuredBudget:
+    """A race's budget in its own units, with what it was measured from.
+
+    Attributes:
+        pretrained: the task's pretrained model (measured on, and every run's start).
+        flops_per_unit: ``F``, one forward's FLOPs on the training batch.
+        exact_units: one exact training step in forward-equivalents.
+        kind: ``"flops"`` or ``"seconds"``.
+        budget: the budget in FLOPs or seconds.
+    """
+
+    pretrained: nn.Module
+    flops_per_unit: float
+    exact_units: float
+    kind: str
+    budget: float
+
+    @property
+    def exact_step_flops(self) -> float:
+        return self.exact_units * self.flops_per_unit
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "budget_kind": self.kind,
+            "budget": self.budget,
+            "budget_exact_steps": self.budget / self.exact_step_flops
+            if self.kind == "flops"
+            else None,
+        }
+
+    def config(self) -> dict[str, Any]:
+        """The measured numbers and the environment a report records."""
+        return {
+            "forward_flops": self.flops_per_unit,
+            "exact_step_model_units": self.exact_units,
+            "exact_step_flops": self.exact_step_flops,
+            "torch": torch.__version__,
+            "bootstrap": {"resamples": RESAMPLES, "level": LEVEL, "seed": BOOTSTRAP_SEED},
+        }
+
+
+def measure_budget(task: RaceTask, given: str, value: float) -> MeasuredBudget:
+    """Load the pretrained model, count ``F`` and an exact step, and convert a budget given
+    in exact steps (``given="exact_steps"``) to FLOPs."""
+    pretrained = task.pretrained()
+    flops_per_unit = float(forward_flops(task, pretrained))
+    exact_units = exact_step_units(task, pretrained)
+    if given == "exact_steps":
+        kind, budget = "flops", value * exact_units * flops_per_unit
+    else:
+        kind, budget = given, value
+    return MeasuredBudget(pretrained, flops_per_unit, exact_units, kind, budget)
+
+
+def evaluate_pretrained(task: RaceTask, pretrained: nn.Module) -> dict[str, float]:
+    """The pretrained model's evaluation (every curve's point at compute 0)."""
+    initial_model = copy.deepcopy(pretrained).eval()
+    with torch.no_grad():
+        initial = {k: float(v) for k, v in task.evaluate(initial_model).items()}
+    for key in ("reward", "drift"):
+        if key not in initial:
+            raise InvalidValue(f"task.evaluate must return {key!r}; it returned {sorted(initial)}")
+    return initial
+
+
 # -- the runs -------------------------------------------------------------------------------
 
 
@@ -366,6 +443,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     data: torch.Generator
     draws: torch.Generator
+    lr: float | None = None  # set on the task's optimizer (a tuned race); None: the task's
     step: int = 0
     flops: float = 0.0
     seconds: float = 0.0
@@ -395,6 +473,18 @@ class _Run:
             "step_seconds": json.dumps(self.step_seconds),
         }
 
+    def row(self) -> dict[str, Any]:
+        """The run's record in a report: what it spent and its evaluated curve."""
+        return {
+            "seed": self.seed,
+            "steps": self.step,
+            "flops": self.flops,
+            "seconds": self.seconds,
+            "stopped_step": self.stopped_step,
+            "step_seconds": self.step_seconds,
+            "curve": self.curve,
+        }
+
     def restore(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -411,39 +501,50 @@ class _Run:
 @attrs.define(eq=False)
 class _Race:
     task: RaceTask
-    specs: list[str]
     kind: str  # "flops" or "seconds"
     budget: float
     fractions: list[float]
     flops_per_unit: float
-    state_dir: Path | None
+    # Where a run's resumable state lives (None: kept in memory only).
+    state_path: Callable[[_Run], Path] | None
     bar: Any
 
-    def _state_path(self, run: _Run) -> Path:
-        assert self.state_dir is not None
-        return self.state_dir / f"seed{run.seed}" / f"{self.specs.index(run.spec):03d}.pt"
-
-    def new_run(self, spec: str, seed: int, pretrained: nn.Module) -> _Run:
+    def new_run(
+        self, spec: str, seed: int, pretrained: nn.Module, *, lr: float | None = None
+    ) -> _Run:
+        """A run of ``spec`` on ``seed`` from ``pretrained``, restored from its state file
+        when there is one; ``lr`` overrides the task optimizer's learning rate (a tuned
+        race's grid point), None keeps the task's."""
         model = copy.deepcopy(pretrained)
         parameters = [p for p in model.parameters() if p.requires_grad]
+        optimizer = self.task.optimizer(parameters)
+        if lr is not None:
+            set_learning_rate(optimizer, lr)
         run = _Run(
             spec=spec,
             seed=seed,
             est=build_estimator(spec),
             model=model,
-            optimizer=self.task.optimizer(parameters),
+            optimizer=optimizer,
             data=torch.Generator().manual_seed(seed),
             draws=torch.Generator().manual_seed(seed + _DRAW_STREAM),
+            lr=lr,
         )
-        if self.state_dir is not None and self._state_path(run).is_file():
-            state = torch.load(self._state_path(run), weights_only=True)
+        path = None if self.state_path is None else self.state_path(run)
+        if path is not None and path.is_file():
+            state = torch.load(path, weights_only=True)
             if state["spec"] != spec or state["seed"] != seed:
                 raise InvalidValue(
-                    f"{self._state_path(run)} holds {state['spec']!r} seed {state['seed']}, not "
+                    f"{path} holds {state['spec']!r} seed {state['seed']}, not "
                     f"{spec!r} seed {seed}: the race folder is not this race's"
                 )
             run.restore(state)
         return run
+
+    def finish(self, run: _Run, sampler: AffineSampler) -> None:
+        """Advance ``run`` until its budget is spent (its last evaluation point taken)."""
+        while not run.done:
+            self.advance(run, sampler)
 
     def _evaluate(self, run: _Run) -> None:
         run.model.eval()
@@ -463,9 +564,9 @@ class _Race:
         self.bar.update(1)
 
     def _save(self, run: _Run, data_state: Tensor, draw_state: Tensor) -> None:
-        if self.state_dir is None:
+        if self.state_path is None:
             return
-        path = self._state_path(run)
+        path = self.state_path(run)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_save(run.state(data_state, draw_state), path)
 
@@ -623,41 +724,28 @@ def race(
         )
 
     # -- the work starts here --
-    pretrained = task.pretrained()
-    flops_per_unit = float(forward_flops(task, pretrained))
-    exact_units = exact_step_units(task, pretrained)
-    exact_step_flops = exact_units * flops_per_unit
-    if kind == "exact_steps":
-        kind, budget = "flops", value * exact_step_flops
-    else:
-        budget = value
+    measured = measure_budget(task, kind, value)
+    kind, budget = measured.kind, measured.budget
     if target is not None:
         target.mkdir(parents=True, exist_ok=True)
         if not (target / "race.json").is_file():
             atomic_write_text(target / "race.json", json.dumps(settings, indent=2))
-    settings = {
-        **settings,
-        "budget_kind": kind,
-        "budget": budget,
-        "budget_exact_steps": budget / exact_step_flops if kind == "flops" else None,
-    }
+    settings = {**settings, **measured.settings()}
+    pretrained = measured.pretrained
 
-    initial_model = copy.deepcopy(pretrained).eval()
-    with torch.no_grad():
-        initial = {k: float(v) for k, v in task.evaluate(initial_model).items()}
-    for key in ("reward", "drift"):
-        if key not in initial:
-            raise InvalidValue(f"task.evaluate must return {key!r}; it returned {sorted(initial)}")
+    initial = evaluate_pretrained(task, pretrained)
     total = len(seed_list) * len(specs) * len(fraction_list)
     with tqdm(total=total, desc=f"race {task.name}", unit="eval", disable=not show_progress) as bar:
+        state_dir = None if target is None else target / "state"
         state = _Race(
             task=task,
-            specs=specs,
             kind=kind,
             budget=budget,
             fractions=fraction_list,
-            flops_per_unit=flops_per_unit,
-            state_dir=None if target is None else target / "state",
+            flops_per_unit=measured.flops_per_unit,
+            state_path=None
+            if state_dir is None
+            else (lambda run: state_dir / f"seed{run.seed}" / f"{specs.index(run.spec):03d}.pt"),
             bar=bar,
         )
         runs: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
@@ -673,26 +761,8 @@ def race(
                         state.advance(run, sampler)
                 round_index += 1
             for run in seed_runs:
-                runs[run.spec].append(
-                    {
-                        "seed": seed,
-                        "steps": run.step,
-                        "flops": run.flops,
-                        "seconds": run.seconds,
-                        "stopped_step": run.stopped_step,
-                        "step_seconds": run.step_seconds,
-                        "curve": run.curve,
-                    }
-                )
-    config = {
-        **settings,
-        "ceiling": task.ceiling,
-        "forward_flops": flops_per_unit,
-        "exact_step_model_units": exact_units,
-        "exact_step_flops": exact_step_flops,
-        "torch": torch.__version__,
-        "bootstrap": {"resamples": RESAMPLES, "level": LEVEL, "seed": BOOTSTRAP_SEED},
-    }
+                runs[run.spec].append(run.row())
+    config = {**settings, "ceiling": task.ceiling, **measured.config()}
     report = RaceReport(config=config, initial=initial, runs=runs)
     if target is not None:
         report.write(target, plots=plots)

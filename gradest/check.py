@@ -58,6 +58,8 @@ PINNED = (
     "jagg:debias=2,tau=0.5",
     "sdo:full_sum=true",
     "sdo:samples=3",
+    "sdo:samples=3,select=stratified",
+    "drtune:samples=2,scale=none",
     "truncated:k={N}",
     "truncated:random=uniform,k_min=2",
     "telescope:mean_depth=3,min_depth=2",

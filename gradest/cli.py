@@ -29,7 +29,7 @@ from gradest.specs import SPEC_LIST_EXAMPLE, spec_list_text, split_spec_list
 # The main job's line-up: every built-in estimator in its recommended form, the new
 # unbiased ones beside the biased ones they correct.
 COMPARE_DEFAULT = (
-    "exact,jagg:window=4,jagg:window=4,debias=2,jagg:window=4,shared_knots=true,sdo,"
+    "exact,jagg:window=4,jagg:window=4,debias=2,jagg:window=4,shared_knots=true,sdo,drtune,"
     "truncated:k=1,truncated:random=uniform,k_min=2,alignprop,telescope,draft_lv,refl"
 )
 

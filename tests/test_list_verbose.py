@@ -46,7 +46,8 @@ def _blocks(out: str) -> dict[str, str]:
 def test_every_builtin_declares_its_axes_and_points_at_the_cost_formulas():
     builtins = registry.builtin_estimators()
     assert set(builtins) == {
-        "exact", "jagg", "sdo", "truncated", "telescope", "draft_lv", "refl", "alignprop", "auto"
+        "exact", "jagg", "sdo", "drtune", "truncated", "telescope", "draft_lv", "refl",
+        "alignprop", "auto",
     }  # fmt: skip
     for name, cls in builtins.items():
         axes = axes_of(cls)

@@ -183,8 +183,13 @@ class Report:
     rows: list[EstimatorRow]
 
     def row(self, spec_or_name: str) -> EstimatorRow:
+        """The row whose spec or label is ``spec_or_name``, else the first of that name
+        (``"sdo"`` is the ``sdo`` row even after ``sdo:select=stratified``'s)."""
         for row in self.rows:
-            if spec_or_name in (row.spec, row.label, row.name):
+            if spec_or_name in (row.spec, row.label):
+                return row
+        for row in self.rows:
+            if spec_or_name == row.name:
                 return row
         raise KeyError(f"no row {spec_or_name!r}; rows: {[r.spec for r in self.rows]}")
 

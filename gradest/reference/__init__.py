@@ -1,8 +1,8 @@
 """Dense-Jacobian ground truth for small models, independent of the VJP engine.
 
 ``dense_chain`` materialises every step's Jacobians; ``exact_gradient`` and each
-estimator's definition (``jagg_definition``, ``sdo_definition``, ``truncated_definition``,
-``alignprop_definition``)
+estimator's definition (``jagg_definition``, ``sdo_definition``, ``drtune_definition``,
+``truncated_definition``, ``alignprop_definition``)
 are evaluated from them by explicit matrix products. ``definition_gradient`` asks an
 estimator for its own definition (``EstimatorBase.definition``); ``expected_decisions`` for
 the decisions it must make, re-derived with the replays of
@@ -19,6 +19,7 @@ from gradest.reference.decisions import (
     decisions_mismatch,
     replay_normal,
     replay_probability_draw,
+    replay_stratified,
     replay_subset,
     replay_survival_depth,
     replay_uniform_int,
@@ -38,6 +39,12 @@ from gradest.reference.dense import (
     exact_noise_grad,
     relative_error,
     terminal_adjoints,
+)
+from gradest.reference.drtune_definition import (
+    drtune_definition,
+    inclusion_probabilities,
+    selection_moments,
+    selection_outcomes,
 )
 from gradest.reference.jagg_definition import jagg_definition, jagg_gate_cosines
 from gradest.reference.sdo_definition import (
@@ -62,10 +69,12 @@ __all__ = [
     "definition_gradient",
     "definition_noise_grad",
     "dense_chain",
+    "drtune_definition",
     "exact_cotangents",
     "exact_gradient",
     "exact_noise_grad",
     "expected_decisions",
+    "inclusion_probabilities",
     "jagg_definition",
     "jagg_gate_cosines",
     "keep_probabilities",
@@ -73,6 +82,7 @@ __all__ = [
     "relative_error",
     "replay_normal",
     "replay_probability_draw",
+    "replay_stratified",
     "replay_subset",
     "replay_survival_depth",
     "replay_uniform_int",
@@ -80,6 +90,8 @@ __all__ = [
     "sdo_definition",
     "sdo_full_sum_definition",
     "sdo_noise_grad_definition",
+    "selection_moments",
+    "selection_outcomes",
     "terminal_adjoints",
     "truncated_definition",
     "truncated_expectation",

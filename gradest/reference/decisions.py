@@ -9,7 +9,9 @@ trajectory the generator is untouched before the estimator's draws):
 * ``jagg``: the groups and nodes from the layout rules (own integer arithmetic), the gate
   outcomes from the dense velocities (:func:`~gradest.reference.jagg_definition.
   jagg_gate_cosines`), the debiasing steps replayed and ``N/m``;
-* ``sdo``: the sampled steps replayed and the factor from ``scale``;
+* ``sdo`` (and ``drtune``): the sampled steps replayed (a uniform subset, or with
+  ``select="stratified"`` the evenly spaced steps from the replayed offset,
+  :func:`replay_stratified`) and the factor from ``scale``;
 * ``truncated``, ``telescope``, ``refl``: the drawn depth or step replayed from the
   option's distribution (``telescope``'s survival law re-solved independently);
 * ``draft_lv``: the re-noising noise replayed;
@@ -43,6 +45,23 @@ DECISION_RTOL = 1e-9
 def replay_subset(num_steps: int, size: int, generator: torch.Generator) -> tuple[int, ...]:
     """A uniform ``size``-subset of ``0..N-1``: the first entries of ``randperm``, sorted."""
     return tuple(sorted(torch.randperm(num_steps, generator=generator)[:size].tolist()))
+
+
+def replay_stratified(num_steps: int, size: int, generator: torch.Generator) -> tuple[int, ...]:
+    """Systematic sampling of ``size`` steps of ``0..N-1``: one offset ``u = a/size`` with
+    ``a`` from one ``randint`` on ``{0, ..., N-1}``, then ``floor(u + j N/size)`` for
+    ``j = 0..size-1`` in exact rationals (:func:`stratified_steps`)."""
+    offset = replay_uniform_int(0, num_steps - 1, generator)
+    return stratified_steps(num_steps, size, Fraction(offset, size))
+
+
+def stratified_steps(num_steps: int, size: int, offset: Fraction) -> tuple[int, ...]:
+    """``floor(offset + j N/size)`` for ``j = 0..size-1``: the steps of a systematic sample
+    whose offset ``offset`` lies in ``[0, N/size)``."""
+    spacing = Fraction(num_steps, size)
+    if not 0 <= offset < spacing:
+        raise ValueError(f"offset {offset} is outside [0, {spacing})")
+    return tuple(math.floor(offset + j * spacing) for j in range(size))
 
 
 def replay_uniform_int(low: int, high: int, generator: torch.Generator) -> int:

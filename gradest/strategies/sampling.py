@@ -1,6 +1,7 @@
 """Random draws of the estimators (steps, depths, noise), and the stepwise VJP over steps.
 
-``sdo`` and ``jagg:debias`` draw subsets of timesteps, randomized ``truncated``,
+``sdo`` and ``jagg:debias`` draw subsets of timesteps (``sdo:select=stratified`` and
+``drtune`` evenly spaced ones with a random offset), randomized ``truncated``,
 ``telescope`` and ``refl`` a depth or a step, ``draft_lv`` re-noising noise, each **once
 per call**. Every draw goes through these helpers so that the only source of randomness
 is the ``generator`` passed to ``estimate`` (with ``None``, torch's default generator,
@@ -49,6 +50,30 @@ def draw_steps(num_steps: int, samples: int, generator: torch.Generator | None) 
     with outside_fake_mode():  # a host decision from a real generator
         order = torch.randperm(num_steps, generator=generator, device=_device(generator))
         return sorted(int(step) for step in order[:samples].tolist())
+
+
+def draw_stratified_steps(
+    num_steps: int, samples: int, generator: torch.Generator | None
+) -> list[int]:
+    """``samples`` evenly spaced steps of ``0..num_steps-1`` with one random offset, sorted.
+
+    Systematic sampling: with ``N = num_steps``, ``m = samples`` and one offset ``u``
+    uniform on ``[0, N/m)``, the steps are ``floor(u + j N/m)`` for ``j = 0..m-1``. The
+    points ``u + j N/m`` are a lattice of spacing ``N/m >= 1`` shifted uniformly over one
+    period, so the interval ``[k, k+1)`` of step ``k`` holds at most one of them, and on
+    average ``1 / (N/m)`` of one: each step is included with probability exactly ``m/N``
+    for every ``m <= N`` (what the ``N/m`` scaling of ``sdo`` relies on), and the steps
+    are distinct. ``u`` enters only through ``a = floor(m u)``, uniform on
+    ``{0, ..., N-1}``: ``floor(u + j N/m) = floor((m u + j N)/m) = (a + j N) // m``, since
+    ``a + jN`` is an integer and the fraction of ``m u`` adds less than ``1/m``. So the
+    offset is drawn as that integer (one ``randint``) and the steps follow in integer
+    arithmetic, with no rounding at the top of the range. ``m = 1`` is a uniform step
+    (``sdo``'s distribution), ``m = N`` every step.
+    """
+    if not 1 <= samples <= num_steps:
+        raise InvalidValue(f"cannot draw {samples} distinct steps out of {num_steps}")
+    offset = draw_uniform_int(0, num_steps - 1, generator)
+    return [(offset + j * num_steps) // samples for j in range(samples)]
 
 
 def draw_uniform_int(low: int, high: int, generator: torch.Generator | None) -> int:

@@ -11,15 +11,20 @@ where the exact ``c_k = beta_k a_{k+1}`` would carry the adjoint back through ev
 later state Jacobian ``dv_j/dz_j``. Only ``a_N`` is needed: no adjoint sweep. A stepwise
 objective already has cotangents independent of the chain; ``sdo`` uses ``c_k`` itself.
 
-VJP evaluation: ``m = samples`` steps ``S`` are drawn uniformly without replacement,
-once per call, from the ``generator``; their parameter VJPs are evaluated in one
-batched VJP and scaled::
+VJP evaluation: ``m = samples`` steps ``S`` are drawn once per call from the
+``generator``, uniformly without replacement (``select="uniform"``, the default) or
+evenly spaced with one random offset (``select="stratified"``, systematic sampling:
+``floor(u + j N/m)``, ``u ~ U[0, N/m)``; the ``drtune`` estimator,
+:mod:`gradest.strategies.drtune`); their parameter VJPs are evaluated in one batched VJP
+and scaled::
 
     g_sdo = (N / m) sum_{k in S} J_k^T c~_k        (scale="unbiased")
 
-Every step is in ``S`` with probability ``m/N``, so ``E[g_sdo] = sum_k J_k^T c~_k``, the
-**one-step sum** (``full_sum=True`` evaluates it deterministically). Memory: the graphs of
-the ``m`` drawn steps. (The record: ``ShortcutDiffusion.axes``,
+Under either selection every step is in ``S`` with probability ``m/N``
+(:func:`gradest.strategies.sampling.draw_stratified_steps` says why for the stratified
+one), so ``E[g_sdo] = sum_k J_k^T c~_k``, the **one-step sum** (``full_sum=True``
+evaluates it deterministically). The selections differ in variance only. Memory: the
+graphs of the ``m`` drawn steps. (The record: ``ShortcutDiffusion.axes``,
 :class:`gradest.axes.EstimatorAxes`.)
 
 What it drops, and the caveats of the SDO review (arXiv 2505.07477): the one-step sum
@@ -61,13 +66,51 @@ from gradest.context import EstimationContext
 from gradest.objectives import Objective
 from gradest.options import bool_option, choice_option, int_option, too_many_steps
 from gradest.protocol import Decisions, Definition
-from gradest.reference.decisions import replay_subset
+from gradest.reference.decisions import replay_stratified, replay_subset
 from gradest.reference.dense import DenseChain
 from gradest.reference.sdo_definition import sdo_definition, sdo_noise_grad_definition
-from gradest.strategies.sampling import draw_steps, stepwise_vjp_over
+from gradest.strategies.sampling import draw_steps, draw_stratified_steps, stepwise_vjp_over
 from gradest.vjp import ParamGradient, scale_grads
 
 SCALES = ("unbiased", "none")
+SELECTIONS = ("uniform", "stratified")
+
+
+def samples_option(default: int) -> int:
+    """The ``samples`` option (``m``) of the one-step estimators, with its default."""
+    return int_option(
+        default,
+        minimum=1,
+        doc="steps drawn per call, without replacement (m <= N)",
+        expect="an int >= 1 (and at most the number of sampler steps N)",
+    )
+
+
+def select_option(default: str) -> str:
+    """The ``select`` option (how the ``m`` steps are drawn), with its default."""
+    return choice_option(
+        default,
+        SELECTIONS,
+        doc="'uniform': a uniform m-subset; 'stratified': m evenly spaced steps, one random "
+        "offset (DRTune)",
+        expect="'uniform' (a uniform subset of the steps) or 'stratified' (evenly spaced "
+        "steps with a random offset)",
+    )
+
+
+def scale_option() -> str:
+    return choice_option(
+        "unbiased",
+        SCALES,
+        doc="'unbiased' scales the sampled sum by N/m; 'none' by 1",
+        expect="'unbiased' (factor N/samples) or 'none' (factor 1)",
+    )
+
+
+def full_sum_option() -> bool:
+    return bool_option(
+        False, doc="evaluate all N one-step terms (deterministic; ignores samples and scale)"
+    )
 
 
 def host_products_after(alpha: list[float]) -> list[float]:
@@ -91,15 +134,22 @@ class ShortcutDiffusion(EstimatorBase):
     """Shortcut diffusion optimization (SDO): one-step cotangents on a random subset of steps.
 
     Attributes:
-        samples: ``m``, the number of steps drawn (uniformly, without replacement, once
-            per call); at most the flow's ``N`` (checked when estimating, since ``N`` is
-            only known then). Ignored when ``full_sum=True``.
+        samples: ``m``, the number of steps drawn (without replacement, once per call);
+            at most the flow's ``N`` (checked when estimating, since ``N`` is only known
+            then). Ignored when ``full_sum=True``.
         scale: ``"unbiased"`` multiplies the sampled sum by ``N/m`` (unbiased for the
             full one-step sum); ``"none"`` uses factor 1: the plain sampled sum, at
             ``m=1`` the single-step gradient of the SDO implementation, ``m/N`` times the
             one-step sum in expectation. Ignored with ``full_sum``.
         full_sum: evaluate all ``N`` one-step terms deterministically, factor 1 (the
             expectation of the sampled estimator; for stepwise objectives this is exact).
+        select: how the ``m`` steps are drawn. ``"uniform"`` (default): a uniform
+            ``m``-subset (the first ``m`` entries of a random permutation).
+            ``"stratified"``: systematic sampling, ``floor(u + j N/m)`` for
+            ``j = 0..m-1`` with one offset ``u ~ U[0, N/m)`` (drawn as the integer
+            ``floor(m u)``, one ``randint``), DRTune's evenly spaced steps. Both include
+            every step with probability ``m/N``, so the scale and the expectation are the
+            same; only the variance differs. Ignored with ``full_sum``.
 
     The steps are drawn from the ``generator`` passed to ``estimate`` (with None, from
     torch's default generator: reproducible only through ``torch.manual_seed``).
@@ -112,25 +162,22 @@ class ShortcutDiffusion(EstimatorBase):
     name: ClassVar[str] = "sdo"
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="one-step (model-detached chain; stepwise: c_k itself)",
-        evaluation="m uniformly drawn steps in one batched VJP, scaled N/m (full_sum: all N)",
+        evaluation="m drawn steps (a uniform subset; select=stratified: evenly spaced, one "
+        "random offset) in one batched VJP, scaled N/m (full_sum: all N)",
         memory="no-graph rollout; graphs of the m drawn steps only (full_sum: all N at once)",
     )
 
-    samples: int = int_option(
-        1,
-        minimum=1,
-        doc="steps drawn per call, uniformly without replacement (m <= N)",
-        expect="an int >= 1 (and at most the number of sampler steps N)",
-    )
-    scale: str = choice_option(
-        "unbiased",
-        SCALES,
-        doc="'unbiased' scales the sampled sum by N/m; 'none' by 1",
-        expect="'unbiased' (factor N/samples) or 'none' (factor 1)",
-    )
-    full_sum: bool = bool_option(
-        False, doc="evaluate all N one-step terms (deterministic; ignores samples and scale)"
-    )
+    samples: int = samples_option(1)
+    scale: str = scale_option()
+    full_sum: bool = full_sum_option()
+    select: str = select_option("uniform")
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether an estimate depends on the generator: always, except with ``full_sum``.
+        Declared for ``gradest.compare``, which otherwise probes with two draws: a
+        stratified draw has as few as ``N/m`` outcomes, so two draws may agree."""
+        return not self.full_sum
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         steps, factor = self._draw(ctx)
@@ -166,7 +213,9 @@ class ShortcutDiffusion(EstimatorBase):
         if self.full_sum:
             steps, factor = list(range(num_steps)), 1.0
         else:
-            steps = ctx.ranks.same_ints(draw_steps(num_steps, self.samples, ctx.generator))
+            draw = draw_stratified_steps if self.select == "stratified" else draw_steps
+            # A host decision, rank 0's on every rank: the ranks make the same model calls.
+            steps = ctx.ranks.same_ints(draw(num_steps, self.samples, ctx.generator))
             factor = num_steps / self.samples if self.scale == "unbiased" else 1.0
         ctx.decide(SdoDecisions(sampled_steps=tuple(steps), scale=factor))
         return steps, factor
@@ -177,17 +226,19 @@ class ShortcutDiffusion(EstimatorBase):
         if not self.full_sum and self.samples > num_steps:
             # Clamping would silently change the estimator (and its scale); refuse.
             fix = f"use samples <= {num_steps}, or full_sum=True to evaluate every step"
-            raise too_many_steps("sdo", f"samples={self.samples}", num_steps, fix)
+            raise too_many_steps(self.name, f"samples={self.samples}", num_steps, fix)
 
     def expected_decisions(
         self, chain: DenseChain, objective: Objective, generator: torch.Generator
     ) -> SdoDecisions:
-        """The steps replayed from the generator; the factor from ``scale``."""
+        """The steps replayed from the generator (the selection's own replay); the factor
+        from ``scale``."""
         num_steps = chain.num_steps
         if self.full_sum:
             return SdoDecisions(sampled_steps=tuple(range(num_steps)), scale=1.0)
+        replay = replay_stratified if self.select == "stratified" else replay_subset
         return SdoDecisions(
-            sampled_steps=replay_subset(num_steps, self.samples, generator),
+            sampled_steps=replay(num_steps, self.samples, generator),
             scale=num_steps / self.samples if self.scale == "unbiased" else 1.0,
         )
 

@@ -128,17 +128,6 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
         )
 
 
-def check_cond(cond: Any) -> dict[str, Any]:
-    if cond is None:
-        return {}
-    if not isinstance(cond, Mapping):
-        raise InvalidType(
-            f"cond must be a dict of keyword arguments for model(z, t, **cond), "
-            f"got {type(cond).__name__}; e.g. cond={{'y': labels}}"
-        )
-    return dict(cond)
-
-
 def check_model_output(v: Any, z: Tensor, *, step: int | None = None) -> None:
     """The model's output is a real floating-point tensor shaped like the state.
 

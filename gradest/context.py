@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 
 from gradest._checks import (
-    check_cond,
     check_generator,
     check_model_modes,
     check_noise,
     is_symbolic,
     outside_fake_mode,
 )
+from gradest.conditioning import check_cond
 from gradest.errors import InvalidType, InvalidValue
 from gradest.nonfinite import NonFiniteError, check_finite, immediate_checks
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
@@ -150,7 +150,6 @@ class EstimationContext:
         self.generator = check_generator(
             generator, noise if noise is not None else getattr(trajectory, "states", None)
         )
-        cond = check_cond(cond)
         if noise is not None:
             check_noise(model, noise)
             batch = noise.shape[0]
@@ -169,6 +168,8 @@ class EstimationContext:
                 if trajectory.step_noise is None
                 else trajectory.step_noise.detach(),
             )
+        # The conditioning rule needs the batch (gradest.conditioning).
+        cond = check_cond(cond, batch)
         self.meter = CostMeter()
         self.field = VelocityField(
             model,

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from gradest import registry
+from gradest.conditioning import map_tensors
 from gradest.errors import InvalidValue
 from gradest.files import atomic_write_text, check_output_file
 from gradest.harness.call_replay import ReplayCalls
@@ -123,10 +124,7 @@ def model_setup(
         )
         velocity = problem.model.to("meta")
         noise = problem.noise_fn(0)
-        cond = {
-            k: v.to("meta") if isinstance(v, torch.Tensor) else v
-            for k, v in problem.cond_fn(0).items()
-        }
+        cond = map_tensors(dict(problem.cond_fn(0)), lambda v: v.to("meta"))
         settings.update(steps=n)
         return ModelSetup(model, velocity, tuple(noise.shape), cond, n, torch_dtype, settings)
     from gradest.integrations.diffusers_presets import diffusers_shapes, load_config

@@ -24,7 +24,7 @@ from gradest._checks import (
     outside_fake_mode,
 )
 from gradest._deprecation import sampler_keyword
-from gradest.conditioning import model_kwargs
+from gradest.conditioning import check_cond, model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.samplers import AffineSampler, same_grid
 
@@ -272,7 +272,7 @@ def rollout(
     Returns:
         A detached :class:`Trajectory`.
     """
-    from gradest._checks import check_allocation, check_cond, check_generator, check_noise
+    from gradest._checks import check_allocation, check_generator, check_noise
 
     flow = sampler
     check_sampler(flow)
@@ -286,7 +286,7 @@ def rollout(
         device=noise.device,
         detail="the recorded states and velocities",
     )
-    cond = check_cond(cond)
+    cond = check_cond(cond, noise.shape[0])
     check_generator(generator)
     with outside_fake_mode():  # the schedule is a host object, real under FakeTensorMode
         coefficients = flow.coefficients()

@@ -327,8 +327,9 @@ class VelocityField:
     Args:
         model: the velocity model, called as ``model(z, t, **cond)``.
         cond: keyword arguments for every call; per-sample tensors (first dimension the
-            batch size) are repeated when ``M`` states are stacked into one call, shared
-            values are not (:mod:`gradest.conditioning`).
+            batch size, at any depth of dict / list / tuple nesting) are repeated when
+            ``M`` states are stacked into one call, shared values are not (the one rule,
+            :mod:`gradest.conditioning`).
         batch_size: ``B``, the number of samples in one state.
         meter: where calls are counted.
         engine: ``"autograd"`` or ``"func"`` (see the module docstring).

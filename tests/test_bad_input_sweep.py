@@ -432,6 +432,19 @@ CASES: list[Case] = [
         "['label']",
     ),
     api(
+        "rollout(model, flow, noise, cond={1: labels})",
+        lambda: gradest.rollout(model, flow, noise, cond={1: torch.zeros(2)}),
+        "cond",
+        "1 (int)",
+    ),
+    api(
+        'estimate(..., cond={"extra": {"ids": {torch.zeros(2, 6)}}})',
+        lambda: estimate(cond={"extra": {"ids": {torch.zeros(2, 6)}}}),
+        "cond['extra']['ids']",
+        "(2, 6)",
+        "SharedCondition",
+    ),
+    api(
         "rollout(<model returning [B, D+1]>, flow, noise)",
         lambda: gradest.rollout(_WrongShape(), flow, noise),
         "model(z, t)",
@@ -1288,12 +1301,14 @@ dense reference or the hand-written loop in `tests/test_unusual_inputs.py`): tie
 under the first name), `torch.nn.utils.parametrize` (weight norm), layers in two dtypes
 (the noise must have one of them), a model that updates a buffer in its forward (it moves
 once per model call), conditioning values that are not per-sample (scalars, 0-dim tensors,
-non-tensors, and `[B, ...]` tensors wrapped in `gradest.SharedCondition`), noise that carries a
-graph or is expanded, a recorded trajectory whose tensors carry a graph (used as data:
-nothing flows back into it), a stochastic sampler's trajectory recorded without its step
-noise (estimates need only the recorded states), and a float32 velocity for a float64
-state. Degenerate shapes (one sample, one step, a window longer than the chain) give
-exact's answer where it is defined (`tests/test_nonfinite.py`).
+non-tensors, and `[B, ...]` tensors wrapped in `gradest.SharedCondition`), nested conditioning
+(dicts, lists and tuples of per-sample tensors at any depth, as SDXL's `added_cond_kwargs`:
+`tests/test_nested_conditioning.py`), noise that carries a graph or is expanded, a recorded
+trajectory whose tensors carry a graph (used as data: nothing flows back into it), a
+stochastic sampler's trajectory recorded without its step noise (estimates need only the
+recorded states), and a float32 velocity for a float64 state. Degenerate shapes (one
+sample, one step, a window longer than the chain) give exact's answer where it is defined
+(`tests/test_nonfinite.py`).
 
 Errors that come from the caller's backward of a surrogate loss, not from the call
 (`tests/test_adversarial_gradients.py`):

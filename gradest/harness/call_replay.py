@@ -29,6 +29,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest.conditioning import map_tensors, tensor_leaves, with_tensor_leaves
 from gradest.harness.cost import _FlopCounter, _StorageTracker
 from gradest.harness.fused_attention import MODEL_FLOP_FORMULAS
 
@@ -255,14 +256,16 @@ class ReplayCalls(nn.Module):
         self._no_grad: dict[tuple, tuple[_Cost, torch.Size, torch.dtype]] = {}
 
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
-        names = sorted(k for k, v in cond.items() if isinstance(v, Tensor))
-        tensors = [z, t, *(cond[k] for k in names)]
+        # Every tensor of cond, nested ones too (SDXL's added_cond_kwargs): all are inputs
+        # of the traced call, whose saved storages and gradients they may be.
+        leaves = tensor_leaves(cond)
+        tensors = [z, t, *leaves]
         if z.device.type != "meta" or any(c.requires_grad for c in tensors[1:]):
             return self.model(z, t, **cond)
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         records_graph = torch.is_grad_enabled() and (z.requires_grad or bool(parameters))
         key = (
-            _signature(tensors, cond, names),
+            _signature(tensors, cond),
             z.requires_grad,
             bool(parameters),
             records_graph,
@@ -270,8 +273,7 @@ class ReplayCalls(nn.Module):
         )
 
         def call(args: Sequence[Tensor]) -> Tensor:
-            rest = dict(cond) | dict(zip(names, args[2:], strict=True))
-            return self.model(args[0], args[1], **rest)
+            return self.model(args[0], args[1], **with_tensor_leaves(cond, list(args[2:])))
 
         if not records_graph:
             known = self._no_grad.get(key)
@@ -308,7 +310,9 @@ def _in_thread(work: Callable[[], Any]) -> Any:
         return pool.submit(in_grad_mode).result()
 
 
-def _signature(tensors: Sequence[Tensor], cond: Mapping[str, Any], names: Sequence[str]) -> tuple:
+def _signature(tensors: Sequence[Tensor], cond: Mapping[str, Any]) -> tuple:
+    """The tensors' shapes, dtypes and grad flags, and cond's structure with every other
+    value (the tensors' places only: their values do not change a meta call)."""
     shapes = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
-    others = tuple(sorted((k, repr(v)) for k, v in cond.items() if k not in names))
+    others = repr(sorted(map_tensors(cond, lambda _: "<tensor>").items()))
     return shapes, others

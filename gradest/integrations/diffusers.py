@@ -95,7 +95,10 @@ class DiffusersVelocity(nn.Module):
       ``guidance [B]`` with ``guidance_embeds``); the position ids ``img_ids [S, 3]`` and
       ``txt_ids [S_text, 3]`` have no batch dimension and go in ``fixed_kwargs``. Latents
       are packed, ``[B, S, in_channels]``.
-    * ``UNet2DConditionModel``: ``encoder_hidden_states [B, S, cross_attention_dim]``.
+    * ``UNet2DConditionModel``: ``encoder_hidden_states [B, S, cross_attention_dim]``;
+      configured like SDXL (``addition_embed_type="text_time"``) also the nested
+      ``added_cond_kwargs={"text_embeds": [B, D], "time_ids": [B, 6]}``, repeated in
+      stacked calls like the top-level tensors (:mod:`gradest.conditioning`).
 
     Args:
         transformer: the diffusers model (any ``*Transformer2DModel`` with a diffusers

@@ -23,6 +23,7 @@ import attrs
 import torch
 from torch import nn
 
+from gradest.conditioning import repeat_per_sample
 from gradest.errors import InvalidValue, MissingDependency
 
 __all__ = [
@@ -254,31 +255,6 @@ def _quiet_diffusers() -> Iterator[None]:
         diffusers_logging.set_verbosity(previous)
 
 
-class _AddedConditions(nn.Module):
-    """SDXL's ``added_cond_kwargs`` dict from two flat per-sample tensors.
-
-    gradest repeats per-sample conditioning tensors when it stacks states into one call;
-    a nested dict would be passed unrepeated, so the pooled text embedding and the size
-    ids travel as top-level ``cond`` entries and are put back into the dict here.
-    """
-
-    def __init__(self, velocity: nn.Module):
-        super().__init__()
-        self.velocity = velocity
-
-    def forward(
-        self,
-        z: torch.Tensor,
-        t: torch.Tensor,
-        *,
-        text_embeds: torch.Tensor,
-        time_ids: torch.Tensor,
-        **cond: Any,
-    ) -> torch.Tensor:
-        added = {"text_embeds": text_embeds, "time_ids": time_ids}
-        return self.velocity(z, t, added_cond_kwargs=added, **cond)
-
-
 class _GuidedBatch(nn.Module):
     """Classifier-free guidance's compute: every model call runs on both halves.
 
@@ -295,14 +271,12 @@ class _GuidedBatch(nn.Module):
 
     def forward(self, z: torch.Tensor, t: torch.Tensor, **cond: Any) -> torch.Tensor:
         rows = z.shape[0]
-
-        def doubled(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == rows:
-                return torch.cat([value, value])
-            return value
-
+        # Both halves get the rows' conditioning, nested (SDXL's added_cond_kwargs) too:
+        # gradest's one rule for per-sample values (gradest.conditioning).
         both = self.velocity(
-            torch.cat([z, z]), doubled(t), **{k: doubled(v) for k, v in cond.items()}
+            torch.cat([z, z]),
+            repeat_per_sample(t, rows, 2),
+            **repeat_per_sample(cond, rows, 2),
         )
         unconditional, conditional = both.chunk(2)
         return unconditional + self.scale * (conditional - unconditional)
@@ -317,7 +291,8 @@ class DiffusersShapes:
             :class:`~gradest.integrations.diffusers.DiffusersVelocity`, possibly wrapped).
         model: the diffusers model inside (parameters and LoRA layers live here).
         latent_shape: the shape of the noise ``z_0`` for the batch (packed for Flux).
-        cond: per-sample conditioning tensors, meta.
+        cond: per-sample conditioning tensors, meta (SDXL's ``added_cond_kwargs`` a nested
+            dict, repeated in stacked calls like the top-level tensors).
         family: ``sd3``, ``flux`` or ``unet``.
         diffusion: True for an epsilon-prediction UNet (sampled with DDIM), False for a
             flow-matching transformer (sampled with rectified flow).
@@ -326,7 +301,7 @@ class DiffusersShapes:
     velocity: nn.Module
     model: nn.Module
     latent_shape: tuple[int, ...]
-    cond: dict[str, torch.Tensor]
+    cond: dict[str, Any]
     family: str
     diffusion: bool
 
@@ -408,6 +383,7 @@ def diffusers_shapes(
 
     latent_h, latent_w = height // VAE_SCALE, width // VAE_SCALE
     fixed: dict[str, Any] = {}
+    cond: dict[str, Any]
     if family == "sd3":
         latent_shape: tuple[int, ...] = (batch, int(config["in_channels"]), latent_h, latent_w)
         cond = {
@@ -430,14 +406,16 @@ def diffusers_shapes(
         cond = {"encoder_hidden_states": tensor(batch, tokens, int(config["cross_attention_dim"]))}
     velocity: nn.Module = DiffusersVelocity(model, fixed_kwargs=fixed)
     if family == "unet" and config.get("addition_embed_type") == "text_time":
-        # SDXL: the pooled text embedding and six size / crop ids per sample.
+        # SDXL: the pooled text embedding and six size / crop ids per sample, nested as
+        # the UNet takes them (gradest repeats nested per-sample tensors like any other).
         time_ids = 6
         pooled = int(config["projection_class_embeddings_input_dim"]) - time_ids * int(
             config["addition_time_embed_dim"]
         )
-        cond["text_embeds"] = tensor(batch, pooled)
-        cond["time_ids"] = tensor(batch, time_ids)
-        velocity = _AddedConditions(velocity)
+        cond["added_cond_kwargs"] = {
+            "text_embeds": tensor(batch, pooled),
+            "time_ids": tensor(batch, time_ids),
+        }
     if cfg_scale is not None:
         velocity = _GuidedBatch(velocity, cfg_scale)
     return DiffusersShapes(

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradest._checks import check_cond, check_model
-from gradest.conditioning import model_kwargs
+from gradest._checks import check_model
+from gradest.conditioning import check_cond, model_kwargs
 from gradest.errors import InvalidValue
 from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory, check_sampler, check_trajectory_matches, model_time
@@ -32,7 +32,8 @@ def model_velocities(
     """``[N, B, ...]``: ``model(z_k, t_k, **cond)`` at every recorded state, without a graph."""
     check_model(model)
     checked_path(flow, trajectory)
-    kwargs = model_kwargs(check_cond(cond), trajectory.batch_size)
+    batch = trajectory.batch_size
+    kwargs = model_kwargs(check_cond(cond, batch), batch)
     states = trajectory.states
     out = []
     with torch.no_grad():

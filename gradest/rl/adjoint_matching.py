@@ -87,9 +87,9 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import check_cond, check_model
+from gradest._checks import check_model
 from gradest._deprecation import sampler_keyword
-from gradest.conditioning import model_kwargs
+from gradest.conditioning import check_cond, model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import StepwiseObjective
 from gradest.rl._common import check_recorded, checked_path
@@ -258,7 +258,8 @@ def lean_adjoint(
     flow = sampler
     check_model(base_model)
     checked_path(flow, trajectory)
-    kwargs = model_kwargs(check_cond(cond), trajectory.batch_size)
+    batch = trajectory.batch_size
+    kwargs = model_kwargs(check_cond(cond, batch), batch)
     states = trajectory.states
     a_next, losses = _terminal_adjoint(loss, states[-1])
     alpha, beta, _ = flow.coefficients()

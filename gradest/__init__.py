@@ -31,17 +31,17 @@ import warnings as _warnings
 # -- measuring and errors ---------------------------------------------------------------------
 # compare() measures estimators against exact into a Report; GradestError is the base of
 # every error gradest raises on purpose, NonFiniteError the one for NaN/Inf,
-# SurrogateOutdated the one for a surrogate backpropagated after its weights changed;
+# SurrogateOutdated the one for a surrogate backpropagated after its model changed;
 # GradestDeprecationWarning is what deprecated names and arguments warn with.
 # RL objectives (Flow-GRPO, adjoint matching) as a namespace: ``gradest.rl.grpo_objective``.
 from gradest import rl
 from gradest._deprecation import module_aliases as _module_aliases
 from gradest.axes import EstimatorAxes
-from gradest.base import EstimatorBase, SurrogateOutdated
+from gradest.base import EstimatorBase
 from gradest.conditioning import SharedCondition
 from gradest.context import EstimationContext
 from gradest.diffusion_samplers import DDIM
-from gradest.errors import GradestDeprecationWarning, GradestError
+from gradest.errors import GradestDeprecationWarning, GradestError, SurrogateOutdated
 from gradest.harness.compare import compare
 from gradest.harness.report import Report
 from gradest.nonfinite import NonFiniteError

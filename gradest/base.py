@@ -24,8 +24,10 @@ from gradest._checks import check_estimate_grads, trainable_parameters
 from gradest._deprecation import sampler_keyword, warn_deprecated
 from gradest._lone_rank import warn_if_lone_rank
 from gradest.context import EstimationContext
-from gradest.errors import GradestError, InvalidType, InvalidValue
+from gradest.errors import InvalidType, InvalidValue
+from gradest.errors import SurrogateOutdated as SurrogateOutdated  # its first home: re-exported
 from gradest.model_lock import grad_lock_for
+from gradest.model_state import ModelState, RecordedState
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError, deferred_checks
 from gradest.objectives import Objective, StepwiseObjective
 from gradest.protocol import (
@@ -85,37 +87,37 @@ def _refuse_unrelated_stepwise_loss(ctx: EstimationContext) -> None:
     )
 
 
-class SurrogateOutdated(GradestError, RuntimeError):
-    """A surrogate loss was backpropagated after its model's trainable parameters changed."""
-
-
-def _guard_backward(loss: Tensor, ctx: EstimationContext, estimator: str) -> None:
+def _guard_backward(
+    loss: Tensor, ctx: EstimationContext, estimator: str, start: ModelState
+) -> None:
     """Checks at the start of ``loss``'s backward (a hook on the loss; no host sync).
 
-    * The trainable parameters' version counters must be those of ``surrogate()`` time:
-      after an in-place update (``optimizer.step()``) the backward would mix the old
-      cotangents with the new weights (``exact:checkpoint=true`` recomputes its steps
-      with them; the others fail inside torch's in-place check), so every estimator
-      raises :class:`SurrogateOutdated` first.
+    * The model must be as ``surrogate()`` left it (:mod:`gradest.model_state`: every
+      parameter, buffer and submodule the same object at the same version, every module
+      in the same train/eval mode), less what the call's own forwards changed (``start``
+      is the fingerprint from before them). A changed model would make the backward
+      disagree with it: ``exact:checkpoint=true`` recomputes its steps with the model as
+      it is now (new weights, another dropout mode: a mixed gradient, or torch's raw
+      ``CheckpointError``), the other estimators' graphs hold the old tensors (a replaced
+      parameter gets no gradient; an in-place update fails inside torch's own check, or
+      not). So every estimator raises :class:`SurrogateOutdated` first, before any
+      gradient is computed or recomputation runs (the hook on the loss runs before the
+      backward reaches anything the loss was computed from).
     * Non-finite gradients produced by the backward itself are watched
       (:class:`~gradest.nonfinite.BackwardWatch`, one check at the end of the backward).
     """
     if not loss.requires_grad:
         return
-    parameters = list(ctx.field.trainable.values())
-    versions = [p._version for p in parameters]
-    watch = ctx.field.watch
+    field = ctx.field
+    recorded = RecordedState.between(start, field.model_state())
+    parameters = list(field.trainable.values())
+    watch = field.watch
     if watch is not None:
         watch.flow_times = ctx.times
         watch.estimator = estimator
 
     def on_backward(grad: Tensor) -> None:
-        if any(p._version != v for p, v in zip(parameters, versions, strict=True)):
-            raise SurrogateOutdated(
-                f"the model's trainable parameters changed between surrogate() and the "
-                f"backward of its loss (estimator {estimator}); call est.surrogate(...) again "
-                f"after optimizer.step() (or any in-place update) and backpropagate that loss"
-            )
+        recorded.check(field.model_state(), estimator)
         if watch is not None:
             watch.start(grad, parameters)
 
@@ -289,6 +291,9 @@ class EstimatorBase:
         ctx = EstimationContext(
             model, flow, objective, noise_grad=False, engine=engine, surrogate=True, **inputs
         )
+        # What the model is before the call's own forwards (its loss's backward refuses a
+        # model changed since, except where those forwards changed it themselves).
+        start = ctx.field.model_state()
         try:
             # The loss is for a backward: build its graph even when called under no_grad.
             with torch.enable_grad():
@@ -298,7 +303,7 @@ class EstimatorBase:
             err.locate(flow.times, repr(self))
             raise
         if loss is not None:
-            _guard_backward(loss, ctx, repr(self))
+            _guard_backward(loss, ctx, repr(self), start)
         if loss is None:
             raise InvalidType(
                 f"estimator {self!r} combined its gradients outside the engine, so it has no "

@@ -34,6 +34,16 @@ class Diverged(GradestError, FloatingPointError):
     """A training run produced NaN or Inf (rewards, gradient norms)."""
 
 
+class SurrogateOutdated(GradestError, RuntimeError):
+    """A surrogate loss was backpropagated after its model changed.
+
+    Raised at the start of the loss's backward, before any gradient is computed, when a
+    parameter, buffer or submodule was replaced or modified in place, or a module switched
+    between train and eval mode, since ``est.surrogate(...)`` built the loss
+    (:mod:`gradest.model_state`). A ``RuntimeError``: torch's own errors in a backward are.
+    """
+
+
 class GradestDeprecationWarning(DeprecationWarning, FutureWarning):
     """A deprecated gradest name or argument was used; the message shows the replacement.
 

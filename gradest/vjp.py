@@ -59,6 +59,7 @@ from gradest.model_lock import (
     lock_for,
     tensors_restored,
 )
+from gradest.model_state import ModelState
 from gradest.nonfinite import BackwardWatch, NonFiniteError, check_finite
 from gradest.replay import StepRandomness
 from gradest.trajectory import SamplerSteps, integrate
@@ -385,6 +386,13 @@ class VelocityField:
         first = next(iter(self.trainable.values()))
         self.randomness = StepRandomness(self.module, first.device, generator)
         self.watch = BackwardWatch() if surrogate else None
+
+    def model_state(self) -> ModelState:
+        """The model's fingerprint now (:mod:`gradest.model_state`), read under the shared
+        lock: a func-engine forward in another thread swaps tensors into the module, and
+        its temporary tensors are not a change of the model."""
+        with self._lock.shared():
+            return ModelState.of(self.model)
 
     # -- plumbing -------------------------------------------------------------------------
 

@@ -1274,8 +1274,9 @@ HEADER = """# Errors
 gradest checks its input before any work starts. A bad argument raises one of gradest's
 documented errors (`gradest.errors`: `InvalidValue` and `InvalidType`, which are a
 `ValueError` and a `TypeError`, and `UnknownEstimatorError`, `NonFiniteError`,
-`OutputError`, all subclasses of `gradest.GradestError`) whose message names the argument,
-the value and the fix; the command line prints the same message as one
+`OutputError`, and `SurrogateOutdated`, a `RuntimeError` raised by a surrogate loss's
+backward (below), all subclasses of `gradest.GradestError`) whose message names the
+argument, the value and the fix; the command line prints the same message as one
 `gradest <command>: error: ...` line and exits with status 2 (argparse's own errors, such
 as an unknown flag, print the usage first). Any other exception is a bug and the command
 line shows its traceback.
@@ -1311,15 +1312,24 @@ sample, one step, a window longer than the chain) give exact's answer where it i
 (`tests/test_nonfinite.py`).
 
 Errors that come from the caller's backward of a surrogate loss, not from the call
-(`tests/test_adversarial_gradients.py`):
+(`tests/test_adversarial_gradients.py`, `tests/test_surrogate_outdated.py`):
 
-- `sur.loss.backward()` after the model's trainable parameters changed in place since
-  `est.surrogate(...)` (an `optimizer.step()` in between) raises
-  `gradest.base.SurrogateOutdated` (a `GradestError` and a `RuntimeError`), for every
-  estimator: `the model's trainable parameters changed between surrogate() and the backward
-  of its loss (estimator ...); call est.surrogate(...) again after optimizer.step() (or any
-  in-place update) and backpropagate that loss`. The parameters' version counters are
-  compared at the start of the backward; `.grad` is untouched.
+- `sur.loss.backward()` after the model changed since `est.surrogate(...)` raises
+  `gradest.SurrogateOutdated` (a `GradestError` and a `RuntimeError`; also
+  `gradest.base.SurrogateOutdated`), for every estimator, naming each change: a parameter,
+  buffer or submodule replaced (`model.lin.weight = nn.Parameter(...)`, also with equal
+  values) or modified in place (an `optimizer.step()` in between, frozen parameters too),
+  or a module switched between train and eval: `the model changed between surrogate() and
+  the backward of its loss (estimator ...): parameter 'lin.weight' was replaced, module
+  'drop' switched train -> eval ...; ... call est.surrogate(...) again after changing the
+  model (...), or change the model after backward()`. The check runs at the start of the
+  backward, before any gradient is computed or any step recomputed
+  (`exact:checkpoint=true` once recomputed with the changed model: a mixed gradient, or
+  torch's `CheckpointError` after a dropout mode switch); `.grad` is untouched. Zeroing
+  gradients, a `no_grad` evaluation, an eval/train round trip and other surrogates built
+  or backpropagated in between (gradient accumulation) are not changes; neither is what
+  the model's own forwards change in the `surrogate()` call (a buffer it updates, DDP's
+  buffer broadcast, FSDP2's parameter swaps).
 - A NaN/Inf produced by the backward of a step (a custom autograd function, `sqrt` at 0)
   raises `NonFiniteError` at the end of that backward, with `.steps` the step(s) where it
   first appeared: `non-finite (NaN/Inf) gradient in the backward of the surrogate loss at

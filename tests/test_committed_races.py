@@ -1,27 +1,32 @@
 """The committed race results (docs/results/race_*) are what their raw data say.
 
 Each ``report.json`` holds the race's settings, the pretrained evaluation and every
-seed's curve; :meth:`RaceReport.load` rebuilds the report from those alone and recomputes
-every statistic. These tests check that the stored statistics and ``report.md`` are that
-recomputation, and that each paired difference to ``exact`` that docs/results.md quotes
-for a race's final budget is the recomputed one (as rounded there)."""
+seed's curve; :meth:`RaceReport.load` (:meth:`TunedRaceReport.load` for a tuned race)
+rebuilds the report from those alone and recomputes every statistic. These tests check
+that the stored statistics and ``report.md`` are that recomputation, and that a tuned
+race's report holds exactly its shard files. What the pages quote of them is checked by
+tests/test_quoted_numbers.py."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from gradest.errors import InvalidValue
-from gradest.harness.race import REFERENCE, RaceReport
+from gradest.harness.race import RaceReport
+from gradest.harness.race_shards import ShardKey, ShardStore, lr_label
+from gradest.harness.tuned_race import TUNED_SCHEMA, TunedRaceReport
 
 REPO = Path(__file__).resolve().parents[1]
-RACES = sorted(p.parent for p in (REPO / "docs" / "results").glob("race_*/report.json"))
+_FOLDERS = sorted(p.parent for p in (REPO / "docs" / "results").glob("race_*/report.json"))
+TUNED = [p for p in _FOLDERS if f'"schema": "{TUNED_SCHEMA}"' in (p / "report.json").read_text()]
+RACES = [p for p in _FOLDERS if p not in TUNED]
 
 
 def test_there_are_committed_races() -> None:
     assert len(RACES) >= 4, RACES
+    assert TUNED, "no committed tuned race"
 
 
 @pytest.mark.parametrize("folder", RACES, ids=lambda p: p.name)
@@ -31,50 +36,23 @@ def test_stored_statistics_are_recomputed_from_the_raw_curves(folder: Path) -> N
     assert report.to_markdown() == (folder / "report.md").read_text()
 
 
-def _signed(value: float, decimals: int) -> str:
-    text = f"{value:+.{decimals}f}"
-    return text.replace("-", "\N{MINUS SIGN}")
-
-
-def _mention(folder: Path, text: str) -> int | None:
-    """Where docs/results.md first names the race's folder (not a longer name)."""
-    found = re.search(rf"docs/results/{re.escape(folder.name)}(?![\w-])", text)
-    return None if found is None else found.start()
-
-
-def _section_of(folder: Path, text: str) -> str:
-    """The part of docs/results.md about one race: from the heading above its command (or
-    the first mention of its folder) to the next heading of that level."""
-    mention = _mention(folder, text)
-    assert mention is not None
-    start = text.rfind("\n## ", 0, mention)
-    end = text.find("\n## ", mention)
-    return text[start : end if end >= 0 else len(text)]
-
-
-@pytest.mark.parametrize("folder", RACES, ids=lambda p: p.name)
-def test_docs_quote_the_recomputed_differences(folder: Path) -> None:
-    """Every estimator's final paired difference to exact, if docs/results.md shows it,
-    is the recomputed mean and interval at the precision shown (1 to 4 decimals)."""
-    text = (REPO / "docs" / "results.md").read_text()
-    if _mention(folder, text) is None:
-        pytest.skip(f"docs/results.md does not present {folder.name}")
-    section = _section_of(folder, text)
-    summary = RaceReport.load(folder).summary()
-    quoted = 0
-    for spec, row in summary.items():
-        if spec == REFERENCE or f"`{spec}`" not in section:
-            continue
-        diff = row["points"][-1]["reward_minus_exact"]
-        forms = [
-            f"{_signed(diff['mean'], d)} [{_signed(diff['low'], d)}, {_signed(diff['high'], d)}]"
-            for d in range(1, 5)
-        ]
-        table_rows = [line for line in section.splitlines() if line.startswith(f"| `{spec}`")]
-        for line in table_rows:
-            assert any(form in line for form in forms), (spec, forms[1], line)
-            quoted += 1
-    assert quoted or "\n| " not in section, f"no table row of {folder.name} was checked"
+@pytest.mark.parametrize("folder", TUNED, ids=lambda p: p.name)
+def test_a_tuned_race_is_its_shards(folder: Path) -> None:
+    """A tuned race's report holds exactly its shards' rows (the raw data, one file per
+    run), and every statistic and the page are recomputed from them."""
+    report = TunedRaceReport.load(folder)
+    assert report.to_json() + "\n" == (folder / "report.json").read_text()
+    assert report.to_markdown() == (folder / "report.md").read_text()
+    store = ShardStore(folder, report.config["identity"])
+    lrs = {lr_label(lr): lr for lr in report.config["lrs"]}
+    for runs in (report.tuning, report.runs):
+        for spec, by_lr in runs.items():
+            for label, rows in by_lr.items():
+                for row in rows:
+                    shard = store.result(ShardKey(spec, lrs[label], row["seed"]))
+                    assert shard == row, (spec, label, row["seed"])
+    assert set(report.config["tune_seeds"]).isdisjoint(report.config["seeds"])
+    assert report.grid_warnings() == [], "a committed tuned race must be ready to quote"
 
 
 def test_load_refuses_what_is_not_a_race_report(tmp_path: Path) -> None:

@@ -100,6 +100,7 @@ __all__ = [
     "choose_lrs",
     "parse_lr_grid",
     "parse_seed_list",
+    "replay_shard",
     "tuned_race",
 ]
 
@@ -819,7 +820,9 @@ def _run_tuned_race(
         )
         return _ShardRunner(race, store, measured.pretrained, sampler, bar)
 
-    tuning_keys = [ShardKey(s, lr, seed) for s in specs for lr in grid for seed in tune_list]
+    # Seed-major: every estimator's first run comes first, so an estimator that fails on
+    # this task (an option the model cannot meet) fails in the first minutes, not hours in.
+    tuning_keys = [ShardKey(s, lr, seed) for seed in tune_list for lr in grid for s in specs]
     with tqdm(
         total=len(tuning_keys),
         desc=f"tuned race {task.name}",
@@ -876,3 +879,28 @@ def _run_tuned_race(
     for key in report_keys:
         runs[key.spec].setdefault(lr_label(key.lr), []).append(reported[key])
     return TunedRaceReport(config, initial, ceiling_run, tuning, runs)
+
+
+def replay_shard(
+    task: RaceTask, config: Mapping[str, Any], key: ShardKey, *, points: int
+) -> list[dict[str, Any]]:
+    """Rerun the shard ``key`` of a tuned race (``config``: its report's) up to its first
+    ``points`` evaluation points, and return that part of its curve: what a committed
+    curve must equal when the code still computes what it computed (the golden rerun)."""
+    if isinstance(points, bool) or not isinstance(points, int) or points < 1:
+        raise InvalidValue(f"points must be an int >= 1, got {points!r}")
+    measured = measure_budget(task, "exact_steps", float(config["budget_given"]["value"]))
+    race = _Race(
+        task=task,
+        kind="flops",
+        budget=measured.budget,
+        fractions=list(config["fractions"]),
+        flops_per_unit=measured.flops_per_unit,
+        state_path=None,
+        bar=_NoBar(),
+    )
+    run = race.new_run(key.spec, key.seed, measured.pretrained, lr=key.lr)
+    sampler = task.sampler()
+    while not run.done and len(run.curve) < points:
+        race.advance(run, sampler)
+    return run.curve[:points]

@@ -43,7 +43,7 @@ def _time_cell(entry: Mapping[str, Any]) -> str:
 def tuned_race_markdown(report: Any) -> str:
     """The page: settings, the decision table, time to target, reward per budget, tuning."""
     config, summary = report.config, report.summary()
-    fractions, levels = config["fractions"], config["levels"]
+    fractions = config["fractions"]
     ceiling = summary["ceiling"]
     specs = config["estimators"]
     budget = config["budget_exact_steps"]
@@ -90,53 +90,13 @@ def tuned_race_markdown(report: Any) -> str:
         "",
         "## Decision: who beats exact at equal compute",
         "",
-        "| budget (exact steps) | exact: lr, share of attainable gain | beat exact: Δ reward "
-        "[95% CI] | no clear difference | behind exact |",
-        "|---|---|---|---|---|",
-    ]
-    for row in summary["decision"]:
-        share = row["exact_share_of_attainable"]
-        exact_cell = f"{format_lr(row['exact_lr'])}, " + (
-            "-" if share is None else f"{100 * share:.1f}%"
-        )
-
-        def names(entries: list[dict[str, Any]], with_ci: bool) -> str:
-            if not entries:
-                return "none"
-            if with_ci:
-                return "; ".join(f"`{e['spec']}` {_signed(e['minus_exact'])}" for e in entries)
-            return ", ".join(f"`{e['spec']}`" for e in entries)
-
-        lines.append(
-            f"| {_steps(row['budget_exact_steps'])} | {exact_cell} | "
-            f"{names(row['beats_exact'], True)} | {names(row['no_clear_difference'], False)} | "
-            f"{names(row['behind_exact'], False)} |"
-        )
-    primary = f"{config['primary_level']:g}"
-    lines += [
+        *decision_table(summary),
         "",
         "## Time to target (exact steps of compute, at the lr chosen for "
         f"{100 * config['primary_level']:g}%)",
         "",
-        "| estimator | lr | "
-        + " | ".join(f"to {100 * level:g}% [CI] (seeds reached)" for level in levels)
-        + f" | ratio to exact at {100 * config['primary_level']:g}% [CI] |",
-        "|---|---|" + "---|" * len(levels) + "---|",
+        *time_to_target_table(config, summary),
     ]
-    for spec in specs:
-        entry = summary["time_to_target"][spec]
-        cells = [_time_cell(entry["levels"][f"{level:g}"]) for level in levels]
-        ratio = entry["levels"][primary]["ratio_to_exact"]
-        ratio_cell = (
-            "-"
-            if spec == REFERENCE
-            else (
-                "undefined (a seed did not reach it)" if ratio is None else _interval(ratio, ".3g")
-            )
-        )
-        lines.append(
-            f"| `{spec}` | {format_lr(entry['lr'])} | " + " | ".join(cells) + f" | {ratio_cell} |"
-        )
     lines += [
         "",
         "Per seed the first crossing of the target, linearly interpolated between evaluation "
@@ -204,3 +164,62 @@ def tuned_race_markdown(report: Any) -> str:
             cells.append(text)
         lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _names(entries: list[dict[str, Any]], with_ci: bool) -> str:
+    if not entries:
+        return "none"
+    if with_ci:
+        return "; ".join(f"`{e['spec']}` {_signed(e['minus_exact'])}" for e in entries)
+    return ", ".join(f"`{e['spec']}`" for e in entries)
+
+
+def decision_table(summary: Mapping[str, Any], fractions: list[float] | None = None) -> list[str]:
+    """The decision table's lines: per budget (all, or those ``fractions``), who beats exact
+    at equal compute (the paired interval above 0), who falls behind, who neither."""
+    lines = [
+        "| budget (exact steps) | exact: lr, share of attainable gain | beat exact: Δ reward "
+        "[95% CI] | no clear difference | behind exact |",
+        "|---|---|---|---|---|",
+    ]
+    for row in summary["decision"]:
+        if fractions is not None and row["fraction"] not in fractions:
+            continue
+        share = row["exact_share_of_attainable"]
+        exact_cell = f"{format_lr(row['exact_lr'])}, " + (
+            "-" if share is None else f"{100 * share:.1f}%"
+        )
+        lines.append(
+            f"| {_steps(row['budget_exact_steps'])} | {exact_cell} | "
+            f"{_names(row['beats_exact'], True)} | {_names(row['no_clear_difference'], False)} | "
+            f"{_names(row['behind_exact'], False)} |"
+        )
+    return lines
+
+
+def time_to_target_table(
+    config: Mapping[str, Any], summary: Mapping[str, Any], specs: list[str] | None = None
+) -> list[str]:
+    """The time-to-target table's lines (every estimator, or those ``specs``)."""
+    levels = config["levels"]
+    primary = f"{config['primary_level']:g}"
+    lines = [
+        "| estimator | lr | "
+        + " | ".join(f"to {100 * level:g}% [CI] (seeds reached)" for level in levels)
+        + f" | ratio to exact at {100 * config['primary_level']:g}% [CI] |",
+        "|---|---|" + "---|" * len(levels) + "---|",
+    ]
+    for spec in config["estimators"] if specs is None else specs:
+        entry = summary["time_to_target"][spec]
+        cells = [_time_cell(entry["levels"][f"{level:g}"]) for level in levels]
+        ratio = entry["levels"][primary]["ratio_to_exact"]
+        if spec == REFERENCE:
+            ratio_cell = "-"
+        elif ratio is None:
+            ratio_cell = "undefined (a seed did not reach it)"
+        else:
+            ratio_cell = _interval(ratio, ".3g")
+        lines.append(
+            f"| `{spec}` | {format_lr(entry['lr'])} | " + " | ".join(cells) + f" | {ratio_cell} |"
+        )
+    return lines

@@ -242,19 +242,27 @@ class DigitsRewardTask(RewardWithPrior, _DigitsTask):
     ceiling: float | None = REWARD_CEILING
     image_shape = IMAGE_SHAPE
 
-    def __init__(self, *, prior_weight: float = PRIOR_WEIGHT, **kwargs: Any) -> None:
+    def __init__(
+        self, *, prior_weight: float = PRIOR_WEIGHT, target: int = TARGET_DIGIT, **kwargs: Any
+    ) -> None:
         check_finite_at_least("prior_weight", prior_weight, 0.0)
-        self.prior_weight = prior_weight
+        if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < NUM_CLASSES:
+            raise InvalidValue(f"target must be a digit 0..9, got {target!r}")
+        self.prior_weight, self.target = prior_weight, target
         super().__init__(**kwargs)
-        self.reward = ClassifierReward(self.classifier, TARGET_DIGIT)
+        self.reward = ClassifierReward(self.classifier, target)
         self.train_images = load_digits_dataset("train")[0].to(self.device)
-        if (prior_weight, self.sampler_steps) != (PRIOR_WEIGHT, SAMPLER_STEPS):
-            # Measured for the default weight and sampler only (the optimum depends on both;
-            # not on the lr or the batch).
+        if (prior_weight, self.sampler_steps, target) != (
+            PRIOR_WEIGHT,
+            SAMPLER_STEPS,
+            TARGET_DIGIT,
+        ):
+            # Measured for the default weight, sampler and target only (the optimum depends
+            # on them; not on the lr or the batch). A tuned race measures its own.
             self.ceiling = None
 
     def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "target": TARGET_DIGIT, "prior_weight": self.prior_weight}
+        return {**super().settings(), "target": self.target, "prior_weight": self.prior_weight}
 
     def sampler(self) -> RectifiedFlow:
         return RectifiedFlow(steps=self.sampler_steps)
@@ -357,9 +365,10 @@ def digits_reward_task(
     batch: int = BATCH,
     sampler_steps: int = SAMPLER_STEPS,
     prior_weight: float = PRIOR_WEIGHT,
+    target: int = TARGET_DIGIT,
 ) -> DigitsRewardTask:
-    """``gradest race --model digits`` (AdamW at :data:`REWARD_RACE_LR`); every keyword but
-    the first two is a ``--task-option``."""
+    """``gradest race --model digits`` (AdamW at :data:`REWARD_RACE_LR` unless a tuned race
+    sets each run's lr); every keyword but the first two is a ``--task-option``."""
     return DigitsRewardTask(
         eval_samples=eval_samples,
         device=device,
@@ -367,6 +376,7 @@ def digits_reward_task(
         batch=batch,
         sampler_steps=sampler_steps,
         prior_weight=prior_weight,
+        target=target,
     )
 
 

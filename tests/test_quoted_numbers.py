@@ -1,0 +1,82 @@
+"""Every race number README.md and docs/*.md quote comes from the committed reports
+(gradest.harness.quoting): generated blocks equal what their reports give, and a section
+about a race holds no decimal number outside them. A number edited by hand fails here,
+whatever its formatting (bold, signed, in a table or in prose)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gradest.harness import quoting
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The pages that present results: their race sections say in words what the generated
+# tables show (docs/harness.md's race section documents the command, with its settings).
+RESULT_PAGES = {"README.md", "results.md", "estimators.md"}
+RACE_FIGURE = re.compile(r"[−+-]\d+\.\d+ \[[−+-]?\d+\.\d+, [−+-]?\d+\.\d+\]")
+
+
+def _problems(text: str, *, results: bool = True) -> list[str]:
+    updated = quoting.update_page(ROOT, text)
+    problems = quoting.stray_figures(updated) if results else []
+    if updated != text:
+        problems.append("a race-quote block differs from its report")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_quoted_race_numbers_are_the_reports(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    assert _problems(text, results=page.name in RESULT_PAGES) == []
+
+
+def test_the_headline_is_generated() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "<!-- race-quote tuned-headline docs/results/race_digits_tuned" in readme
+    assert "<!-- race-quote tuned-decision docs/results/race_digits_tuned" in readme
+
+
+def test_no_interval_stands_outside_a_generated_block() -> None:
+    """A difference with its interval (``+0.71 [+0.64, +0.77]``) is a race figure wherever
+    it stands: none is left outside the generated blocks, race section or not."""
+    for page in PAGES:
+        text = quoting._BLOCK.sub("", page.read_text(encoding="utf-8"))
+        assert not RACE_FIGURE.findall(text), page.name
+
+
+def test_a_figure_written_into_race_prose_fails() -> None:
+    page = "## The race\n\nsdo ended +0.71 above exact (`jagg:window=4,tau=0.9` aside).\n"
+    assert quoting.stray_figures(page) == ["+0.71 under '## The race'"]
+    assert quoting.stray_figures(page.replace("+0.71", "**+0.91**")) == [
+        "+0.91 under '## The race'"
+    ]
+    assert quoting.stray_figures("## Setup\n\nlr 2.5e-4, 16 seeds.\n") == []
+
+
+BLOCKS = [
+    (page, match)
+    for page in PAGES
+    for match in quoting._BLOCK.finditer(page.read_text(encoding="utf-8"))
+]
+
+
+@pytest.mark.parametrize(
+    ("page", "match"), BLOCKS, ids=[f"{p.name}:{m['args'][:40]}" for p, m in BLOCKS]
+)
+def test_a_number_edited_by_hand_inside_a_block_fails(page: Path, match: re.Match[str]) -> None:
+    """Changing a digit of a block's first decimal number, plain or in bold, is caught."""
+    text = page.read_text(encoding="utf-8")
+    body_start, body = match.start("body"), match["body"]
+    number = next((n for n in quoting._NUMBER.finditer(body) if "." in n.group()), None)
+    assert number is not None, f"{page.name}: a race-quote block without a decimal number"
+    token = number.group()
+    digits = token.rstrip("%")
+    edited = digits[:-1] + str((int(digits[-1]) + 3) % 10) + token[len(digits) :]
+    for replacement in (edited, f"**{edited}**"):
+        start = body_start + number.start()
+        changed = text[:start] + replacement + text[start + len(token) :]
+        assert _problems(changed), f"{page.name}: {token} -> {replacement} passed"

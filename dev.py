@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Set up gradest in ./.venv and run the main job or the tests; needs only python3.
+"""Set up gradest in ./.venv and run the main job, the tests or the checks; needs only python3.
 
     python3 dev.py demo     # the main job on the embedded default (gradest compare)
     python3 dev.py test     # the test suites of the library and of apps/* (extra
                             # arguments go to pytest)
+    python3 dev.py lint     # ruff check, ruff format --check, mypy (the library and both
+                            # applications) and mkdocs build --strict; all four run, and
+                            # it fails if any does (CI runs it before the tests)
 
 The environment is (re)installed when pyproject.toml or constraints.txt change. It pins
 torch through constraints.txt, so setup never pulls a different multi-GB torch build.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -28,12 +32,51 @@ APPS_PYPROJECTS = tuple(f"{app}/pyproject.toml" for app in APPS)
 APP_EXTRAS = {"apps/digits": "[tensorboard]", "apps/recipes": "[wandb]"}
 # The tests of the library and of each application.
 TEST_PATHS = ("tests", *(f"{app}/tests" for app in APPS))
+# What ruff checks and formats (tox's lint environment runs the same).
+LINT_PATHS = (
+    "gradest",
+    "apps",
+    "tests",
+    "benchmarks",
+    "examples",
+    "dev.py",
+    "docs/griffe_rst_roles.py",
+)
+
+
+def _checks(site: str) -> list[tuple[str, list[str]]]:
+    """``python3 dev.py lint``: each check's name and command, run from the root."""
+    return [
+        ("ruff check", [str(BIN / "ruff"), "check", *LINT_PATHS]),
+        ("ruff format --check", [str(BIN / "ruff"), "format", "--check", *LINT_PATHS]),
+        # pyproject.toml's [tool.mypy] names the packages: gradest and both applications.
+        ("mypy", [str(BIN / "mypy")]),
+        ("mkdocs build --strict", [str(BIN / "mkdocs"), "build", "--strict", "-d", site]),
+    ]
+
+
+def lint() -> int:
+    failed = []
+    with tempfile.TemporaryDirectory() as site:
+        for name, command in _checks(site):
+            print(f"dev.py lint: {name}", flush=True)
+            if subprocess.run(command, cwd=ROOT).returncode:
+                failed.append(name)
+    if failed:
+        print(f"dev.py lint: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    print("dev.py lint: all checks passed")
+    return 0
 
 
 def _fingerprint() -> str:
     digest = hashlib.sha256()
     for name in ("pyproject.toml", "constraints.txt", *APPS_PYPROJECTS):
         digest.update((ROOT / name).read_bytes())
+    # The version is written in gradest/__init__.py (pyproject reads it from there): a new
+    # one reinstalls, so the installed metadata says it too.
+    init = (ROOT / "gradest" / "__init__.py").read_text().splitlines()
+    digest.update("".join(line for line in init if line.startswith("__version__")).encode())
     return digest.hexdigest()
 
 
@@ -55,10 +98,12 @@ def ensure_environment() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test"):
+    if not argv or argv[0] not in ("demo", "test", "lint"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
     ensure_environment()
+    if argv[0] == "lint":
+        return lint()
     if argv[0] == "demo":
         command = [str(BIN / "gradest"), "compare", "--out", "runs/compare", *argv[1:]]
     else:

@@ -75,6 +75,8 @@ __getattr__ = _module_aliases(
     },
 )
 
+# The one place the version is written: pyproject.toml reads it from here (setuptools
+# dynamic metadata, read statically), tests/test_packaging.py checks the two agree.
 __version__ = "0.1.0"
 
 __all__ = [

@@ -177,17 +177,6 @@ class EstimatorBase:
             sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)`` (``flow=`` is
                 a deprecated spelling of this keyword).
             objective: ``TerminalObjective`` or ``StepwiseObjective``.
-            noise, trajectory, cond, generator: where the path comes from
-                (:class:`~gradest.protocol.SamplingInputs`): ``noise=`` initial noise
-                ``[B, ...]`` (the estimator samples itself, the cheapest way for its
-                strategy) or ``trajectory=`` a path recorded with ``gradest.rollout``;
-                ``cond=`` the model's keyword arguments; ``generator=`` the only source
-                of randomness.
-            noise_grad: also return the gradient w.r.t. the initial noise (terminal only).
-            on_nonfinite: ``"raise"`` (default) raises :class:`~gradest.NonFiniteError`
-                naming the tensor, the step and the estimator at the first NaN/Inf;
-                ``"skip"`` returns an estimate with empty ``grads`` and
-                ``info["nonfinite"]`` set (``result.usable`` is False).
             engine: how the VJPs are evaluated. ``"autograd"`` (default): the module is
                 called as itself and differentiated with ``torch.autograd.grad``, so hooks
                 and layer checkpointing run; measured as fast as a hand-written loop.
@@ -196,6 +185,20 @@ class EstimatorBase:
                 in ``python -m benchmarks.report``; no layer checkpointing; the model's
                 parameters are swapped in and out under a per-model lock). Both give the
                 same numbers (to float rounding); ``.grad`` is never written.
+
+        Keyword Args:
+            noise: initial noise ``[B, ...]``: the estimator samples the path itself, the
+                cheapest way for its strategy. ``noise``, ``trajectory``, ``cond`` and
+                ``generator`` say where the path comes from
+                (:class:`~gradest.protocol.SamplingInputs`).
+            trajectory: instead of ``noise``, a path recorded with ``gradest.rollout``.
+            cond: the model's keyword arguments.
+            generator: the only source of randomness.
+            noise_grad: also return the gradient w.r.t. the initial noise (terminal only).
+            on_nonfinite: ``"raise"`` (default) raises :class:`~gradest.NonFiniteError`
+                naming the tensor, the step and the estimator at the first NaN/Inf;
+                ``"skip"`` returns an estimate with empty ``grads`` and
+                ``info["nonfinite"]`` set (``result.usable`` is False).
 
         Returns:
             A :class:`~gradest.protocol.GradientEstimate` (``grads``, ``value``, ``cost``,
@@ -269,13 +272,13 @@ class EstimatorBase:
         backward (as for a hand-written loss); ``exact:checkpoint=true`` recomputes them in
         the backward instead.
 
-        Args: ``model``, ``sampler``, ``objective``, ``noise`` / ``trajectory`` / ``cond`` /
-            ``generator`` and ``engine`` as for :meth:`estimate` (no ``noise_grad``: the
-            loss is for the parameters). ``engine`` is validated and accepted so that both
-            verbs take the same arguments, but it does not change the result: the
-            parameter VJPs run in the caller's backward through the module called as
-            itself, and the cotangent work here uses autograd (what ``engine="func"``
-            would give, to float rounding).
+        The arguments are :meth:`estimate`'s: ``model``, ``sampler``, ``objective``,
+        ``noise`` / ``trajectory`` / ``cond`` / ``generator`` and ``engine`` (no
+        ``noise_grad``: the loss is for the parameters). ``engine`` is validated and
+        accepted so that both verbs take the same arguments, but it does not change the
+        result: the parameter VJPs run in the caller's backward through the module called
+        as itself, and the cotangent work here uses autograd (what ``engine="func"`` would
+        give, to float rounding).
 
         Returns:
             A :class:`~gradest.protocol.Surrogate` (``loss``, ``value``, ``cost``, ``info``,

@@ -146,9 +146,10 @@ class DDIM(TimeGrid):  # type: ignore[override]  # attrs' generated init gains f
             called (``[0, 1)`` for v- and x0-prediction) and ``(0, 1]`` at the end.
         prediction: the model's output: ``"epsilon"``, ``"v_prediction"`` or ``"sample"``.
         eta: DDIM's noise ratio ``>= 0`` (0 deterministic, 1 DDPM's posterior variance).
-        num_train_timesteps, timestep_shift: how a discrete-time model is called at grid
-            time ``t``: ``timestep = t * num_train_timesteps + timestep_shift``
+        num_train_timesteps: with ``timestep_shift``, how a discrete-time model is called
+            at grid time ``t``: ``timestep = t * num_train_timesteps + timestep_shift``
             (metadata for model adapters; the step does not use them).
+        timestep_shift: see ``num_train_timesteps``.
     """
 
     alphas_cumprod: Tensor

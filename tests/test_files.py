@@ -32,17 +32,59 @@ from gradest.files import (
 ROOT = os.name == "posix" and os.geteuid() == 0
 
 
+# A child that cannot import this checkout's gradest.files as nobody exits with this code.
+UNREACHABLE = 77
+
+
 def run_unprivileged(code: str) -> subprocess.CompletedProcess:
-    """``python -c code``; as root (who ignores file permissions) with uid/gid nobody."""
+    """``python -c code``; as root (who ignores file permissions) with uid/gid nobody.
+
+    As root, skips the calling test where nobody cannot run this checkout: the interpreter,
+    the checkout or its packages lie under a folder nobody may enter (a checkout in root's
+    own home, a clone in ``mktemp -d``). Then either the exec fails (raised here, in the
+    parent) or the child cannot import this checkout's ``gradest.files`` (it exits with
+    ``UNREACHABLE`` before running ``code``).
+    """
 
     def drop() -> None:
         if ROOT:
             os.setgid(65534)
             os.setuid(65534)
 
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=drop
+    import gradest.files
+
+    probe = (
+        "import sys\n"
+        "try:\n"
+        "    import gradest.files\n"
+        "except BaseException as err:\n"
+        "    print(f'cannot import gradest.files: {type(err).__name__}: {err}', file=sys.stderr)\n"
+        f"    sys.exit({UNREACHABLE})\n"
+        f"if gradest.files.__file__ != {gradest.files.__file__!r}:\n"
+        "    print(f'imports gradest.files from {gradest.files.__file__}', file=sys.stderr)\n"
+        f"    sys.exit({UNREACHABLE})\n"
     )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe + code], capture_output=True, text=True, preexec_fn=drop
+        )
+    except PermissionError as err:
+        if not ROOT:
+            raise
+        pytest.skip(
+            f"nobody cannot run {sys.executable} ({err.strerror}): it lies under a folder "
+            "an unprivileged user cannot enter"
+        )
+    if ROOT and done.returncode == UNREACHABLE:
+        reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no message"
+        pytest.skip(
+            f"nobody cannot import this checkout's gradest ({reason}): it lies under a "
+            "folder an unprivileged user cannot enter"
+        )
+    python_failed = done.returncode and "Permission denied" in done.stderr
+    if ROOT and python_failed and "gradest" not in done.stderr:
+        pytest.skip("the interpreter is not readable by an unprivileged user here")
+    return done
 
 
 def leftovers(folder) -> list[str]:
@@ -132,8 +174,6 @@ def test_a_read_only_folder_is_refused_up_front(tmp_path):
             "        print(err)\n"
         )
         done = run_unprivileged(code)
-        if done.returncode and "Permission denied" in done.stderr and "gradest" not in done.stderr:
-            pytest.skip("the interpreter is not readable by an unprivileged user here")
         lines = done.stdout.strip().splitlines()
         assert len(lines) == 2, done.stdout + done.stderr
         assert (

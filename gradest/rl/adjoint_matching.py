@@ -97,6 +97,7 @@ from gradest.samplers import AffineSampler, FlowSDE
 from gradest.trajectory import Trajectory, model_time
 
 MEMORYLESS_NOISE_LEVEL = math.sqrt(2.0)
+"""``sqrt(2)``: the noise level of ``FlowSDE`` that makes its SDE memoryless."""
 # MemorylessFlow takes Euler-Maruyama steps where |h_k| <= this * (1 - t_k), exact
 # Gaussian steps given the data prediction before (tests/test_memoryless.py).
 STIFFNESS_SWITCH = 0.2

@@ -54,6 +54,7 @@ from gradest.samplers import AffineSampler, FlowSDE, check_reduction, reduce_per
 from gradest.trajectory import Trajectory, check_trajectory_matches
 
 ADVANTAGE_EPS = 1e-4
+"""Added to a group's reward standard deviation in :func:`group_advantages`."""
 
 
 def group_advantages(rewards: Tensor, group_size: int) -> Tensor:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-# Standard errors (in norm) a mean may be from its expectation.
 SE_BOUND = 5.0
+"""Standard errors (in norm) a mean may be from its expectation (:func:`assert_unbiased`)."""
 # Chi-square goodness of fit: reject at this tail probability.
 CHI_SQUARE_TAIL = 1e-6
 

@@ -96,6 +96,7 @@ def perturbed_dit(config: str = "tiny", seed: int = 0, **overrides: object) -> n
 
 
 def seeded_normal(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> Tensor:
+    """A standard normal tensor of ``shape`` drawn from its own generator seeded ``seed``."""
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 

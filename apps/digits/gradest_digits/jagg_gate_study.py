@@ -35,7 +35,7 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -129,9 +129,7 @@ def param_vjp(model: nn.Module, chain: dict[str, Any], k: int, cotangent: Tensor
     return _flat(torch.autograd.grad(v, params, cotangent, allow_unused=True), params)
 
 
-def group_statistics(
-    model: nn.Module, chain: dict[str, Any], window: int
-) -> list[dict[str, float]]:
+def group_statistics(model: nn.Module, chain: dict[str, Any], window: int) -> list[dict[str, Any]]:
     """Per group: the true relative error and the candidate predictors."""
     steps = len(chain["velocities"])
     times = chain["times"]
@@ -141,13 +139,19 @@ def group_statistics(
             continue
         node_times = [times[j] for j in group.nodes]
         weights = lagrange_rows(node_times, [times[k] for k in group.steps])
-        exact = sum(param_vjp(model, chain, k, chain["cotangents"][k]) for k in group.steps)
+        exact = cast(
+            Tensor, sum(param_vjp(model, chain, k, chain["cotangents"][k]) for k in group.steps)
+        )
         node_cotangents = [
             sum(w[i] * chain["cotangents"][k] for w, k in zip(weights, group.steps, strict=True))
             for i in range(len(group.nodes))
         ]
-        approx = sum(
-            param_vjp(model, chain, j, g) for j, g in zip(group.nodes, node_cotangents, strict=True)
+        approx = cast(
+            Tensor,
+            sum(
+                param_vjp(model, chain, j, g)
+                for j, g in zip(group.nodes, node_cotangents, strict=True)
+            ),
         )
         interior = group.interpolated_steps
         cosines, velocity_errors = [], []

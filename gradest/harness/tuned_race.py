@@ -246,7 +246,11 @@ def choose_lrs(
         ]
         for lr in lrs
     }
-    by_fraction = [max(lrs, key=lambda lr, i=i: (means[lr][i], -lr)) for i in range(len(fractions))]
+    def best_at(index: int) -> float:
+        """The best mean reward at budget fraction ``index``; a tie goes to the smaller lr."""
+        return max(lrs, key=lambda lr: (means[lr][index], -lr))
+
+    by_fraction = [best_at(i) for i in range(len(fractions))]
     primary = None
     if target is not None:
 
@@ -693,7 +697,8 @@ def tuned_race(
             an ``lr`` (each run sets it).
         specs: estimator spec strings, ``"exact"`` among them.
         lrs: the grid, increasing (``parse_lr_grid`` reads the command line's form).
-        tune_seeds, seeds: the tuning and the report seeds, disjoint.
+        tune_seeds: the tuning seeds (the lrs are chosen on them).
+        seeds: the report seeds, disjoint from the tuning seeds.
         budget_exact_steps: the budget in FLOPs of that many exact training steps.
         fractions: the budget fractions every run is evaluated at (ending at 1).
         levels: the time-to-target levels, fractions of the attainable gain.

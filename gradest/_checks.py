@@ -333,7 +333,9 @@ def check_path_length(path: Any, *, what: str) -> None:
     encoded = os.fsencode(text)
     name_max, path_max = 255, 4096
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        anchor = Path(text).resolve().anchor or "/"
+        # abspath, not resolve(): resolving follows links, and a loop of links would raise
+        # (RuntimeError before Python 3.13) where only the anchor is wanted.
+        anchor = Path(os.path.abspath(text)).anchor or "/"
         name_max = os.pathconf(anchor, "PC_NAME_MAX")
         path_max = os.pathconf(anchor, "PC_PATH_MAX")
     for part in encoded.split(os.fsencode(os.sep)):
@@ -361,6 +363,50 @@ def estimator_label(est: Any) -> str:
     name = getattr(cls, "name", None)
     shown = name if isinstance(name, str) else cls.__name__
     return f"estimator {shown!r} ({cls.__module__}.{cls.__qualname__})"
+
+
+def check_surrogate(est: Any, result: Any) -> Any:
+    """What ``est.surrogate(...)`` returned: a record whose ``loss`` is a real scalar tensor.
+
+    Checked wherever gradest backpropagates a surrogate it did not build (a plugin's:
+    ``gradest cost``, ``gradest check``, ``auto``, the applications' training loops), so
+    that a plugin returning a bare tensor or a vector loss is one line naming it, not
+    torch's ``grad can be implicitly created only for scalar outputs`` (or an
+    ``AttributeError``) from inside the backward. Host metadata only (no device sync).
+
+    Returns:
+        ``result``, unchanged.
+    """
+    label = estimator_label(est)
+    expected = (
+        "expected a gradest.Surrogate whose loss is a scalar tensor (its autograd gradient "
+        "is the estimate)"
+    )
+    if not hasattr(result, "loss"):
+        if isinstance(result, Tensor):
+            raise InvalidType(
+                f"{label} returned a bare tensor of shape {tuple(result.shape)} from "
+                f"surrogate(); {expected}: return gradest.Surrogate(loss=..., value=..., "
+                f"cost=...)"
+            )
+        raise InvalidType(f"{label} returned {type(result).__name__} from surrogate(); {expected}")
+    loss = result.loss
+    if not isinstance(loss, Tensor):
+        raise InvalidType(
+            f"{label} returned a surrogate whose loss is a {type(loss).__name__}; {expected}"
+        )
+    if loss.numel() != 1:
+        raise InvalidValue(
+            f"{label} returned a surrogate loss of shape {tuple(loss.shape)}; a surrogate "
+            f"loss must be a scalar (one backward gives the estimate): reduce it with "
+            f".sum() in the plugin"
+        )
+    if not loss.is_floating_point():
+        raise InvalidType(
+            f"{label} returned a surrogate loss of dtype {loss.dtype}; it must be a real "
+            f"floating-point scalar (integers and complex numbers have no such gradient)"
+        )
+    return result
 
 
 def check_estimate_grads(

@@ -17,12 +17,14 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from gradest import cost_command, entry_points, registry
 from gradest._checks import check_path_length
 from gradest.commands import registered_commands
 from gradest.errors import GradestError, InvalidValue
-from gradest.files import OutputError, check_output_dir
+from gradest.files import check_output_dir, refuse_non_file
+from gradest.integers import WholeNumber
 from gradest.protocol import supports
 from gradest.specs import SPEC_LIST_EXAMPLE, spec_list_text, split_spec_list
 
@@ -112,39 +114,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             left = ", ".join(s for s in specs if s not in kept)
             print(f"gradest compare: {left} left out (no {args.objective} objectives)")
         specs = kept
-    for flag, value in (
-        ("--seeds", args.seeds),
-        ("--draws", args.draws),
-        ("--repeats", args.repeats),
-        ("--steps", args.steps),
-        ("--batch", args.batch),
-    ):
-        if value <= 0:
-            raise InvalidValue(f"{flag} must be >= 1, got {value}")
+    # --seeds, --draws, --repeats, --steps and --batch are whole numbers >= 1 by their type
+    # (gradest.integers.WholeNumber), checked as they are parsed.
     # Before the work, not after it (created only when the report is written).
     check_path_length(args.out, what=f"--out {args.out!r}")
     out = check_output_dir(args.out, what="--out", create=False)
     for name in ("report.md", "report.json"):
-        if (out / name).is_dir():
-            raise OutputError(f"--out {str(out)!r} cannot hold {name}: it is a folder there")
+        # Nothing but a regular file is ever replaced (gradest.files.refuse_non_file).
+        refuse_non_file(out / name, what=f"--out {str(out)!r} cannot hold {name}:")
     missing = None if args.no_plots else plots_unavailable()
     if missing is not None and not args.quiet:
         print(f"gradest compare: plots will be skipped: {missing}")
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise InvalidValue(f"--dtype must be float64 or float32, got {args.dtype!r}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        raise InvalidValue(
-            f"--device {args.device!r} is not a torch device; use cpu or cuda"
-        ) from err
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidValue(f"--device {args.device!r} is not supported; use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidValue(
-            f"--device {args.device} requested but CUDA is not available; use --device cpu"
-        )
+    _check_device(args.device)
     problem = embedded_problem(
         args.model,
         steps=args.steps,
@@ -191,6 +175,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if missing is not None:
         print(f"plots skipped: {missing}")
     return 0
+
+
+def _check_device(text: str) -> None:
+    """``--device``: cpu or cuda, and cuda only where torch sees a CUDA device (before any
+    model is built: one line instead of torch's error from deep inside)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError as err:
+        raise InvalidValue(f"--device {text!r} is not a torch device; use cpu or cuda") from err
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidValue(f"--device {text!r} is not supported; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidValue(f"--device {text} requested but CUDA is not available; use --device cpu")
 
 
 def _budget_flag(text: str) -> float:
@@ -243,6 +242,7 @@ def _cmd_race(args: argparse.Namespace) -> int:
             f"for 'digits' and 'digits-grpo'"
         )
     options = parse_task_options(tasks[args.model], args.task_option, model=args.model)
+    _check_device(args.device)  # compare's check: before the task loads its model
     check_path_length(args.out, what=f"--out {args.out!r}")
     out = check_output_dir(args.out, what="--out", create=False)
     missing = None if args.no_plots else plots_unavailable()
@@ -279,12 +279,25 @@ def _cmd_race(args: argparse.Namespace) -> int:
 _OWN_COMMANDS = ("list", "check", "compare", "race", "cost")
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: a flag's value refused while parsing (a type's error:
+    ``--batch -1`` under :mod:`gradest.integers`' rule, ``--seeds x``, a bad choice)
+    reaches :func:`main` as an ``ArgumentError``, printed as one line like every other
+    refusal (argparse would print the usage first); unknown and missing flags keep
+    argparse's usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("exit_on_error", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradest",
         description="Gradients through diffusion / flow-model sampling chains.",
+        exit_on_error=False,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     listing = sub.add_parser("list", help="list estimators and their options")
     listing.add_argument(
         "-v",
@@ -311,8 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"{SPEC_LIST_HELP} (default: every registered estimator with its defaults and "
         "the known truths of docs/design.md#known-truths)",
     )
-    check.add_argument("--steps", type=int, default=8, help="sampling steps N (default 8)")
-    check.add_argument("--seed", type=int, default=0, help="seed of model, noise and draws")
+    check.add_argument(
+        "--steps", type=WholeNumber(1), default=8, help="sampling steps N (default 8)"
+    )
+    check.add_argument(
+        "--seed", type=WholeNumber(0), default=0, help="seed of model, noise and draws"
+    )
     check.add_argument("--quiet", action="store_true", help="no progress bar")
     check.set_defaults(run=_cmd_check)
 
@@ -323,24 +340,35 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--model", default="mlp", help="embedded model: mlp, dit or digits (default mlp)"
     )
-    cmp.add_argument("--steps", type=int, default=50, help="sampling steps N (default 50)")
+    cmp.add_argument(
+        "--steps", type=WholeNumber(1), default=50, help="sampling steps N (default 50)"
+    )
     cmp.add_argument(
         "--estimators",
         default=COMPARE_DEFAULT,
         type=spec_list_text,
         help=f"{SPEC_LIST_HELP} (default: every built-in estimator in its recommended form)",
     )
-    cmp.add_argument("--seeds", type=int, default=16, help="trajectories (default 16)")
     cmp.add_argument(
-        "--draws", type=int, default=16, help="draws per trajectory of stochastic estimators"
+        "--seeds", type=WholeNumber(1), default=16, help="trajectories (default 16)"
     )
-    cmp.add_argument("--batch", type=int, default=8, help="samples per trajectory (default 8)")
+    cmp.add_argument(
+        "--draws",
+        type=WholeNumber(1),
+        default=16,
+        help="draws per trajectory of stochastic estimators",
+    )
+    cmp.add_argument(
+        "--batch", type=WholeNumber(1), default=8, help="samples per trajectory (default 8)"
+    )
     cmp.add_argument(
         "--objective", default="terminal", help="terminal or stepwise (default terminal)"
     )
     cmp.add_argument("--device", default="cpu", help="cpu or cuda")
     cmp.add_argument("--dtype", default="float64", help="float64 or float32")
-    cmp.add_argument("--repeats", type=int, default=3, help="wall-time repeats (median)")
+    cmp.add_argument(
+        "--repeats", type=WholeNumber(1), default=3, help="wall-time repeats (median)"
+    )
     cmp.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     cmp.add_argument("--no-sweeps", dest="sweeps", action="store_false", help="skip jagg sweeps")
     cmp.add_argument("--no-plots", action="store_true", help="skip PNG plots")
@@ -376,7 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="budget fractions the model is evaluated at (default 0.125,0.25,0.5,1)",
     )
     rc.add_argument(
-        "--eval-samples", type=int, default=256, help="fixed evaluation set size (>= 256)"
+        "--eval-samples",
+        type=WholeNumber(1),
+        default=256,
+        help="fixed evaluation set size (>= 256)",
     )
     rc.add_argument(
         "--task-option",
@@ -441,7 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing is not None:
         print(missing, file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except argparse.ArgumentError as err:
+        print(f"{_argument_prog(argv, err)}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
     try:
         if getattr(args, "config", None) is not None and getattr(args, "subparser", None):
             from gradest.config_file import parse_with_config
@@ -450,10 +485,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return int(args.run(args))
-    except GradestError as err:
+    except (GradestError, argparse.ArgumentError) as err:
         # gradest's own documented errors (bad input, unwritable output, missing extra, a
-        # plugin that failed: registry.PluginError): one line. Anything else is a bug and
-        # keeps its traceback.
+        # plugin that failed: registry.PluginError), and a flag refused when --config's
+        # settings are parsed again: one line. Anything else is a bug and keeps its
+        # traceback.
         print(f"gradest {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
@@ -477,6 +513,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _argument_prog(argv: Sequence[str], err: argparse.ArgumentError) -> str:
+    """``gradest <command>`` for a refused flag of a subcommand, ``gradest`` for the
+    subcommand's name itself (as argparse names them)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is None or err.argument_name == "command":
+        return "gradest"
+    return f"gradest {command}"
 
 
 def _one_line(err: BaseException) -> str:

@@ -35,7 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradest.errors import InvalidType, InvalidValue, MissingFile
+from gradest.errors import InvalidType, InvalidValue
+from gradest.files import read_text
+from gradest.integers import WholeNumber
 from gradest.specs import SPEC_LIST_EXAMPLE, format_spec_list, spec_list_text, split_spec_list
 
 # Flags that are about the invocation rather than the run's settings.
@@ -62,9 +64,14 @@ def _checked(key: str, value: Any, action: argparse.Action, path: Path) -> Any:
         # the file says the value.
         return value
     kind = action.type
-    if kind is int:
+    if kind is int or isinstance(kind, WholeNumber):
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidType(f"{where}: expected an integer (e.g. {key} = 3)")
+        if isinstance(kind, WholeNumber):  # the flag's own range, as on the command line
+            try:
+                value = kind.check(value)
+            except InvalidValue as err:
+                raise InvalidValue(f"{where}: {err}") from None
     elif kind is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidType(f"{where}: expected a number (e.g. {key} = 0.5)")
@@ -96,11 +103,12 @@ def _checked(key: str, value: Any, action: argparse.Action, path: Path) -> Any:
 def load_defaults(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The file's settings as ``{dest: value}`` for ``parser.set_defaults``, checked."""
     path = Path(path)
-    if not path.is_file():
-        raise MissingFile(f"--config {str(path)!r}: no such file")
+    # A regular file of UTF-8 text (gradest.files.read_text: a FIFO, a device or bytes
+    # that are not UTF-8 are one line naming the file).
+    text = read_text(path, what="--config")
     try:
-        table = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
         raise InvalidValue(f"--config {str(path)!r} is not valid TOML: {err}") from err
     settable = _settable(parser)
     defaults = {}

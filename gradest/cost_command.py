@@ -27,6 +27,7 @@ from gradest.errors import InvalidValue
 from gradest.files import atomic_write_text, check_output_file
 from gradest.harness.call_replay import ReplayCalls
 from gradest.harness.training_cost import TrainingCost, decisions_vary, training_step_cost
+from gradest.integers import WholeNumber, whole_number_problem
 from gradest.objectives import StepwiseObjective, TerminalObjective
 from gradest.samplers import RectifiedFlow
 from gradest.specs import spec_list_text, split_spec_list
@@ -88,10 +89,11 @@ def model_setup(
     if dtype not in DTYPES:
         raise InvalidValue(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise InvalidValue(f"--steps must be an int >= 1, got {steps!r}")
-    if lora_rank is not None and (not isinstance(lora_rank, int) or lora_rank < 1):
-        raise InvalidValue(f"--lora-rank must be an int >= 1, got {lora_rank!r}")
+    # The command line's rule for its integers (gradest.integers), for Python callers too.
+    for flag, value in (("--steps", steps), ("--batch", batch), ("--lora-rank", lora_rank)):
+        refused = None if value is None else whole_number_problem(value, minimum=1)
+        if refused is not None:
+            raise InvalidValue(f"{flag} {refused}")
     if cfg is not None and not (isinstance(cfg, int | float) and cfg == cfg):
         raise InvalidValue(f"--cfg must be a guidance scale (a number), got {cfg!r}")
     settings: dict[str, Any] = {
@@ -146,7 +148,7 @@ def model_setup(
     shapes = diffusers_shapes(
         config, batch=batch, height=height, width=width, dtype=torch_dtype,
         prompt_tokens=tokens, cfg_scale=cfg, lora_rank=lora_rank,
-        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing=gradient_checkpointing, source=f"--model {model!r}",
     )  # fmt: skip
     settings.update(
         height=height, width=width, steps=n, prompt_tokens=tokens, model_class=config["_class_name"]
@@ -257,15 +259,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder with config.json (SD3, Flux, UNet2DCondition), or an embedded model "
         "(mlp, dit)",
     )
+    # Every integer flag is a whole number >= 1 within int64 (gradest.integers).
+    count = WholeNumber(1)
     parser.add_argument(
         "--steps",
-        type=int,
+        type=count,
         default=None,
         help="sampling steps N (default: the preset's pipeline default; 50 for mlp / dit)",
     )
-    parser.add_argument("--height", type=int, default=None, help="image height in pixels")
-    parser.add_argument("--width", type=int, default=None, help="image width in pixels")
-    parser.add_argument("--batch", type=int, default=1, help="images per step (default 1)")
+    parser.add_argument("--height", type=count, default=None, help="image height in pixels")
+    parser.add_argument("--width", type=count, default=None, help="image width in pixels")
+    parser.add_argument("--batch", type=count, default=1, help="images per step (default 1)")
     parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     parser.add_argument(
         "--estimators",
@@ -276,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt-tokens",
-        type=int,
+        type=count,
         default=None,
         help="text tokens per prompt (default 333 SD3, 512 Flux, 77 SDXL)",
     )
@@ -290,7 +294,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lora-rank",
-        type=int,
+        type=count,
         default=None,
         help="train LoRA adapters of this rank on the attention projections "
         "(default: full fine-tuning)",
@@ -311,7 +315,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"device memory sizes to check, comma-separated (default {DEFAULT_MEMORY})",
     )
     parser.add_argument(
-        "--draws", type=int, default=4, help="draws averaged for stochastic estimators (default 4)"
+        "--draws",
+        type=count,
+        default=4,
+        help="draws averaged for stochastic estimators (default 4)",
     )
     parser.add_argument(
         "--attention",

@@ -20,6 +20,13 @@ Three rules, for every file gradest writes (checkpoints, logs, reports, pretrain
 * **Never through a link.** :class:`JsonLog` refuses to append to or rewrite a log that
   is a symbolic link (its target may lie outside the run's folder);
   :func:`refuse_symlinks` checks the entries a run will write, before it writes any.
+* **Only onto files.** A path gradest writes that exists and is not a regular file (a
+  character device such as ``/dev/null``, a FIFO, a socket, a block device, a folder;
+  through a symbolic link too) is refused in one line naming it, never replaced:
+  :func:`atomic_write` would otherwise put a regular file where the device node or pipe
+  was, and an append to a FIFO waits for a reader forever. :func:`refuse_non_file` is
+  the rule; :func:`check_output_file`, :func:`atomic_write` and :class:`JsonLog` apply
+  it, and so does :func:`read_text` to what gradest reads back (a config file).
 
 Temporary files are named ``.<name>.<random>.tmp`` beside their target;
 :func:`remove_stale_temporaries` clears those a killed process left behind.
@@ -32,13 +39,15 @@ import errno
 import io
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from gradest._checks import check_path_length
-from gradest.errors import GradestError
+# Re-exported: the path-length rule is part of the output checks (applications use it).
+from gradest._checks import check_path_length as check_path_length
+from gradest.errors import GradestError, InvalidValue, MissingFile
 
 _TMP_SUFFIX = ".tmp"
 
@@ -57,8 +66,97 @@ def _reason(err: OSError) -> str:
         errno.EPERM: "permission denied",
         errno.ENOTDIR: "a part of the path is a file, not a folder",
         errno.EISDIR: "it is a folder",
+        errno.ELOOP: "the path goes through a loop of symbolic links",
+        errno.ENAMETOOLONG: "a name in the path is longer than the file system allows",
     }
     return hints.get(err.errno or 0, err.strerror or type(err).__name__)
+
+
+# What stands at a path, by the file-type bits of its mode (the message names it).
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _existing_kind(path: Path, what: str, *, error: type[GradestError] | None = None) -> str | None:
+    """What is at ``path`` if it is not a regular file (``"a character device"``, ...);
+    None for a regular file or nothing at all (a dangling link is nothing: writing
+    replaces the link). A path that cannot even be looked at (a loop of links, a name too
+    long) is refused here, so that no caller meets a raw ``OSError``."""
+    try:
+        mode = os.stat(path).st_mode  # follows links: a link to /dev/null is a device
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        raise (error or OutputError)(
+            f"{what} {str(path)!r} cannot be used: {_reason(err)}; pass another path"
+        ) from None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def refuse_non_file(path: str | os.PathLike[str], *, what: str) -> None:
+    """Refuse a path that exists and is not a regular file, before anything is written.
+
+    gradest writes only regular files. A character device (``/dev/null``), a FIFO, a
+    socket or a block device at an output path would be *replaced* by the atomic write
+    (``os.replace`` puts the new file where the node was: as root, ``--json /dev/null``
+    would remove the device), or block (a FIFO without a reader); a folder cannot hold a
+    file's content. So each is one line naming the path and the fix. Nothing is written,
+    opened or followed for writing here.
+
+    Raises:
+        OutputError: naming ``what``, the path, what is there and the fix.
+    """
+    target = Path(path)
+    kind = _existing_kind(target, what)
+    if kind is None:
+        return
+    if kind == "a folder":
+        raise OutputError(f"{what} {str(target)!r} is a folder; pass a file path such as model.pt")
+    raise OutputError(
+        f"{what} {str(target)!r} is {kind}, not a regular file; gradest writes only regular "
+        f"files and never replaces a device, pipe or socket: pass a file path such as "
+        f"results.json"
+    )
+
+
+def read_text(path: str | os.PathLike[str], *, what: str) -> str:
+    """The UTF-8 text of a file gradest reads back (a config, settings), or one line.
+
+    The same rule as for writing: the path must be a regular file (reading a FIFO waits
+    for a writer forever, a device is not a config), and its bytes UTF-8 (what every
+    writer of gradest writes; TOML requires it).
+
+    Raises:
+        MissingFile: nothing is there.
+        InvalidValue: a folder, a device, a pipe, a socket; or bytes that are not UTF-8
+            (naming the first bad byte's offset).
+    """
+    source = Path(path)
+    kind = _existing_kind(source, what, error=InvalidValue)  # a read: not an OutputError
+    if kind is not None:
+        raise InvalidValue(
+            f"{what} {str(source)!r} is {kind}, not a regular file; pass the path of a file"
+        )
+    if not source.exists():
+        raise MissingFile(f"{what} {str(source)!r}: no such file")
+    try:
+        data = source.read_bytes()
+    except OSError as err:
+        raise InvalidValue(f"{what} {str(source)!r} cannot be read: {_reason(err)}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidValue(
+            f"{what} {str(source)!r} is not UTF-8 text (byte {data[err.start]:#04x} at offset "
+            f"{err.start}); save it as UTF-8"
+        ) from None
 
 
 def check_output_dir(path: str | os.PathLike[str], *, what: str, create: bool = True) -> Path:
@@ -75,8 +173,10 @@ def check_output_dir(path: str | os.PathLike[str], *, what: str, create: bool = 
     """
     folder = Path(path)
     check_path_length(folder, what=what)
-    if folder.exists() and not folder.is_dir():
-        raise OutputError(f"{what} {str(folder)!r} is a file; pass a folder path")
+    kind = _existing_kind(folder, what)  # a loop of links is refused here, in one line
+    if kind != "a folder" and folder.exists():
+        shown = "a file" if kind is None else kind
+        raise OutputError(f"{what} {str(folder)!r} is {shown}; pass a folder path")
     probe_in = folder
     if not create:
         while not probe_in.exists() and probe_in.parent != probe_in:
@@ -102,10 +202,11 @@ def check_output_dir(path: str | os.PathLike[str], *, what: str, create: bool = 
 
 def check_output_file(path: str | os.PathLike[str], *, what: str) -> Path:
     """Check that the file ``path`` can be (re)written: its folder exists or can be made and
-    is writable, and ``path`` is not a folder. Before any work."""
+    is writable, and ``path`` is nothing or a regular file (:func:`refuse_non_file`: not
+    a folder, a device, a FIFO or a socket). Before any work; nothing is written."""
     target = Path(path)
-    if target.is_dir():
-        raise OutputError(f"{what} {str(target)!r} is a folder; pass a file path such as model.pt")
+    check_path_length(target, what=what)
+    refuse_non_file(target, what=what)
     try:
         check_output_dir(target.parent, what="its folder")
     except OutputError as err:
@@ -136,11 +237,15 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]
     """Write ``path`` through ``write(binary_file)`` atomically (temporary file + replace).
 
     Raises:
-        OutputError: the temporary could not be written or moved (disk full, read-only,
-            file-size limit); ``path`` keeps its previous content.
+        OutputError: ``path`` is not a regular file (:func:`refuse_non_file`: checked
+            before the temporary is made and again just before the replace, which would
+            put a file where a device or pipe was); or the temporary could not be written
+            or moved (disk full, read-only, file-size limit); ``path`` keeps its previous
+            content.
     """
     target = Path(path)
     folder = target.parent
+    refuse_non_file(target, what="output file")
     try:
         handle, temporary = tempfile.mkstemp(
             prefix=f".{target.name}.", suffix=_TMP_SUFFIX, dir=folder
@@ -154,13 +259,15 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]
             write(file)
             file.flush()
             os.fsync(file.fileno())
+        # Again: a slow writer leaves time for a pipe or device to appear at the path.
+        refuse_non_file(target, what="output file")
         os.replace(temporary, target)
     except OSError as err:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         kept = "the previous file is unchanged" if target.exists() else "nothing was written"
         raise OutputError(f"cannot write {str(target)!r}: {_reason(err)}; {kept}") from None
-    except BaseException:
+    except BaseException:  # OutputError of the second check included
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
@@ -227,7 +334,15 @@ def refuse_symlinks(paths: Iterable[str | os.PathLike[str]], *, what: str) -> No
     """
     for entry in paths:
         path = Path(entry)
-        if path.is_symlink():
+        try:
+            is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            is_link = False
+        except OSError as err:  # a name too long, a loop on the way: one line, not a raw OSError
+            raise OutputError(
+                f"{what}: {str(path)!r} cannot be used: {_reason(err)}; pass another path"
+            ) from None
+        if is_link:
             try:
                 target = os.readlink(path)
             except OSError:
@@ -261,6 +376,7 @@ class JsonLog:
 
     def _refuse_link(self) -> None:
         refuse_symlinks([self.path], what="the log")
+        refuse_non_file(self.path, what="the log")
 
     def _drop_partial_tail(self) -> None:
         """Cut a partial last line off (only when about to write)."""
@@ -284,6 +400,8 @@ class JsonLog:
             JsonLogError: a whole line is not a JSON object, naming the file and the line
                 (the file is left as it is).
         """
+        # Reading a FIFO would wait for a writer forever: the same rule as for writing.
+        refuse_non_file(self.path, what="the log")
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
@@ -322,11 +440,18 @@ class JsonLog:
         """
         line = (json.dumps(record) + "\n").encode("utf-8")
         self._drop_partial_tail()
+        # O_NONBLOCK: a FIFO put at the path since the check fails to open (no reader)
+        # instead of blocking; the fstat below then refuses anything but a regular file.
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        flags |= getattr(os, "O_NONBLOCK", 0)
         try:
             handle = os.open(self.path, flags, 0o644)
         except OSError as err:
             raise OutputError(f"cannot append to {str(self.path)!r}: {_reason(err)}") from None
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            os.close(handle)
+            refuse_non_file(self.path, what="the log")
+            raise OutputError(f"cannot append to {str(self.path)!r}: not a regular file")
         try:
             before = os.fstat(handle).st_size
             try:

@@ -14,6 +14,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest._checks import check_surrogate as check_surrogate  # public here, for callers
 from gradest._deprecation import warn_deprecated
 from gradest.objectives import Objective
 from gradest.samplers import AffineSampler

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import sys
 import tempfile
@@ -835,6 +836,12 @@ CASES: list[Case] = [
         "random=5",
     ),
     api(
+        'estimator("truncated", random=np.array([[0.5, 0.5]]))',
+        lambda: gradest.estimator("truncated", random=np.array([[0.5, 0.5]])),
+        "random=",
+        "(1, 2)",
+    ),
+    api(
         'estimator("truncated", k=2, random=(0.5, 0.5))',
         lambda: gradest.estimator("truncated", k=2, random=(0.5, 0.5)),
         "k=2",
@@ -1170,6 +1177,15 @@ CASES: list[Case] = [
         argv=("compare", "--out", "{file}"),
     ),
     command("compare --seeds x", "--seeds", "'x'"),
+    command("cost --model mlp --batch -1", "--batch", "-1"),
+    command("cost --model mlp --steps 99999999999999999999", "--steps", "99999999999999999999"),
+    command(
+        "cost --model mlp --json <a FIFO>",
+        "--json",
+        "FIFO",
+        elide=(r"'[^']*'",),
+        argv=("cost", "--model", "mlp", "--json", "{fifo}", "--quiet"),
+    ),
     command("compare --bogus", "--bogus"),
     command("check --steps 0", "--steps", "0"),
     command("check --estimators nope", "'nope'", elide=AVAILABLE),
@@ -1180,6 +1196,14 @@ CASES: list[Case] = [
 
 if not torch.cuda.is_available():
     CASES.append(command("compare --device cuda", "--device", "cuda", gap="no fix (--device cpu)"))
+    CASES.append(
+        command(
+            "race --model digits --budget 8x --device cuda",
+            "--device",
+            "cuda",
+            argv=("race", "--model", "digits", "--budget", "8x", "--device", "cuda", "--quiet"),
+        )
+    )
 
 _BY_INPUT = {case.input: case for case in CASES}
 assert len(_BY_INPUT) == len(CASES), "duplicate inputs in CASES"
@@ -1208,10 +1232,14 @@ def _error_label(error: BaseException) -> str:
 
 
 def _argv(case: Case, scratch: Path) -> list[str]:
-    """The case's argv with ``{file}`` replaced by an existing file in ``scratch``."""
+    """The case's argv with ``{file}`` replaced by an existing file in ``scratch``, and
+    ``{fifo}`` by a FIFO there."""
     existing = scratch / "report.md"
     existing.write_text("")
-    return [arg.replace("{file}", str(existing)) for arg in case.argv]
+    fifo = scratch / "pipe"
+    if any("{fifo}" in arg for arg in case.argv):
+        os.mkfifo(fifo)
+    return [arg.replace("{file}", str(existing)).replace("{fifo}", str(fifo)) for arg in case.argv]
 
 
 def outcome(case: Case) -> Outcome:
@@ -1394,6 +1422,27 @@ variants of each):
 - **Output paths.** `gradest compare` checks `--out` before the work: a path component
   longer than the file system's name limit (255 bytes) or a path longer than its path
   limit, a folder where the report's files go, a file on the way, an unwritable folder.
+  Every file gradest writes (reports, `gradest cost --json`, checkpoints, logs, settings,
+  plots; `gradest.files`) is refused in one line, never replaced, where the path exists
+  and is not a regular file: a character device such as `/dev/null`, a FIFO, a socket, a
+  block device or a folder, through a symbolic link too; so is a path through a loop of
+  symbolic links. A config file read back (`--config`) must be a regular file of UTF-8
+  text (`tests/test_refusals_by_principle.py`).
+- **Integers.** Every integer flag of every command (`--batch`, `--steps`, `--seeds`,
+  `--seed`, `--lora-rank`, ...) has one type, `gradest.integers.WholeNumber`: a whole
+  number in the flag's range (sizes and counts >= 1, seeds and offsets >= 0) and within
+  int64 (what torch holds), so `2.5`, `-1`, `0` and a 20-digit number are one line
+  naming the flag; the same rule holds for a `--config` file's values and, for
+  overflow, for `--task-option` integers (whose range is the task's).
+- **diffusers configs.** `gradest cost` checks every field of a diffusers config (a
+  preset or a user's `config.json`) before building, against the diffusers class's own
+  `__init__` (its annotations and defaults, read with `inspect`): a field left out gets
+  diffusers' default, a given one the annotated type (no `null`, bool, float or string
+  for a size), every integer a size or a count >= 1 (`num_layers=-1` would price a model
+  without layers) except offsets and indices (>= 0), and the family's relations hold
+  (SD3's caption projection as wide as its blocks, Flux's rope axes summing to the head
+  size, a UNet's widths divisible by its heads and norm groups, per-block lists as long
+  as the blocks); each refusal names the field, the value and the fix.
 - **Reports.** Non-finite values are shown as such: `nan`, `inf` in report.md (`-` is
   "not measured"), and report.json stays strict JSON (`json.dumps(allow_nan=False)`):
   a non-finite float is the string `"NaN"`, `"Infinity"` or `"-Infinity"`.

@@ -373,7 +373,7 @@ def test_stochastic_costs_are_averaged_over_draws():
     [
         (["--estimators", "exakt"], "unknown estimator 'exakt'"),
         (["--estimators", ""], "--estimators is empty"),
-        (["--seeds", "0"], "--seeds must be >= 1"),
+        (["--seeds", "0"], "argument --seeds: must be a whole number >= 1, got 0"),
         (["--model", "unet"], "--model 'unet' is not embedded"),
         (["--dtype", "int8"], "--dtype must be float64 or float32"),
     ],

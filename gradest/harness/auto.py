@@ -60,7 +60,12 @@ from typing import Any, ClassVar, Unpack
 import attrs
 import torch
 
-from gradest._checks import check_estimate_grads, is_symbolic, trainable_parameters
+from gradest._checks import (
+    check_estimate_grads,
+    check_surrogate,
+    is_symbolic,
+    trainable_parameters,
+)
 from gradest._deprecation import sampler_keyword
 from gradest.axes import EstimatorAxes
 from gradest.base import DEFAULT_ENGINE, EstimatorBase
@@ -487,6 +492,8 @@ class Auto(EstimatorBase):
             chosen: Any = estimator(choice)
             if surrogate:
                 result = chosen.surrogate(model, flow, objective, engine=engine, **inputs)
+                if not is_builtin(chosen):  # built-ins build their own losses
+                    check_surrogate(chosen, result)
             else:
                 result = chosen.estimate(model, flow, objective, engine=engine, **inputs)
                 if not is_builtin(chosen):  # built-ins check their own results

@@ -5,7 +5,8 @@ parameters with defaults (``lr``, ``batch``, ``prior_weight``, ...). The command
 no flag per task, so ``gradest race --task-option lr=1e-4`` hands ``lr`` to the factory.
 The factory's signature is the whole contract: a key it does not take, or a value that is
 not of its default's type, is refused here, naming the task's options and their defaults,
-before any model is loaded. Bounds (``lr > 0``) are the task's to check: only it knows them.
+before any model is loaded. Bounds (``lr > 0``) are the task's to check: only it knows them;
+an integer must fit int64 whatever the task (:mod:`gradest.integers`).
 
 ``eval_samples`` and ``device`` have flags of their own and are not task options.
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradest.errors import InvalidValue
+from gradest.integers import whole_number_problem
 from gradest.options import parse_bool
 
 # Set through gradest race's own flags (--eval-samples, --device), never as task options.
@@ -68,6 +70,17 @@ def _parse_number(text: str) -> int | float | None:
         return None
 
 
+def _within_int64(where: str, key: str, number: int | float, fix: str) -> int | float:
+    """An integer the command line gives fits int64 (gradest.integers: the one rule for
+    every integer a user types), whatever its sign: a 20-digit batch would otherwise
+    reach torch as an overflow traceback. Signs and zero are the task's to check."""
+    if isinstance(number, int):
+        problem = whole_number_problem(number, minimum=None)
+        if problem is not None:
+            raise InvalidValue(f"{where}: {key} {problem}; {fix}")
+    return number
+
+
 def _coerce(key: str, text: str, default: Any, model: str) -> Any:
     """``text`` as a value of ``default``'s type (a string where the default gives none)."""
     where = f"--task-option {key}={text!r} (task {model!r})"
@@ -80,7 +93,7 @@ def _coerce(key: str, text: str, default: Any, model: str) -> Any:
         number = _parse_number(text)
         if not isinstance(number, int):
             raise InvalidValue(f"{where}: {key} is a whole number, e.g. {key}={default}")
-        return number
+        return _within_int64(where, key, number, f"e.g. {key}={default}")
     if isinstance(default, float):
         number = _parse_number(text)
         if number is None or not math.isfinite(number):
@@ -90,7 +103,9 @@ def _coerce(key: str, text: str, default: Any, model: str) -> Any:
         # Without a typed default the text is given as written; a number-like text is the
         # number (the task checks it, as it would a Python caller's value).
         number = _parse_number(text)
-        return text if number is None or isinstance(default, str) else number
+        if number is None or isinstance(default, str):
+            return text
+        return _within_int64(where, key, number, "the task checks its own range")
     raise InvalidValue(
         f"{where}: {key} takes a {type(default).__name__}, which the command line cannot "
         f"give; call gradest.harness.race.race with the task built in Python"

@@ -38,6 +38,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest._checks import check_surrogate
 from gradest.errors import InvalidValue
 from gradest.harness.call_replay import ReplayCalls, active_counters
 from gradest.harness.cost import _FlopCounter, _StorageTracker
@@ -285,7 +286,8 @@ def training_step_cost(
                 sur = estimator.surrogate(
                     wrapped, sampler, objective, noise=noise, cond=cond, generator=generator
                 )
-            sur.loss.backward()
+            # A plugin's surrogate is checked before its backward (one line naming it).
+            check_surrogate(estimator, sur).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 

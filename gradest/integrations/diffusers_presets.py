@@ -9,13 +9,29 @@ anything; diffusers is imported only when a model is built.
 A preset is the ``config.json`` of the public checkpoint's transformer / UNet (its
 architecture fields; no weights), with the resolution, step count and prompt length the
 model's pipeline uses by default.
+
+Every config, a preset's or a user's, is checked field by field before anything is built
+(:func:`checked_config`), by principle rather than per field: the types and defaults are
+those of the diffusers class's own ``__init__`` (read with :mod:`inspect`), so a field a
+config leaves out gets diffusers' default, as ``from_config`` would give it, and a given
+one must have the annotated type (``int``, ``float``, ``bool``, ``str``, tuples of them,
+``None`` only where the annotation allows it). An integer is a size or a count, ``>= 1``
+(``num_layers=-1`` would build a model without layers and price it), except the few
+offsets and indices (:data:`NON_NEGATIVE_FIELDS`, ``>= 0``). Then the relations each
+family's constructor and forward need (widths divisible by heads, rope axes summing to
+the head size, per-block lists as long as the blocks). Each refusal is one line naming
+the field, the value and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
-from collections.abc import Iterator, Mapping
+import math
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +41,13 @@ from torch import nn
 
 from gradest.conditioning import repeat_per_sample
 from gradest.errors import InvalidValue, MissingDependency
+from gradest.integers import whole_number_problem
 
 __all__ = [
     "PRESETS",
     "DiffusersShapes",
     "ModelPreset",
+    "checked_config",
     "diffusers_shapes",
     "load_config",
 ]
@@ -243,6 +261,310 @@ def _init_kwargs(cls: type, config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+# -- the config, checked against its diffusers class ------------------------------------
+
+#: Integer fields that are offsets or indices, where 0 is meaningful: every other integer
+#: field of the three families is a size or a count (>= 1).
+NON_NEGATIVE_FIELDS = frozenset(
+    {
+        "freq_shift",  # UNet: the sinusoidal time embedding's offset
+        "downsample_padding",  # UNet: padding of the downsampling convolutions
+        "dual_attention_layers",  # SD3.5: indices of the blocks with a second attention
+    }
+)
+
+
+def _init_fields(cls: type) -> dict[str, tuple[Any, Any]]:
+    """``{field: (default, annotation)}`` of a diffusers class's ``__init__``: what it takes
+    and what it gives a field a config leaves out (``inspect.Parameter.empty``: none)."""
+    init = cls.__init__  # type: ignore[misc]
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # noqa: BLE001 - an annotation this Python cannot evaluate
+        hints = {}
+    fields = {}
+    for name, param in inspect.signature(init).parameters.items():
+        if name == "self" or param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            continue
+        annotation = hints.get(name, param.annotation)
+        fields[name] = (param.default, None if isinstance(annotation, str) else annotation)
+    return fields
+
+
+def _arms(annotation: Any) -> tuple[Any, ...]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _fits(value: Any, annotation: Any, minimum: int) -> bool:
+    """Whether ``value`` (as JSON gives it: lists for tuples) has the annotated type, its
+    integers ``>= minimum`` and within int64, its floats finite. An annotation this does
+    not know (``None`` when unreadable, a class) accepts anything: diffusers checks it."""
+    if annotation is None or annotation is inspect.Parameter.empty or annotation is Any:
+        return True
+    arms = _arms(annotation)
+    if len(arms) > 1:
+        return any(_fits(value, arm, minimum) for arm in arms)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return whole_number_problem(value, minimum=minimum) is None
+    if annotation is float:
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
+    if annotation is str:
+        return isinstance(value, str)
+    origin = typing.get_origin(annotation) or annotation
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            return False
+        args = typing.get_args(annotation)
+        if not args or args == ((),):
+            return True
+        # tuple[int, ...] and diffusers' loose tuple[int] (per-block lists of any length)
+        # take any number of items; tuple[int, int, int] exactly three (Flux's rope axes).
+        if len(args) == 1 or (len(args) == 2 and args[1] is Ellipsis):
+            return all(_fits(item, args[0], minimum) for item in value)
+        return len(value) == len(args) and all(
+            _fits(item, arm, minimum) for item, arm in zip(value, args, strict=True)
+        )
+    return True
+
+
+def _describe(annotation: Any, minimum: int, *, plural: bool = False) -> str:
+    """The annotated type in words, for the message (``plural``: as a list's items)."""
+    arms = _arms(annotation)
+    if len(arms) > 1:
+        return " or ".join(dict.fromkeys(_describe(arm, minimum, plural=plural) for arm in arms))
+    words = {
+        type(None): ("null", "nulls"),
+        bool: ("true or false", "true / false values"),
+        int: (f"a whole number >= {minimum}", f"whole numbers >= {minimum}"),
+        float: ("a finite number", "finite numbers"),
+        str: ("a string", "strings"),
+    }
+    if annotation in words:
+        return words[annotation][plural]
+    args = typing.get_args(annotation)
+    if (typing.get_origin(annotation) or annotation) in (tuple, list):
+        if len(args) == 1 or (len(args) == 2 and args[1] is Ellipsis):
+            inner = f"a list of {_describe(args[0], minimum, plural=True)}"
+        elif args and len(set(args)) == 1:
+            inner = f"a list of {len(args)} {_describe(args[0], minimum, plural=True)}"
+        elif args:
+            inner = f"a list of ({', '.join(_describe(a, minimum) for a in args)})"
+        else:
+            inner = "a list"
+        return inner.replace("a list", "lists", 1) if plural else inner
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _mentions_int(annotation: Any) -> bool:
+    return annotation is int or any(
+        _mentions_int(arg)
+        for arg in (*_arms(annotation), *typing.get_args(annotation))
+        if arg is not annotation
+    )
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def checked_config(config: Mapping[str, Any], *, source: str | None = None) -> dict[str, Any]:
+    """``config`` checked field by field against its diffusers class, before building.
+
+    Every field the class's ``__init__`` takes is checked by the type its annotation
+    states (module docstring); a field the config leaves out is filled with the default of
+    that ``__init__`` (what diffusers itself gives it); then the family's own relations
+    (:data:`_RELATIONS`). Keys the class does not take (``_class_name``,
+    ``_diffusers_version``, fields of another diffusers version) are kept as they are.
+
+    Args:
+        source: how messages name the config (``--model 'path/config.json'``).
+
+    Raises:
+        InvalidValue: naming the field, its value and the fix.
+    """
+    name = config.get("_class_name")
+    family = _FAMILIES.get(name)  # type: ignore[arg-type]
+    where = f"{source} ({name})" if source else f"{name} config"
+    if family is None:
+        raise InvalidValue(
+            f"{where}: _class_name={name!r}: gradest cost synthesises inputs for "
+            f"{', '.join(_FAMILIES)}"
+        )
+    fields = _init_fields(_diffusers_class(name))  # type: ignore[arg-type]
+    filled: dict[str, Any] = dict(config)
+    for key, (default, annotation) in fields.items():
+        if key not in config:
+            if default is inspect.Parameter.empty:
+                raise InvalidValue(
+                    f"{where}: field {key} is missing and {name} has no default for it; "
+                    f"add {key} to the config"
+                )
+            filled[key] = default
+            continue
+        value = config[key]
+        minimum = 0 if key in NON_NEGATIVE_FIELDS else 1
+        if _fits(value, annotation, minimum):
+            continue
+        example = (
+            f", e.g. {key}={_json(default)} (diffusers' default)"
+            if default is not inspect.Parameter.empty and _fits(default, annotation, minimum)
+            else ""
+        )
+        kind = "an offset or index" if minimum == 0 else "a size or a count"
+        note = f" ({key} is {kind})" if _mentions_int(annotation) else ""
+        raise InvalidValue(
+            f"{where}: field {key}={_json(value)} is invalid: expected "
+            f"{_describe(annotation, minimum)}{note}; fix it in the config{example}"
+        )
+    _RELATIONS[family](filled, where)
+    return filled
+
+
+def _require(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise InvalidValue(f"{where}: {message}")
+
+
+def _sd3_relations(config: Mapping[str, Any], where: str) -> None:
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    width = heads * head_dim
+    # The caption projection feeds the joint blocks, whose context norms are width wide.
+    _require(
+        config["caption_projection_dim"] == width,
+        where,
+        f"caption_projection_dim={config['caption_projection_dim']} must equal "
+        f"num_attention_heads x attention_head_dim = {heads} x {head_dim} = {width} (the "
+        f"width of the joint blocks the caption projection feeds); set "
+        f"caption_projection_dim={width}",
+    )
+    layers = config["num_layers"]
+    beyond = [i for i in config["dual_attention_layers"] if i >= layers]
+    _require(
+        not beyond,
+        where,
+        f"dual_attention_layers={_json(list(config['dual_attention_layers']))} names "
+        f"blocks {beyond} of a model with num_layers={layers} (blocks 0..{layers - 1}); "
+        f"drop them or raise num_layers",
+    )
+
+
+def _flux_relations(config: Mapping[str, Any], where: str) -> None:
+    axes, head_dim = list(config["axes_dims_rope"]), config["attention_head_dim"]
+    # The rotary embedding rotates pairs of each head's channels, one block per axis.
+    _require(
+        sum(axes) == head_dim,
+        where,
+        f"axes_dims_rope={_json(axes)} sums to {sum(axes)}, but the rotary embedding covers "
+        f"each head's attention_head_dim={head_dim} channels; make the axes sum to {head_dim}",
+    )
+    odd = [a for a in axes if a % 2]
+    _require(
+        not odd,
+        where,
+        f"axes_dims_rope={_json(axes)} has odd sizes {odd}; rotary embeddings rotate pairs "
+        f"of channels, so each axis must be even",
+    )
+
+
+def _per_block(config: Mapping[str, Any], key: str, blocks: int) -> list[Any]:
+    value = config[key]
+    return list(value) if isinstance(value, list | tuple) else [value] * blocks
+
+
+def _unet_relations(config: Mapping[str, Any], where: str) -> None:
+    down = list(config["down_block_types"])
+    blocks = len(down)
+    _require(blocks >= 1, where, "down_block_types is empty; list at least one block")
+    for key in ("up_block_types", "block_out_channels"):
+        _require(
+            len(config[key]) == blocks,
+            where,
+            f"{key} has {len(config[key])} entries for {blocks} down_block_types; give one "
+            f"per block",
+        )
+    for key in (
+        "layers_per_block",
+        "attention_head_dim",
+        "num_attention_heads",
+        "cross_attention_dim",
+        "transformer_layers_per_block",
+        "only_cross_attention",
+    ):
+        value = config[key]
+        _require(
+            not isinstance(value, list | tuple) or len(value) == blocks,
+            where,
+            f"{key}={_json(value)} has {len(value) if isinstance(value, list | tuple) else 1} "
+            f"entries for {blocks} down_block_types; give one per block or a single value",
+        )
+    channels = list(config["block_out_channels"])
+    groups = config["norm_num_groups"]
+    if groups is not None:
+        bad = [c for c in channels if c % groups]
+        _require(
+            not bad,
+            where,
+            f"block_out_channels={_json(channels)} has widths {bad} that norm_num_groups="
+            f"{groups} does not divide (each block's GroupNorm splits its channels into "
+            f"groups); use multiples of {groups}",
+        )
+    # diffusers' legacy naming: attention_head_dim is the number of heads when
+    # num_attention_heads is not given; each attention block splits its width among them.
+    named = config["num_attention_heads"] is not None
+    heads_key = "num_attention_heads" if named else "attention_head_dim"
+    heads = _per_block(config, heads_key, blocks)
+    for index, kind in enumerate(down):
+        if "Attn" in kind and channels[index] % heads[index]:
+            raise InvalidValue(
+                f"{where}: block {index} ({kind}) is block_out_channels[{index}]="
+                f"{channels[index]} wide, which {heads_key}={heads[index]} heads do not divide "
+                f"(each head gets width / heads channels); use a width divisible by "
+                f"{heads[index]} or another number of heads"
+            )
+    if config["addition_embed_type"] == "text_time":
+        time_dim = config["addition_time_embed_dim"]
+        projection = config["projection_class_embeddings_input_dim"]
+        _require(
+            time_dim is not None and projection is not None,
+            where,
+            "addition_embed_type='text_time' (SDXL) needs addition_time_embed_dim and "
+            "projection_class_embeddings_input_dim",
+        )
+        # Six size / crop ids of addition_time_embed_dim each, the rest the pooled text.
+        _require(
+            projection > 6 * time_dim,
+            where,
+            f"projection_class_embeddings_input_dim={projection} must exceed 6 x "
+            f"addition_time_embed_dim = {6 * time_dim} (six time ids, then the pooled text "
+            f"embedding); SDXL uses 2816 = 6 x 256 + 1280",
+        )
+    dims = _per_block(config, "cross_attention_dim", blocks)
+    _require(
+        len(set(dims)) == 1,
+        where,
+        f"cross_attention_dim={_json(dims)} differs between blocks; gradest cost synthesises "
+        f"one text encoding for every block: give one width",
+    )
+
+
+_RELATIONS: dict[str, Callable[[Mapping[str, Any], str], None]] = {
+    "sd3": _sd3_relations,
+    "flux": _flux_relations,
+    "unet": _unet_relations,
+}
+
+
 @contextlib.contextmanager
 def _quiet_diffusers() -> Iterator[None]:
     from diffusers.utils import logging as diffusers_logging
@@ -318,6 +640,7 @@ def diffusers_shapes(
     lora_rank: int | None = None,
     gradient_checkpointing: bool = False,
     device: str | torch.device = "meta",
+    source: str | None = None,
 ) -> DiffusersShapes:
     """Build the model of ``config`` on ``device`` and synthesise its inputs.
 
@@ -335,38 +658,45 @@ def diffusers_shapes(
         gradient_checkpointing: diffusers' own ``enable_gradient_checkpointing()``.
         device: ``"meta"`` to trace costs; a real device builds a randomly initialised
             model (the tests compare both).
+        source: how errors name the config (``--model 'path'``); checked by
+            :func:`checked_config` first, whatever its source (presets included).
     """
     from gradest.integrations.diffusers import DiffusersVelocity
 
-    name = config.get("_class_name")
-    family = _FAMILIES.get(name)  # type: ignore[arg-type]
-    if family is None:
-        raise InvalidValue(
-            f"config _class_name={name!r}: gradest cost synthesises inputs for "
-            f"{', '.join(_FAMILIES)}"
-        )
     for label, value in (("batch", batch), ("height", height), ("width", width)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if whole_number_problem(value, minimum=1) is not None:
             raise InvalidValue(f"{label} must be an int >= 1, got {label}={value!r}")
-    patch = int(config.get("patch_size") or 1)
+    # Checked, and completed with diffusers' own defaults, before anything is built.
+    config = checked_config(config, source=source)
+    name = config["_class_name"]
+    family = _FAMILIES[name]
+    patch = config.get("patch_size", 1)  # the UNet has none
     # Flux packs 2x2 latent pixels into one token on top of the VAE's factor 8.
     multiple = VAE_SCALE * (2 if family == "flux" else patch)
     if family == "unet":
-        # Three down blocks halve the latents twice: the latent size must divide by 4.
-        multiple = VAE_SCALE * 2 ** (len(config.get("down_block_types", ())) - 1)
+        # n down blocks halve the latents n - 1 times: the latent size must divide by that.
+        multiple = VAE_SCALE * 2 ** (len(config["down_block_types"]) - 1)
     if height % multiple or width % multiple:
         raise InvalidValue(
             f"height={height} and width={width} must be multiples of {multiple} for "
             f"{name} (VAE factor {VAE_SCALE} x the model's patching / downsampling)"
         )
     tokens = _DEFAULT_PROMPT_TOKENS[family] if prompt_tokens is None else prompt_tokens
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+    if whole_number_problem(tokens, minimum=1) is not None:
         raise InvalidValue(f"prompt_tokens must be an int >= 1, got {prompt_tokens!r}")
-    cls = _diffusers_class(name)  # type: ignore[arg-type]
-    with torch.device(device), _quiet_diffusers():
-        # (diffusers warns on .to(dtype) that some modules should stay float32; the
-        # model is built here in one dtype, as --dtype asks.)
-        model = cls(**_init_kwargs(cls, config)).to(dtype)
+    cls = _diffusers_class(name)
+    try:
+        with torch.device(device), _quiet_diffusers():
+            # (diffusers warns on .to(dtype) that some modules should stay float32; the
+            # model is built here in one dtype, as --dtype asks.)
+            model = cls(**_init_kwargs(cls, config)).to(dtype)
+    except (ValueError, TypeError, AssertionError) as err:
+        # What diffusers' constructor refuses beyond the checks above (an unknown block
+        # type, ...): one line naming the config, not a traceback from inside diffusers.
+        shown = " ".join(str(err).split()) or type(err).__name__
+        raise InvalidValue(
+            f"{source or name + ' config'}: diffusers cannot build {name} from it: {shown}"
+        ) from err
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method
     if lora_rank is not None:
@@ -403,7 +733,9 @@ def diffusers_shapes(
         fixed = {"img_ids": tensor(grid, 3), "txt_ids": tensor(tokens, 3)}
     else:
         latent_shape = (batch, int(config["in_channels"]), latent_h, latent_w)
-        cond = {"encoder_hidden_states": tensor(batch, tokens, int(config["cross_attention_dim"]))}
+        dims = config["cross_attention_dim"]  # one width (checked_config), maybe per block
+        width = dims[0] if isinstance(dims, list | tuple) else dims
+        cond = {"encoder_hidden_states": tensor(batch, tokens, int(width))}
     velocity: nn.Module = DiffusersVelocity(model, fixed_kwargs=fixed)
     if family == "unet" and config.get("addition_embed_type") == "text_time":
         # SDXL: the pooled text embedding and six size / crop ids per sample, nested as

@@ -40,6 +40,7 @@ of the ``k`` kept steps.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, ClassVar
 
 import attrs
@@ -52,6 +53,7 @@ from gradest.context import EstimationContext
 from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import Objective
 from gradest.options import (
+    bool_types,
     int_option,
     optional_int_option,
     parse_float_tuple,
@@ -72,9 +74,9 @@ from gradest.strategies.sampling import (
 from gradest.vjp import ParamGradient
 
 _RANDOM_EXPECT = (
-    "None (fixed k), 'uniform' (k uniform on 1..K, K = the k option or N), or a tuple of "
-    "probabilities (p_1, ..., p_K) of k = 1..K that are >= 0 and sum to 1 "
-    "(spec string: random=uniform or random=0.5/0.3/0.2)"
+    "None (fixed k), 'uniform' (k uniform on 1..K, K = the k option or N), or a sequence "
+    "(tuple, list, 1-d array) of probabilities (p_1, ..., p_K) of k = 1..K that are >= 0 "
+    "and sum to 1 (spec string: random=uniform or random=0.5/0.3/0.2)"
 )
 # Spec strings write decimals such as 0.1/0.2/0.7 whose float sum is off by ~1e-16.
 _SUM_TOLERANCE = 1e-6
@@ -94,24 +96,61 @@ def _parse_random(text: str) -> Any:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    # Real numbers of any kind (numpy's too), as everywhere an option takes a number.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool_types())
 
 
 def _convert_random(value: Any) -> Any:
-    # Lists and int entries are accepted and stored as a tuple of floats (hashable).
+    """What ``random=`` accepts, by kind: None, a text, or a sequence of probabilities (a
+    list, a tuple, a 1-d numpy array or tensor) of real numbers of any kind, stored as a
+    tuple of floats (hashable). Anything else is left for the validator to refuse."""
+    if value is None or isinstance(value, str):
+        return value
+    shape = getattr(value, "shape", None)
+    if shape is not None and len(tuple(shape)) == 1 and callable(getattr(value, "tolist", None)):
+        value = value.tolist()  # a 1-d array of probabilities is a sequence of them
     if isinstance(value, list | tuple) and all(_is_number(p) for p in value):
         return tuple(float(p) for p in value)
     return value
 
 
+def _shown(value: Any) -> str:
+    """``value`` on one line: an array by its type and shape (its repr spans lines)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, str | tuple):
+        return f"<{type(value).__name__} of shape {tuple(shape)}>"
+    return " ".join(repr(value).split())
+
+
 def _validate_random(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    where = f"estimator 'truncated': option {attribute.name}={value!r}"
-    if value is None or value == "uniform":
+    where = f"estimator 'truncated': option {attribute.name}={_shown(value)}"
+    # Decided by type first: comparing an array with "uniform" would be elementwise.
+    if value is None:
         return
     if isinstance(value, str):
+        if value == "uniform":
+            return
         raise InvalidValue(f"{where} is not a known distribution; expected {_RANDOM_EXPECT}")
+    if isinstance(value, list):  # a sequence left unconverted: an entry is not a number
+        bad = next(p for p in value if not _is_number(p))
+        raise InvalidType(
+            f"{where} holds {type(bad).__name__} {bad!r}, not a probability; expected "
+            f"{_RANDOM_EXPECT}"
+        )
     if not isinstance(value, tuple):
-        raise InvalidType(f"{where} has type {type(value).__name__}; expected {_RANDOM_EXPECT}")
+        shape = getattr(value, "shape", None)
+        what = (
+            f"is an array of shape {tuple(shape)}, not a 1-d sequence of probabilities"
+            if shape is not None
+            else f"has type {type(value).__name__}"
+        )
+        raise InvalidType(f"{where} {what}; expected {_RANDOM_EXPECT}")
+    if not all(_is_number(p) for p in value):
+        bad = next(p for p in value if not _is_number(p))
+        raise InvalidType(
+            f"{where} holds {type(bad).__name__} {bad!r}, not a probability; expected "
+            f"{_RANDOM_EXPECT}"
+        )
     if not value:
         raise InvalidValue(f"{where} is empty; expected {_RANDOM_EXPECT}")
     if not all(math.isfinite(p) and p >= 0 for p in value):

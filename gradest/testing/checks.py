@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradest._checks import check_surrogate
 from gradest.objectives import Objective, StepwiseObjective
 from gradest.protocol import Definition, GradientEstimate, supports
 from gradest.reference.decisions import decisions_mismatch
@@ -87,7 +88,7 @@ def surrogate_gradient(
     without a ``surrogate`` method."""
     if not callable(getattr(estimator, "surrogate", None)):
         return None
-    sur = estimator.surrogate(model, sampler, objective, **inputs)
+    sur = check_surrogate(estimator, estimator.surrogate(model, sampler, objective, **inputs))
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(sur.loss, params, allow_unused=True)
     return torch.cat(

@@ -32,9 +32,11 @@ from gradest.files import (
     atomic_write_text,
     check_output_dir,
     check_output_file,
+    check_path_length,
     refuse_symlinks,
     remove_stale_temporaries,
 )
+from gradest.integers import WholeNumber
 from gradest.integrations.distributed import launched_world
 from gradest.protocol import check_steps
 from gradest_digits.finetune import check_sizes, finetune, resolve_estimator
@@ -62,14 +64,14 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument(
         "--lora-rank",
-        type=int,
+        type=WholeNumber(0),
         default=0,
         help="train LoRA adapters of this rank on the attention layers instead of all "
         "weights (needs peft; default 0: full fine-tuning)",
     )
     parser.add_argument(
         "--target",
-        type=int,
+        type=WholeNumber(0),  # 0..9: checked with the run (a digit of the reward)
         default=3,
         help="the digit whose classifier log-probability is the reward (default 3)",
     )
@@ -161,6 +163,10 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     ``--batch-size`` is the global batch) and only rank 0 writes.
     """
     recorded = None
+    # Names the file system cannot take are one line before anything looks at the folder.
+    for flag, value in (("--out", args.out), ("--resume", args.resume)):
+        if value is not None:
+            check_path_length(value, what=flag)
     if args.resume is not None:
         # Before anything is created: a folder that holds no run is an error. Every setting
         # not given explicitly becomes the run's; a given one must equal it.

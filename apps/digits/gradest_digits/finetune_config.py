@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from gradest.errors import InvalidType, InvalidValue
+from gradest.integers import INT64_MAX, WholeNumber
 from gradest.samplers import LOG_PROB_REDUCTIONS
 
 MODES = ("reward", "grpo", "adjoint_matching")
@@ -30,7 +31,10 @@ def _int_at_least(minimum: int, hint: str) -> Callable[[Any, attrs.Attribute, An
             )
         if value < minimum:
             raise InvalidValue(f"{attribute.name} must be >= {minimum}, got {value}; {hint}")
+        if value > INT64_MAX:  # gradest.integers: what torch holds (seeds, sizes)
+            raise InvalidValue(f"{attribute.name} must be at most 2**63 - 1, got {value}; {hint}")
 
+    check.minimum = minimum  # type: ignore[attr-defined]  # the flag's type reads it
     return check
 
 
@@ -82,7 +86,14 @@ def setting(
         default=default,
         validator=checks,
         converter=_float_or_none if kind is float else None,
-        metadata={"help": help, "kind": kind, "choices": choices, "grpo": grpo},
+        metadata={
+            "help": help,
+            "kind": kind,
+            "choices": choices,
+            "grpo": grpo,
+            # An int setting's smallest value: its flag is a WholeNumber of that range.
+            "minimum": getattr(validator, "minimum", None),
+        },
     )
 
 
@@ -263,6 +274,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         options: dict[str, Any] = {"default": field.default, "help": help_text}
         if meta["choices"] is not None:
             options["choices"] = meta["choices"]
+        elif meta["kind"] is int:
+            # gradest's one rule for integer flags (gradest.integers), in the setting's range.
+            options["type"] = WholeNumber(meta["minimum"] if meta["minimum"] is not None else 1)
         elif meta["kind"] is not None:
             options["type"] = meta["kind"]
         parser.add_argument(flag, **options)

@@ -25,7 +25,7 @@ from gradest.base import surrogate_from_estimate
 from gradest.errors import Diverged, InvalidValue
 from gradest.files import JsonLog, remove_stale_temporaries
 from gradest.integrations.distributed import check_same_estimator, rank_generator
-from gradest.protocol import Cost, Surrogate, is_stateful
+from gradest.protocol import Cost, Surrogate, check_surrogate, is_stateful
 from gradest.samplers import RectifiedFlow
 from gradest.trajectory import rollout
 from gradest_digits.finetune_config import FinetuneConfig
@@ -41,7 +41,8 @@ def surrogate_loss(est: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) 
     """``est.surrogate(...)``, or for an estimator without one, the linear surrogate of its
     estimate (:func:`gradest.base.surrogate_from_estimate`) in the same record."""
     if callable(getattr(est, "surrogate", None)):
-        return est.surrogate(model, *args, **kwargs)  # type: ignore[no-any-return]
+        # A plugin's surrogate that is not a scalar loss: one line naming it, before its backward.
+        return check_surrogate(est, est.surrogate(model, *args, **kwargs))  # type: ignore[no-any-return]
     result = est.estimate(model, *args, **kwargs)
     return Surrogate(
         loss=surrogate_from_estimate(model, result, estimator=est),

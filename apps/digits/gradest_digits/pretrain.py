@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue
 from gradest.files import atomic_save, check_output_file
+from gradest.integers import WholeNumber
 from gradest.models.dit import DiT
 from gradest.samplers import RectifiedFlow
 from gradest.trajectory import rollout
@@ -320,10 +321,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of :func:`pretrain` (for ``python -m`` and the ``gradest`` CLI)."""
     parser.add_argument("--what", choices=WHATS, required=True, help="model to train")
     parser.add_argument("--out", required=True, help="checkpoint path to write (.pt)")
-    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    parser.add_argument("--steps", type=int, default=None, help="DiT optimiser steps")
-    parser.add_argument("--epochs", type=int, default=None, help="classifier epochs")
-    parser.add_argument("--batch-size", type=int, default=None, help="batch size")
+    # Integer flags: gradest's one rule (gradest.integers), counts >= 1, the seed >= 0.
+    parser.add_argument("--seed", type=WholeNumber(0), default=0, help="seed (default 0)")
+    parser.add_argument("--steps", type=WholeNumber(1), default=None, help="DiT optimiser steps")
+    parser.add_argument("--epochs", type=WholeNumber(1), default=None, help="classifier epochs")
+    parser.add_argument("--batch-size", type=WholeNumber(1), default=None, help="batch size")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument(
         "--no-evaluate", dest="evaluate", action="store_false", help="skip the DiT evaluation"

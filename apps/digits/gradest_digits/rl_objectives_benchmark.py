@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import gradest
+from gradest.files import atomic_write_text
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.digits import load_digits_dataset
 from gradest_digits.metrics import fid_kid
@@ -240,8 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"pretrained": base, "runs": rows}, indent=2))
-    (out / "results.md").write_text(to_markdown(args, base, rows))
+    # gradest's writer: atomic, and never onto a device, pipe or folder (gradest.files).
+    atomic_write_text(
+        out / "results.json", json.dumps({"pretrained": base, "runs": rows}, indent=2)
+    )
+    atomic_write_text(out / "results.md", to_markdown(args, base, rows))
     return 0
 
 

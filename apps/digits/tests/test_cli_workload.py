@@ -43,7 +43,8 @@ def test_finetune_with_lora_trains_only_the_adapters(tmp_path, capsys):
 def test_negative_lora_rank_is_a_one_line_error(tmp_path, capsys):
     code = main(["finetune", "--lora-rank", "-1", "--out", str(tmp_path / "x"), "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "--lora-rank must be >= 0" in err and "Traceback" not in err
+    assert code == 2 and "argument --lora-rank: must be a whole number >= 0, got -1" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def _records(out):

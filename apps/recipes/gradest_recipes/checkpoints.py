@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gradest.errors import InvalidValue
-from gradest.files import atomic_write_text
+from gradest.files import atomic_write, atomic_write_text
 
 __all__ = [
     "FullStateAdamW",
@@ -259,7 +259,7 @@ def export_lora(tensors: dict[str, torch.Tensor], prefix: str, path: Path, rank:
     dropped, as ``save_lora_weights`` writes them); the scale ``alpha / rank`` is folded
     into ``lora_B``, so the file means the same under the loader's default ``alpha = rank``.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     scale = 1.0 if alpha is None else float(alpha) / rank
     out = {}
@@ -270,5 +270,8 @@ def export_lora(tensors: dict[str, torch.Tensor], prefix: str, path: Path, rank:
             value = value * scale
         out[f"{prefix}.{key}"] = value
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path))
+    # Serialized in memory, then gradest's atomic writer: never half-written, never onto a
+    # device, pipe or folder at the path (gradest.files.refuse_non_file).
+    data = save(out)
+    atomic_write(path, lambda file: file.write(data))
     return path

@@ -33,7 +33,9 @@ from typing import Any
 
 import attrs
 
-from gradest.errors import InvalidValue
+from gradest.errors import InvalidValue, MissingFile
+from gradest.files import read_text
+from gradest.integers import INT64_MAX
 
 __all__ = [
     "ALIASES",
@@ -281,6 +283,8 @@ def _positive_int(config: RecipeConfig, key: str, minimum: int = 1) -> None:
     value = getattr(config, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _fail(key, value, f"must be an integer >= {minimum}")
+    if value > INT64_MAX:  # gradest.integers: the largest integer torch holds
+        raise _fail(key, value, f"must be an integer from {minimum} to 2**63 - 1")
 
 
 def _finite(config: RecipeConfig, key: str, minimum: float, strict: bool = False) -> None:
@@ -302,13 +306,19 @@ def validate(config: RecipeConfig) -> None:
             raise _fail(field.name, value, "must be true or false")
         if expected is str and not isinstance(value, str):
             raise _fail(field.name, value, "must be a string")
+        if isinstance(value, str) and not _is_text(value):
+            # Undecodable command-line bytes arrive as lone surrogates: the saved
+            # config.toml (UTF-8) could not hold them.
+            raise _fail(
+                field.name, value, "holds bytes that are not UTF-8 text",
+                "pass the setting as UTF-8 text",
+            )  # fmt: skip
     for key in ("steps", "batch_size", "gradient_accumulation", "lora_rank",
                 "num_inference_steps", "log_every", "sample_count"):  # fmt: skip
         _positive_int(config, key)
     for key in ("sample_every", "save_every", "keep_checkpoints"):
         _positive_int(config, key, minimum=0)
-    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
-        raise _fail("seed", config.seed, "must be an integer >= 0")
+    _positive_int(config, "seed", minimum=0)
     _finite(config, "lr", 0.0, strict=True)
     _finite(config, "weight_decay", 0.0)
     _positive_int(config, "lr_warmup_steps", minimum=0)
@@ -422,6 +432,14 @@ def _check_step_rules(rules: str | None) -> None:
         raise _fail("lr_step_rules", rules, "must read 'factor:step,...,factor'", fix) from None
 
 
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _optional(kind: Any) -> bool:
     return isinstance(kind, types.UnionType) and type(None) in typing.get_args(kind)
 
@@ -509,12 +527,18 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """The settings of a TOML config file (top-level keys, or a ``[recipe]`` table)."""
+    """The settings of a TOML config file (top-level keys, or a ``[recipe]`` table).
+
+    Read by gradest's one rule for files read back (:func:`gradest.files.read_text`): a
+    regular file of UTF-8 text, else one line naming it.
+    """
     file = Path(path)
     try:
-        data = tomllib.loads(file.read_text("utf-8"))
-    except FileNotFoundError:
+        data = tomllib.loads(read_text(file, what="config file"))
+    except MissingFile:
         raise RecipeConfigError(f"config file {str(file)!r} does not exist") from None
+    except InvalidValue as err:  # a folder, a pipe, a device, bytes that are not UTF-8
+        raise RecipeConfigError(str(err)) from None
     except tomllib.TOMLDecodeError as err:
         raise RecipeConfigError(f"config file {str(file)!r} is not valid TOML: {err}") from None
     if set(data) == {"recipe"} and isinstance(data["recipe"], dict):
@@ -719,6 +743,25 @@ def to_toml(config: RecipeConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+# TOML's short escapes; every other control character (U+0000-U+001F, U+007F) is \uXXXX.
+_TOML_ESCAPES = {
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+    '"': '\\"',
+    "\\": "\\\\",
+}
+
+
 def _toml_string(value: str) -> str:
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    """``value`` as a TOML basic string that reads back as ``value``: a basic string may
+    hold no raw control character (a newline in a validation prompt would end the line
+    and make the file invalid TOML), so each is escaped, as are quotes and backslashes."""
+    escaped = "".join(
+        _TOML_ESCAPES.get(char)
+        or (f"\\u{ord(char):04x}" if ord(char) < 0x20 or ord(char) == 0x7F else char)
+        for char in value
+    )
     return f'"{escaped}"'

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue, MissingDependency
 from gradest.files import JsonLog, atomic_write, atomic_write_text, check_output_dir
-from gradest.protocol import is_stateful
+from gradest.protocol import check_surrogate, is_stateful
 from gradest_recipes.checkpoints import (
     FullStateAdamW,
     abandon_newer,
@@ -545,7 +545,8 @@ class _Run:
                 sur = self.estimator.surrogate(
                     self.model, sampler, objective, cond=cond, generator=generator, **inputs,
                 )  # fmt: skip
-                accelerator.backward(sur.loss)
+                # A plugin's surrogate that is not a scalar loss: one line naming it.
+                accelerator.backward(check_surrogate(self.estimator, sur).loss)
                 if accelerator.sync_gradients:
                     parameters = [p for p in self.model.parameters() if p.requires_grad]
                     norm = accelerator.clip_grad_norm_(

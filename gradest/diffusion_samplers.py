@@ -257,9 +257,19 @@ class DDIM(TimeGrid):  # type: ignore[override]  # attrs' generated init gains f
                 variance, an unknown ``prediction_type``, or DDIM timesteps whose steps do
                 not end where the next model call starts.
         """
-        from gradest.diffusers_schedulers import _ddim_from_scheduler
+        # Reading the scheduler is the diffusers integration's; it imports no sampler, so
+        # this import (when called, diffusers being optional) is no cycle.
+        from gradest.integrations.diffusers_schedulers import ddim_schedule
 
-        return _ddim_from_scheduler(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
+        schedule = ddim_schedule(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
+        try:
+            return DDIM(**schedule.sampler_arguments())
+        except ValueError as err:
+            raise InvalidValue(
+                f"the schedule of {schedule.scheduler} with num_inference_steps="
+                f"{schedule.num_inference_steps} (timesteps {schedule.timesteps[:4]}...) is "
+                f"not a gradest DDIM sampler: {err}"
+            ) from err
 
     def _noise_scale(self) -> Tensor:
         a, a_next = self.alphas_cumprod[:-1], self.alphas_cumprod[1:]

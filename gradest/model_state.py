@@ -46,9 +46,11 @@ Entry = tuple[Any, Any]
 _SHOWN = 3
 
 
-def _fsdp_module_class() -> type | None:
-    """FSDP2's ``FSDPModule``, if its module was imported (no model can be
-    ``fully_shard``-ed otherwise, and importing it here would cost every call)."""
+def fsdp_module_class() -> type | None:
+    """FSDP2's ``FSDPModule`` if its module was imported, else None: no model can be
+    ``fully_shard``-ed before that, and importing it here (or in :mod:`gradest.ranks`,
+    which asks the same) would cost every call, and ``import gradest`` FSDP's few dozen
+    modules."""
     for name in ("torch.distributed.fsdp._fully_shard._fully_shard", "torch.distributed.fsdp"):
         cls = getattr(sys.modules.get(name), "FSDPModule", None)
         if isinstance(cls, type):
@@ -106,7 +108,7 @@ class ModelState:
         signature: list[Any] = []
         objects: list[Any] = []
         mark, keep = signature.append, objects.append
-        fsdp_module = _fsdp_module_class()
+        fsdp_module = fsdp_module_class()
         managed: dict[tuple[int, str], Any] = {}
         pending = [model]
         while pending:

@@ -28,10 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-try:  # FSDP2; torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older torch
-    FSDPModule = None  # type: ignore[assignment,misc]
+from gradest.model_state import fsdp_module_class
 
 
 def _process_group(model: nn.Module) -> tuple[bool, dist.ProcessGroup | None]:
@@ -45,7 +42,10 @@ def _process_group(model: nn.Module) -> tuple[bool, dist.ProcessGroup | None]:
     if wrapper is not None:
         group = getattr(wrapper, "process_group", None)
         return dist.get_world_size(group) > 1, group
-    if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
+    # FSDP2 (torch >= 2.6) is looked up, not imported: a model can only contain an
+    # FSDPModule once something imported it.
+    fsdp_module = fsdp_module_class()
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
         return dist.get_world_size() > 1, None
     return False, None
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -46,6 +46,9 @@ from torch import Tensor
 from gradest._checks import check_allocation, is_symbolic, outside_fake_mode, require
 from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
+
+if TYPE_CHECKING:  # an annotation only, never imported at run time
+    from gradest.integrations.diffusers_schedulers import FlowSchedule
 
 LOG_PROB_REDUCTIONS = ("sum", "mean")
 
@@ -320,9 +323,12 @@ class RectifiedFlow(TimeGrid):
         :func:`gradest.integrations.diffusers.flow_from_scheduler`, which picks the
         class). Needs ``diffusers``.
         """
-        from gradest.diffusers_schedulers import _flow_sampler
+        # Reading the scheduler is the diffusers integration's; it imports no sampler, so
+        # this import (when called, diffusers being optional) is no cycle.
+        from gradest.integrations.diffusers_schedulers import flow_schedule
 
-        return _flow_sampler(cls, scheduler, num_inference_steps, **set_timesteps_kwargs)
+        schedule = flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
+        return flow_sampler(schedule, cls)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         h = self.step_sizes
@@ -397,9 +403,9 @@ class FlowSDE(TimeGrid):  # type: ignore[override]  # attrs' generated init gain
         Call the model with ``DiffusersVelocity(transformer)`` (``timestep = sigma *
         1000``, as the pipeline does).
         """
-        from gradest.diffusers_schedulers import flow_from_scheduler
+        from gradest.integrations.diffusers_schedulers import flow_schedule
 
-        grid = flow_from_scheduler(scheduler, num_inference_steps, **set_timesteps_kwargs)
+        grid = flow_sampler(flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs))
         return cls(times=grid.times, noise_level=noise_level)
 
     def diffusion(self) -> Tensor:
@@ -444,13 +450,41 @@ class StochasticFlowMatch(TimeGrid):
         """The steps of a diffusers ``FlowMatchEulerDiscreteScheduler`` built with
         ``stochastic_sampling=True`` (others are refused; see
         :meth:`RectifiedFlow.from_scheduler`). Needs ``diffusers``."""
-        from gradest.diffusers_schedulers import _flow_sampler
+        from gradest.integrations.diffusers_schedulers import flow_schedule
 
-        return _flow_sampler(cls, scheduler, num_inference_steps, **set_timesteps_kwargs)
+        schedule = flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
+        return flow_sampler(schedule, cls)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         sigma, sigma_next = self.times[:-1], self.times[1:]
         return 1.0 - sigma_next, -(1.0 - sigma_next) * sigma, sigma_next.clone()
+
+
+def flow_sampler(schedule: FlowSchedule, cls: type | None = None) -> Any:
+    """The sampler that takes a flow-matching scheduler's steps, from its grid as
+    :func:`gradest.integrations.diffusers_schedulers.flow_schedule` read it.
+
+    :class:`StochasticFlowMatch` when the scheduler samples stochastically, else
+    :class:`RectifiedFlow`; with ``cls``, refused unless it is of that class (the
+    ``from_scheduler`` classmethods). What
+    :func:`gradest.integrations.diffusers.flow_from_scheduler` returns.
+    """
+    try:
+        flow = RectifiedFlow(times=schedule.sigmas)
+    except ValueError as err:
+        raise InvalidValue(
+            f"the sigmas of {schedule.scheduler} with num_inference_steps="
+            f"{schedule.num_inference_steps} are not a gradest time grid: {err}"
+        ) from err
+    sampler = StochasticFlowMatch(times=flow.times) if schedule.stochastic else flow
+    if cls is not None and not isinstance(sampler, cls):
+        raise InvalidValue(
+            f"{cls.__name__}.from_scheduler: {schedule.scheduler} has "
+            f"config.stochastic_sampling={schedule.stochastic}, so its steps are a "
+            f"{type(sampler).__name__}; use {type(sampler).__name__}.from_scheduler, or "
+            f"gradest.integrations.diffusers.flow_from_scheduler, which picks the sampler"
+        )
+    return sampler
 
 
 def require_interpolant(flow: Any, estimator: str) -> TimeGrid:

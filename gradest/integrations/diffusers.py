@@ -39,10 +39,10 @@ import torch
 from torch import Tensor, nn
 
 from gradest._deprecation import module_aliases, warn_deprecated
-from gradest.diffusers_schedulers import _ddim_from_scheduler, flow_from_scheduler
 from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidType, InvalidValue
-from gradest.samplers import StochasticFlowMatch
+from gradest.integrations.diffusers_schedulers import flow_schedule
+from gradest.samplers import RectifiedFlow, StochasticFlowMatch, flow_sampler
 
 # DDIM and StochasticFlowMatch are re-exported for convenience (their home is gradest's
 # sampler modules); ddim_from_scheduler, DDIMSampler and StochasticFlowMatchSampler are
@@ -58,6 +58,32 @@ __all__ = [
 NUM_TRAIN_TIMESTEPS = 1000
 
 
+def flow_from_scheduler(
+    scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
+) -> RectifiedFlow | StochasticFlowMatch:
+    """The gradest sampler that takes exactly the steps ``scheduler.step()`` takes.
+
+    Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is), so every
+    schedule option is honoured: ``shift``, dynamic shifting (pass ``mu=``),
+    ``shift_terminal``, Karras / exponential / beta sigmas, custom ``sigmas=``.
+
+    Args:
+        scheduler: a diffusers ``FlowMatchEulerDiscreteScheduler``.
+        num_inference_steps: ``N``, the number of sampling steps.
+        **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (``mu``, ``sigmas``).
+
+    Returns:
+        ``gradest.RectifiedFlow(times=sigmas)`` (deterministic Euler), or a
+        :class:`StochasticFlowMatch` when the scheduler samples stochastically.
+
+    Raises:
+        TypeError: ``scheduler`` is not a flow-matching Euler scheduler (e.g. DDIM).
+        ValueError: the schedule cannot be expressed on gradest's time grid (inverted
+            sigmas, timesteps that are not ``sigma * num_train_timesteps``).
+    """
+    return flow_sampler(flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs))
+
+
 def ddim_from_scheduler(
     scheduler: Any,
     num_inference_steps: int,
@@ -71,7 +97,7 @@ def ddim_from_scheduler(
         "gradest.integrations.diffusers.ddim_from_scheduler is deprecated; use "
         "gradest.DDIM.from_scheduler(scheduler, num_inference_steps, ...)"
     )
-    return _ddim_from_scheduler(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
+    return DDIM.from_scheduler(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
 
 
 class DiffusersVelocity(nn.Module):

@@ -20,7 +20,8 @@ Needs diffusers, peft and accelerate (``pip install 'gradest[integrations,recipe
 docs/recipes.md describes the recipes, their settings and what was tested.
 """
 
-from gradest_recipes.config import RecipeConfig, RecipeConfigError, load_config
+from gradest_recipes.config import RecipeConfig, load_config
+from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.guidance import ClassifierFreeGuidance
 
 __all__ = ["ClassifierFreeGuidance", "RecipeConfig", "RecipeConfigError", "load_config"]

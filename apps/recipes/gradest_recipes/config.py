@@ -36,6 +36,7 @@ import attrs
 from gradest.errors import InvalidValue, MissingFile
 from gradest.files import read_text
 from gradest.integers import INT64_MAX
+from gradest_recipes.errors import RecipeConfigError  # re-exported: settings raise it
 
 __all__ = [
     "ALIASES",
@@ -52,10 +53,6 @@ __all__ = [
 
 FAMILIES = ("sd3", "flux", "sd_unet")
 MIXED_PRECISION = ("no", "fp16", "bf16")
-
-
-class RecipeConfigError(InvalidValue):
-    """A recipe setting has a value the recipe cannot use (the message names it)."""
 
 
 def _fail(key: str, value: Any, need: str, fix: str = "") -> RecipeConfigError:

@@ -33,12 +33,13 @@ from gradest.integrations.diffusers import (
     flow_from_scheduler,
 )
 from gradest.integrations.peft import add_lora
-from gradest_recipes.config import RecipeConfig, RecipeConfigError
+from gradest_recipes.config import RecipeConfig
 from gradest_recipes.embeddings import (
     TINY_POOLED_DIM,
     TINY_TEXT_DIM,
     PromptEmbeddings,
 )
+from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.guidance import NEGATIVE_PREFIX, ClassifierFreeGuidance
 
 __all__ = ["Family", "build_family", "guided", "shard_denoiser"]

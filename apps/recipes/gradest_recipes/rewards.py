@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from gradest.errors import InvalidValue
 from gradest.objectives import TerminalObjective
-from gradest_recipes.config import RecipeConfigError
+from gradest_recipes.errors import RecipeConfigError
 
 __all__ = ["BUILTIN_REWARDS", "Reward", "decode_images", "reward_objective", "resolve_reward"]
 

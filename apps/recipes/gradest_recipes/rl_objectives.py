@@ -45,7 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from gradest.errors import InvalidValue
-from gradest_recipes.config import RecipeConfig, RecipeConfigError
+from gradest_recipes.config import RecipeConfig
+from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.families import Family
 from gradest_recipes.rewards import Reward, _takes_prompts, decode_images
 

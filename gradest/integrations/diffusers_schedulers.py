@@ -1,13 +1,17 @@
-"""Samplers built from diffusers schedulers: the steps ``scheduler.step()`` takes.
+"""What a diffusers scheduler's ``step()`` takes, read as plain schedule data.
 
-The implementation of :meth:`gradest.RectifiedFlow.from_scheduler`,
+The diffusers side of :meth:`gradest.RectifiedFlow.from_scheduler`,
+:meth:`gradest.FlowSDE.from_scheduler`,
 :meth:`gradest.samplers.StochasticFlowMatch.from_scheduler`,
 :meth:`gradest.DDIM.from_scheduler` and
-:func:`gradest.integrations.diffusers.flow_from_scheduler` (which re-exports
-:func:`flow_from_scheduler`). It lives in the core, beside the samplers it builds, so
-that the samplers' classmethods need not import :mod:`gradest.integrations`; ``diffusers``
-itself is imported only when a function here is called. See
-:mod:`gradest.integrations.diffusers` for the conventions.
+:func:`gradest.integrations.diffusers.flow_from_scheduler`: it checks the scheduler and
+returns its grid (:func:`flow_schedule`, :func:`ddim_schedule`), and the samplers build
+themselves from that. It imports no sampler and nothing of gradest but its errors,
+because the samplers' classmethods import it (when called): the samplers own their grids
+and coefficients, this module owns the reading of diffusers' configurations, and neither
+imports the other's owner back (tests/test_import_cycles.py). ``diffusers`` itself is
+imported only when a function here is called. See :mod:`gradest.integrations.diffusers`
+for the conventions.
 """
 
 from __future__ import annotations
@@ -15,11 +19,69 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import attrs
 import torch
+from torch import Tensor
 
-from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidType, InvalidValue, MissingDependency
-from gradest.samplers import RectifiedFlow, StochasticFlowMatch
+
+
+@attrs.frozen
+class FlowSchedule:
+    """The steps of a ``FlowMatchEulerDiscreteScheduler`` after ``set_timesteps``.
+
+    Attributes:
+        sigmas: ``[N+1]`` float64 CPU, the grid (not yet validated as a gradest grid).
+        stochastic: the scheduler's ``config.stochastic_sampling`` (its steps are then
+            :class:`gradest.samplers.StochasticFlowMatch`'s, else Euler's).
+        scheduler: the scheduler's class name, for messages.
+        num_inference_steps: ``N``, for messages.
+    """
+
+    sigmas: Tensor
+    stochastic: bool
+    scheduler: str
+    num_inference_steps: int
+
+
+@attrs.frozen
+class DDIMSchedule:
+    """The steps of a ``DDIMScheduler`` / ``DDPMScheduler``: the arguments of
+    :class:`gradest.DDIM` (``times`` .. ``timestep_shift``), and what messages name.
+
+    Attributes:
+        times: ``[N+1]`` float64, ``timestep / num_train_timesteps`` (shifted; see
+            :meth:`gradest.DDIM.from_scheduler`), then 0.
+        alphas_cumprod: ``[N+1]`` float64, the level at every grid point.
+        prediction: the scheduler's ``prediction_type``.
+        eta: DDIM's noise ratio (1 for DDPM).
+        num_train_timesteps: the scheduler's ``num_train_timesteps``.
+        timestep_shift: 0, or -1 when the last timestep is 0.
+        scheduler: the scheduler's class name, for messages.
+        num_inference_steps: ``N``, for messages.
+        timesteps: the scheduler's timesteps, for messages.
+    """
+
+    times: Tensor
+    alphas_cumprod: Tensor
+    prediction: str
+    eta: float
+    num_train_timesteps: int
+    timestep_shift: float
+    scheduler: str
+    num_inference_steps: int
+    timesteps: list[int]
+
+    def sampler_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`gradest.DDIM` this schedule gives."""
+        return {
+            "times": self.times,
+            "alphas_cumprod": self.alphas_cumprod,
+            "prediction": self.prediction,
+            "eta": self.eta,
+            "num_train_timesteps": self.num_train_timesteps,
+            "timestep_shift": self.timestep_shift,
+        }
 
 
 def _check_num_inference_steps(num_inference_steps: Any) -> None:
@@ -29,28 +91,12 @@ def _check_num_inference_steps(num_inference_steps: Any) -> None:
         raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
 
 
-def flow_from_scheduler(
+def flow_schedule(
     scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
-) -> RectifiedFlow | StochasticFlowMatch:
-    """The gradest sampler that takes exactly the steps ``scheduler.step()`` takes.
-
-    Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is), so every
-    schedule option is honoured: ``shift``, dynamic shifting (pass ``mu=``),
-    ``shift_terminal``, Karras / exponential / beta sigmas, custom ``sigmas=``.
-
-    Args:
-        scheduler: a diffusers ``FlowMatchEulerDiscreteScheduler``.
-        num_inference_steps: ``N``, the number of sampling steps.
-        **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (``mu``, ``sigmas``).
-
-    Returns:
-        ``gradest.RectifiedFlow(times=sigmas)`` (deterministic Euler), or a
-        :class:`StochasticFlowMatch` when the scheduler samples stochastically.
-
-    Raises:
-        TypeError: ``scheduler`` is not a flow-matching Euler scheduler (e.g. DDIM).
-        ValueError: the schedule cannot be expressed on gradest's time grid (inverted
-            sigmas, timesteps that are not ``sigma * num_train_timesteps``).
+) -> FlowSchedule:
+    """The grid of a ``FlowMatchEulerDiscreteScheduler``: what
+    :func:`gradest.integrations.diffusers.flow_from_scheduler` builds its sampler on
+    (documented there; the same arguments and refusals).
     """
     try:
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -92,46 +138,28 @@ def flow_from_scheduler(
             "passed to set_timesteps?); DiffusersVelocity calls the model at "
             "timestep = sigma * num_train_timesteps, so pass sigmas= instead"
         )
-    try:
-        flow = RectifiedFlow(times=sigmas)
-    except ValueError as err:
-        raise InvalidValue(
-            f"the sigmas of {type(scheduler).__name__} with num_inference_steps="
-            f"{num_inference_steps} are not a gradest time grid: {err}"
-        ) from err
-    if getattr(config, "stochastic_sampling", False):  # absent in older diffusers
-        return StochasticFlowMatch(times=flow.times)
-    return flow
-
-
-def _flow_sampler(
-    cls: type, scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
-) -> Any:
-    """``RectifiedFlow.from_scheduler`` / ``StochasticFlowMatch.from_scheduler``: the
-    sampler of :func:`flow_from_scheduler`, refused when it is not of class ``cls``."""
-    sampler = flow_from_scheduler(scheduler, num_inference_steps, **set_timesteps_kwargs)
-    if not isinstance(sampler, cls):
-        stochastic = getattr(scheduler.config, "stochastic_sampling", False)
-        raise InvalidValue(
-            f"{cls.__name__}.from_scheduler: {type(scheduler).__name__} has "
-            f"config.stochastic_sampling={stochastic}, so its steps are a "
-            f"{type(sampler).__name__}; use {type(sampler).__name__}.from_scheduler, or "
-            f"gradest.integrations.diffusers.flow_from_scheduler, which picks the sampler"
-        )
-    return sampler
+    return FlowSchedule(
+        sigmas=sigmas,
+        # absent in older diffusers
+        stochastic=bool(getattr(config, "stochastic_sampling", False)),
+        scheduler=type(scheduler).__name__,
+        num_inference_steps=num_inference_steps,
+    )
 
 
 DDPM_VARIANCES = ("fixed_small", "fixed_small_log")
 
 
-def _ddim_from_scheduler(
+def ddim_schedule(
     scheduler: Any,
     num_inference_steps: int,
     *,
     eta: float | None = None,
     **set_timesteps_kwargs: Any,
-) -> DDIM:
-    """:meth:`gradest.DDIM.from_scheduler` (documented there)."""
+) -> DDIMSchedule:
+    """The grid and levels of a ``DDIMScheduler`` / ``DDPMScheduler``: what
+    :meth:`gradest.DDIM.from_scheduler` builds its sampler from (documented there; the
+    same arguments and refusals)."""
     try:
         from diffusers import DDIMScheduler, DDPMScheduler
     except ImportError as err:
@@ -220,17 +248,14 @@ def _ddim_from_scheduler(
     steps = torch.tensor(timesteps, dtype=torch.float64)
     times = torch.cat([(steps - shift) / train_steps, torch.zeros(1, dtype=torch.float64)])
     levels = torch.cat([alphas[timesteps], torch.tensor([final_level], dtype=torch.float64)])
-    try:
-        return DDIM(
-            times=times,
-            alphas_cumprod=levels,
-            prediction=prediction,
-            eta=eta,
-            num_train_timesteps=train_steps,
-            timestep_shift=float(shift),
-        )
-    except ValueError as err:
-        raise InvalidValue(
-            f"the schedule of {name} with num_inference_steps={num_inference_steps} "
-            f"(timesteps {timesteps[:4]}...) is not a gradest DDIM sampler: {err}"
-        ) from err
+    return DDIMSchedule(
+        times=times,
+        alphas_cumprod=levels,
+        prediction=prediction,
+        eta=eta,
+        num_train_timesteps=train_steps,
+        timestep_shift=float(shift),
+        scheduler=name,
+        num_inference_steps=num_inference_steps,
+        timesteps=timesteps,
+    )

@@ -653,6 +653,7 @@ BAD_SURROGATES = {
 
 @pytest.mark.parametrize("case", list(BAD_SURROGATES))
 def test_a_plugins_surrogate_that_is_not_a_scalar_loss_names_the_plugin(case):
+    from gradest.harness.race import StepProblem, _surrogate
     from gradest.harness.training_cost import training_step_cost
     from gradest.testing.checks import surrogate_gradient
 
@@ -669,6 +670,8 @@ def test_a_plugins_surrogate_that_is_not_a_scalar_loss_names_the_plugin(case):
             plugin, model, flow, objective, noise=noise, draws=1, varies=False, replay=False
         ),
         lambda: check_surrogate(plugin, plugin.surrogate(model, flow, objective, noise=noise)),
+        # a race's training step
+        lambda: _surrogate(plugin, model, flow, StepProblem(objective, {"noise": noise}), None),
     ):
         with pytest.raises(GradestError) as info:
             where()

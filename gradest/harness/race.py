@@ -71,6 +71,7 @@ import torch
 from torch import Tensor, nn
 
 from gradest import entry_points
+from gradest._checks import check_surrogate
 from gradest.errors import InvalidType, InvalidValue
 from gradest.files import OutputError, atomic_save, atomic_write_text, check_output_dir
 from gradest.harness.bootstrap import (
@@ -216,7 +217,11 @@ class _Fallback:
 
 def _surrogate(est: Any, model: nn.Module, sampler: Any, problem: StepProblem, gen: Any) -> Any:
     if callable(getattr(est, "surrogate", None)):
-        return est.surrogate(model, sampler, problem.objective, generator=gen, **problem.inputs)
+        # A plugin's result is checked like everywhere gradest backpropagates one it did
+        # not build: a bare tensor or a vector loss is one line naming the plugin.
+        return check_surrogate(
+            est, est.surrogate(model, sampler, problem.objective, generator=gen, **problem.inputs)
+        )
     from gradest.base import surrogate_from_estimate
 
     result = est.estimate(model, sampler, problem.objective, generator=gen, **problem.inputs)

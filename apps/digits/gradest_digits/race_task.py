@@ -3,8 +3,8 @@
 
 * ``digits``: reward backpropagation with a **prior**, a task that does not saturate. The
   target digit is the ``target`` option (3 by default; the ceiling below is 3's, a tuned
-  race measures its own). The bare classifier reward ``log p(3 | x)`` saturates (``exact`` reaches 98% of the
-  attainable gain in 15 steps), so the objective is
+  race measures its own). The bare classifier reward ``log p(3 | x)`` saturates
+  (``exact`` reaches 98% of the attainable gain in 15 steps), so the objective is
 
       J(theta) = E_x[log p(3 | x)] - w * FM_heldout(theta),    w = 10,
 

@@ -21,6 +21,8 @@ For each estimator and objective kind it defines, the check
 
 from __future__ import annotations
 
+import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,13 +30,13 @@ import torch
 from tqdm import tqdm
 
 from gradest._checks import check_estimate_grads, trainable_parameters
-from gradest.errors import InvalidValue
+from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Definition, check_steps, supports
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
 from gradest.registry import available_estimators, estimator, plugin_calls
 from gradest.samplers import RectifiedFlow
-from gradest.specs import as_spec_list
+from gradest.specs import as_spec_list, format_spec_list
 from gradest.testing.checks import noise_grad_error, surrogate_gradient, verify_decisions
 from gradest.testing.problems import (
     random_stepwise_objective,
@@ -87,25 +89,43 @@ def _runs_at(spec: str, steps: int) -> bool:
 
 
 class _Verdict:
-    """Collects the cells of one row and whether every checked number passed."""
+    """Collects the cells of one row, whether every checked number passed and what failed
+    (said on a line below the row, so that a cell stays a number)."""
 
     def __init__(self) -> None:
         self.ok = True
+        self.failures: list[str] = []
 
-    def error_cell(self, *errors: float | None) -> str:
+    def error_cell(self, column: str, *errors: float | None) -> str:
         present = [e for e in errors if e is not None]
         if not present:
             return "n/a"
         worst = max(present)
-        passed = worst <= DEFINITION_TOLERANCE
-        self.ok &= passed
-        return f"{worst:.1e}" + ("" if passed else " FAIL")
+        if worst > DEFINITION_TOLERANCE:
+            self.ok = False
+            self.failures.append(f"{column}={worst:.1e}")  # above the tolerance
+        return f"{worst:.1e}"
 
     def decisions_cell(self, problems: list[str] | None) -> str:
         if problems is None:
             return "n/a"
-        self.ok &= not problems
-        return "ok" if not problems else "FAIL: " + "; ".join(dict.fromkeys(problems))
+        if not problems:
+            return "ok"
+        self.ok = False
+        self.failures.extend(dict.fromkeys(problems))
+        return "FAIL"
+
+
+def spec_label(spec: Any, est: Any) -> str:
+    """What a row calls an estimator: the spec string as given (``auto``, not the repr of
+    every option), an estimator object as its spec string (its name and non-default
+    options), a plugin that cannot be written as one by its name."""
+    if isinstance(spec, str):
+        return spec.strip()
+    try:
+        return format_spec_list([est])
+    except (InvalidType, InvalidValue):
+        return str(getattr(est, "name", type(est).__name__))
 
 
 def run_check(
@@ -124,7 +144,9 @@ def run_check(
     if steps < 1:
         raise InvalidValue(f"--steps must be >= 1, got {steps}")
     listed = as_spec_list(specs, what="specs") if specs is not None else []
-    estimators = [estimator(spec) for spec in (listed or default_specs(steps))]
+    labelled = [(spec, estimator(spec)) for spec in (listed or default_specs(steps))]
+    estimators = [est for _, est in labelled]
+    labels = {id(est): spec_label(spec, est) for spec, est in labelled}
     dim, batch, classes = 4, 4, 3
     model = tiny_mlp(dim, hidden=12, num_classes=classes, seed=seed)
     flow = RectifiedFlow(steps=steps)
@@ -144,7 +166,16 @@ def run_check(
 
     rows, ok = [], True
     pairs = [(est, kind) for est in estimators for kind in objectives if supports(est, kind)]
-    for est, kind in tqdm(pairs, desc="gradest check", disable=not show_progress, leave=False):
+    # The bar on stderr, and only on a terminal (disable=None): stdout is the table alone,
+    # and a log of stderr gets no carriage-return frames.
+    bar = tqdm(
+        pairs,
+        desc="gradest check",
+        disable=None if show_progress else True,
+        leave=False,
+        file=sys.stderr,
+    )
+    for est, kind in bar:
         with plugin_calls(est, f"gradest check ({kind} objective)"):
             objective = objectives[kind]
             verdict = _Verdict()
@@ -199,40 +230,26 @@ def run_check(
             exact = truth[kind]
             cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
             cost = result.cost
-            rows.append(
-                (
-                    repr(est),
-                    kind,
-                    verdict.decisions_cell(problems),
-                    verdict.error_cell(vs_definition),
-                    verdict.error_cell(from_noise, noise_grad),
-                    verdict.error_cell(surrogate),
-                    f"{relative_error(flat, exact):.2e}",
-                    f"{cosine:.4f}",
-                    str(cost.param_vjps),
-                    f"{cost.forwards_with_graph}/{cost.forwards_without_graph}",
-                    f"{cost.model_units():g}",
-                )
+            cells = (
+                verdict.decisions_cell(problems),
+                verdict.error_cell("path", vs_definition),
+                verdict.error_cell("noise", from_noise, noise_grad),
+                verdict.error_cell("surrogate", surrogate),
+                f"{relative_error(flat, exact):.2e}",
+                f"{cosine:.4f}",
+                str(cost.param_vjps),
+                f"{cost.forwards_with_graph}/{cost.forwards_without_graph}",
+                f"{cost.model_units():g}",
             )
+            rows.append((labels[id(est)], kind, cells, verdict.failures))
             ok &= verdict.ok
-    header = (
-        "estimator",
-        "objective",
-        "decisions",
-        "vs definition",
-        "from noise (+ noise grad)",
-        "surrogate vs estimate",
-        "rel.err vs exact",
-        "cos vs exact",
-        "param VJPs",
-        "fwd graph/no-graph",
-        "cost (F)",
-    )
     print(
         f"gradest check: toy MLP (dim {dim}, {sum(p.numel() for p in model.parameters())} "
         f"parameters, float64), N={steps}, batch {batch}, seed {seed}"
     )
-    print(_markdown_table(header, rows))
+    print(_legend())
+    print()
+    print(_table(rows))
     print(
         "all estimators make the decisions and match the definitions they define"
         if ok
@@ -260,12 +277,47 @@ def _surrogate_error(
     return None if flat is None else relative_error(flat, estimate)
 
 
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=False)]
+# The table fits a terminal of this many columns: an estimator's spec (of any length) is
+# a line of its own above its rows, failures are said on lines below them.
+WIDTH = 100
+HEADER = ("estimator", "decisions", "path", "noise", "surrogate", "rel.err", "cos", "VJPs",
+          "fwd", "F")  # fmt: skip
+
+
+def _legend() -> str:
+    return textwrap.fill(
+        f"Per estimator (its spec) and objective: decisions re-derived by the reference (ok, "
+        f"FAIL, n/a: not defined); the relative error to the estimator's definition of its "
+        f"estimate on the recorded path, of the estimate sampling from the noise (with its "
+        f"noise gradient), and of its surrogate loss's gradient to the estimate (each "
+        f"<= {DEFINITION_TOLERANCE:g} passes); rel.err and cos to the exact gradient; its "
+        f"cost: parameter VJPs, forwards with / without graph, model units F.",
+        WIDTH,
+    )
+
+
+def _table(rows: Sequence[tuple[str, str, Sequence[str], list[str]]]) -> str:
+    """``rows`` of (spec, objective kind, cells, failures) as aligned columns: the spec on
+    a line, its objective kinds indented under it."""
+    body = [(f"  {kind}", *cells) for _, kind, cells, _ in rows]
+    widths = [max(len(c) for c in column) for column in zip(HEADER, *body, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
-    return "\n".join(
-        [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
-    )
+    lines, previous = [line(HEADER)], None
+    for (spec, _, _, failures), cells in zip(rows, body, strict=True):
+        if spec != previous:
+            lines.append(spec)
+            previous = spec
+        lines.append(line(cells))
+        if failures:  # the decisions that differ, then the errors above the tolerance
+            lines.append(
+                textwrap.fill(
+                    "; ".join(failures),
+                    WIDTH,
+                    initial_indent="    FAIL: ",
+                    subsequent_indent="      ",
+                )
+            )
+    return "\n".join(lines)

@@ -19,13 +19,13 @@ from torch import Tensor
 from gradest._checks import (
     all_finite,
     check_model_output,
-    first_model_call,
     is_symbolic,
     outside_fake_mode,
 )
 from gradest._deprecation import sampler_keyword
 from gradest.conditioning import check_cond, model_kwargs
 from gradest.errors import InvalidType, InvalidValue
+from gradest.mixed_dtypes import first_call
 from gradest.samplers import AffineSampler, same_grid
 
 
@@ -297,7 +297,7 @@ def rollout(
 
     def velocity(k: int, z: Tensor) -> Tensor:
         t = model_time(times[k], z.shape[0], z)
-        return first_model_call(model, z, t, kwargs) if k == 0 else model(z, t, **kwargs)
+        return first_call(model, z, t, kwargs) if k == 0 else model(z, t, **kwargs)
 
     with torch.no_grad():
         states, velocities = integrate(

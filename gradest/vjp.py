@@ -46,12 +46,12 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from gradest._checks import (
     check_model_output,
-    first_model_call,
     outside_fake_mode,
     trainable_parameters,
 )
 from gradest.conditioning import model_kwargs
 from gradest.errors import InvalidType, InvalidValue
+from gradest.mixed_dtypes import first_call
 from gradest.model_lock import (
     compiled_code_eager,
     has_compiled_code,
@@ -457,8 +457,12 @@ class VelocityField:
             first = call
 
             def call(z_: Tensor, t_: Tensor) -> Tensor:
-                return first_model_call(
-                    lambda a, b, **_: first(a, b), z_, t_, model_kwargs(self.cond, self.batch_size)
+                return first_call(
+                    lambda a, b, **_: first(a, b),
+                    z_,
+                    t_,
+                    model_kwargs(self.cond, self.batch_size),
+                    owner=self.module,
                 )
 
         try:

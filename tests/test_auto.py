@@ -205,17 +205,35 @@ def test_the_probe_states_its_plan_first_and_keeps_within_probe_budget(setup, ca
     exact = gradest.estimator("exact").estimate(model, flow, objective, noise=noise(0))
     unit = exact.cost.model_units()  # 3N; from the noise the same for a terminal objective
     free = Auto(candidates=candidates, draws=4)
-    with caplog.at_level(logging.INFO, logger="gradest.auto"):
-        unbounded = free.estimate(model, flow, objective, noise=noise(0)).info
+
+    def messages() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "gradest.auto"]
+
+    # What the auto logger had said when the model was first called: the probe's cost.
+    said_before_the_model_ran: list[list[str]] = []
+    hook = model.register_forward_pre_hook(
+        lambda *_: None if said_before_the_model_ran else said_before_the_model_ran.append(
+            messages()
+        )
+    )
+    try:
+        with caplog.at_level(logging.INFO, logger="gradest.auto"):
+            unbounded = free.estimate(model, flow, objective, noise=noise(0)).info
+    finally:
+        hook.remove()
     # Reference on the path and from the noise, then 3 candidates x 4 draws x 2 sources,
     # each predicted at exact's cost: the plan, logged before the first candidate ran.
     assert unbounded["auto_probe_planned_units"] == 2 * unit + 3 * 4 * 2 * unit
     assert unbounded["auto_probe_draws"] == 4 and unbounded["auto_probe_dropped"] == ""
     assert unbounded["auto_probe_units"] <= unbounded["auto_probe_planned_units"]
-    messages = [r.getMessage() for r in caplog.records if r.name == "gradest.auto"]
-    assert messages[0].startswith("auto: probing 3 candidate(s) x 4 draws")
-    assert f"planned {unbounded['auto_probe_planned_units']:.0f} model units" in messages[0]
-    assert "spent" in messages[1]
+    expected, plan, spent = messages()
+    # Before any model call: the cost in exact calls and in model units (3N per call).
+    assert said_before_the_model_ran == [[expected]]
+    assert expected.startswith("auto: probe 1 of 1 on this call, before it trains: about 26 ")
+    assert f"{26 * unit:.0f} model units at 3N = {unit:.0f} per exact call" in expected
+    assert plan.startswith("auto: probing 3 candidate(s) x 4 draws")
+    assert f"planned {unbounded['auto_probe_planned_units']:.0f} model units" in plan
+    assert "spent" in spent
     # A budget for 2 draws of every candidate: fewer draws, same candidates.
     budget = 2 * unit + 3 * 2 * 2 * unit
     info = (

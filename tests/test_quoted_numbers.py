@@ -67,11 +67,27 @@ BLOCKS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, str]:
+    """Each block's text as its report gives it, rendered once for the edits below."""
+    return {}
+
+
 @pytest.mark.parametrize(
     ("page", "match"), BLOCKS, ids=[f"{p.name}:{m['args'][:40]}" for p, m in BLOCKS]
 )
-def test_a_number_edited_by_hand_inside_a_block_fails(page: Path, match: re.Match[str]) -> None:
+def test_a_number_edited_by_hand_inside_a_block_fails(
+    page: Path, match: re.Match[str], rendered: dict[str, str], monkeypatch
+) -> None:
     """Changing a digit of a block's first decimal number, plain or in bold, is caught."""
+    real_render = quoting.render
+
+    def render_once(root: Path, args: str) -> str:
+        if args not in rendered:
+            rendered[args] = real_render(root, args)
+        return rendered[args]
+
+    monkeypatch.setattr(quoting, "render", render_once)
     text = page.read_text(encoding="utf-8")
     body_start, body = match.start("body"), match["body"]
     number = next((n for n in quoting._NUMBER.finditer(body) if "." in n.group()), None)
@@ -83,3 +99,21 @@ def test_a_number_edited_by_hand_inside_a_block_fails(page: Path, match: re.Matc
         start = body_start + number.start()
         changed = text[:start] + replacement + text[start + len(token) :]
         assert _problems(changed), f"{page.name}: {token} -> {replacement} passed"
+
+
+def test_the_command_fails_on_an_edited_page(tmp_path: Path) -> None:
+    """``python -m gradest.harness.quoting --check`` itself: 0 on the page as committed, 1
+    on a copy with one generated figure changed, and without --check it writes it back."""
+    page = ROOT / "README.md"
+    copy = tmp_path / "README.md"
+    copy.write_text(page.read_text(encoding="utf-8"), encoding="utf-8")
+    assert quoting.main([str(copy), "--root", str(ROOT), "--check"]) == 0
+    match = next(quoting._BLOCK.finditer(copy.read_text(encoding="utf-8")))
+    number = next(n for n in quoting._NUMBER.finditer(match["body"]) if "." in n.group())
+    start = match.start("body") + number.start()
+    text = copy.read_text(encoding="utf-8")
+    other = "8" if text[start] == "9" else "9"
+    copy.write_text(text[:start] + other + text[start + 1 :], encoding="utf-8")
+    assert quoting.main([str(copy), "--root", str(ROOT), "--check"]) == 1
+    assert quoting.main([str(copy), "--root", str(ROOT)]) == 0
+    assert copy.read_text(encoding="utf-8") == page.read_text(encoding="utf-8")

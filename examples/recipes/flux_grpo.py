@@ -23,7 +23,7 @@ except ModuleNotFoundError as err:  # one line naming the fix, not a traceback
     missing = (err.name or "a package").partition(".")[0]
     sys.exit(
         f"{__file__.rsplit('/', 1)[-1]}: error: {missing} is not installed; the recipes need "
-        f"it: pip install ./apps/recipes (from the gradest repository root)"
+        f"it: pip install . ./apps/recipes (from the gradest repository root)"
     )
 
 

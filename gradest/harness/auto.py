@@ -25,12 +25,16 @@ call's ``result.cost`` says so. ``estimate`` and ``surrogate`` share one schedul
 same model the first call of either probes (and gives exact's gradient or loss), the next
 one runs the pick.
 
-**What a probe costs, said before it runs.** After the exact reference (the call's own
-gradient) the probe plans its candidate draws, predicting each candidate call at exact's
-measured cost on this call (later draws of a candidate at the most its earlier draws
-cost), and states the plan before any candidate runs: ``info["auto_probe_planned_units"]``
-and a log line at INFO on the ``logging`` logger ``"gradest.auto"``; after it,
-``info["auto_probe_units"]`` is what it spent. Units are model units, forward-equivalents
+**What a probe costs, said before it runs.** Before any of a probing call's work (its
+path's sampling included) a line at INFO on the ``logging`` logger ``"gradest.auto"`` says
+what the call is expected to cost, in exact calls and in model units at the cost model's
+``3N`` per exact call. After the exact reference (the call's own gradient) the probe plans
+its candidate draws, predicting each candidate call at exact's measured cost on this call
+(later draws of a candidate at the most its earlier draws cost), and states that plan
+before any candidate runs: ``info["auto_probe_planned_units"]`` and a second INFO line;
+after it, ``info["auto_probe_units"]`` is what it spent (a third line). Python shows INFO
+only where logging is configured (``logging.basicConfig(level=logging.INFO)``; the
+recipes show these lines when ``--estimator auto``). Units are model units, forward-equivalents
 as :meth:`gradest.Cost.model_units` counts them (an exact call is ``3N`` of them).
 ``probe_budget`` bounds one probing call's units; see :class:`Auto`.
 
@@ -192,6 +196,15 @@ def clear_cache() -> None:
 @attrs.frozen
 class Auto(EstimatorBase):
     """Measure the candidate estimators on your model and use the best within a budget.
+
+    What it optimises: predicted progress per unit cost, ``max(progress, 0) / cost``, where
+    progress is the mean cosine of one draw to the exact gradient after Adam-style
+    normalisation (``metric="adam_cosine"``; ``"cosine"``: the plain one) and cost is the
+    candidate's model units as a ratio to exact's. Bias is not in the score: it lowers a
+    biased candidate's cosine, but only ``max_bias`` excludes biased candidates (the
+    default, None, does not), and ``min_progress`` / ``max_slowdown`` are further filters.
+    Progress per unit cost favours cheap, noisy candidates (they need more steps for the
+    same reward); a proxy for a step's progress, not validated against reward.
 
     Attributes:
         candidates: estimator specs to choose from; in a spec string the one list syntax
@@ -457,7 +470,11 @@ class Auto(EstimatorBase):
                 schedule.choice, schedule.probes_done = None, 0  # a recheck starts over
                 schedule.measured, schedule.exact_grads = {}, []
             probing = schedule.choice is None
+            probe_number = schedule.probes_done + 1
         if probing:
+            # Said before any of the probe's work (the path's sampling included), so that a
+            # training script shows what the call will cost before it spends it.
+            self._announce(flow, kind, probe_number, sampled=inputs.get("noise") is not None)
             # The probe's path: the given recording, or sampled once here from the noise
             # (with the caller's generator, as exact would), shared by every candidate.
             trajectory = inputs.get("trajectory")
@@ -675,6 +692,43 @@ class Auto(EstimatorBase):
             "auto_probe_dropped": ",".join(dropped),
         }
         return exact, total, info
+
+    def _announce(self, flow: AffineSampler, kind: str, probe: int, *, sampled: bool) -> None:
+        """Log (INFO, ``"gradest.auto"``) what this probing call is expected to cost, before
+        it runs: in exact calls and in model units at the cost model's ``3N`` per exact
+        call. A prediction; the plan from exact's measured cost on this call follows the
+        reference (:meth:`_probe`), the units spent follow the probe."""
+        if not _LOG.isEnabledFor(logging.INFO):
+            return
+        from gradest.registry import estimator
+
+        exact_est = estimator("exact")
+        drawn = [spec for spec in self._eligible(flow, kind) if estimator(spec) != exact_est]
+        sources = 2 if sampled else 1  # on the path, and from the noise when sampling
+        unit = 3.0 * flow.num_steps
+        budget = "no probe_budget"
+        draws, kept = self.draws, drawn
+        if self.probe_budget is not None:
+            budget = f"probe_budget {self.probe_budget:g}"
+            try:
+                draws, kept = self._plan(sources * unit, sources * unit, drawn)
+            except InvalidValue:
+                budget += " (too small, unless exact costs less than 3N here)"
+        calls = sources * (1 + draws * len(kept))
+        _LOG.info(
+            "auto: probe %d of %d on this call, before it trains: about %d exact calls' work, "
+            "%.0f model units at 3N = %.0f per exact call (the exact reference, then %d "
+            "candidate(s) x %d draws%s; %s)",
+            probe,
+            self.probe_batches,
+            calls,
+            calls * unit,
+            unit,
+            len(kept),
+            draws,
+            ", each on the path and from the noise" if sampled else "",
+            budget,
+        )
 
     def _plan(self, base: float, per_draw: float, drawn: list[str]) -> tuple[int, list[str]]:
         """Draws per candidate and the candidates to draw, so that ``base`` (the reference

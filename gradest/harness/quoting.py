@@ -98,6 +98,7 @@ def _signed(interval: Mapping[str, Any]) -> str:
 
 def _tuned_headline(report: Any, options: Mapping[str, str]) -> str:
     from gradest.harness.race import _seed_text
+    from gradest.harness.tuned_race_page import estimator_names
 
     fraction = float(options.get("fraction", "1"))
     summary, config = report.summary(), report.config
@@ -106,13 +107,9 @@ def _tuned_headline(report: Any, options: Mapping[str, str]) -> str:
         raise InvalidValue(f"tuned-headline: the race has no budget fraction {fraction}")
     row = rows[0]
 
-    def listed(entries: list[dict[str, Any]], with_ci: bool) -> str:
-        if not entries:
-            return "none"
-        if with_ci:
-            return ", ".join(f"`{e['spec']}` {_signed(e['minus_exact'])}" for e in entries)
-        return ", ".join(f"`{e['spec']}`" for e in entries)
-
+    beats = estimator_names(row["beats_exact"], True)
+    neither = estimator_names(row["no_clear_difference"], False)
+    behind = estimator_names(row["behind_exact"], False)
     share = row["exact_share_of_attainable"]
     settings = ", ".join(f"{k}={v}" for k, v in config["task_settings"].items() if k != "device")
     return (
@@ -120,9 +117,8 @@ def _tuned_headline(report: Any, options: Mapping[str, str]) -> str:
         "compute, each estimator at its own lr (tuned on seeds "
         f"{_seed_text(config['tune_seeds'])}, "
         f"reported on seeds {_seed_text(config['seeds'])}; 95% paired-bootstrap intervals of "
-        f"the reward difference to exact): beat exact: {listed(row['beats_exact'], True)}; no "
-        f"clear difference: {listed(row['no_clear_difference'], False)}; behind exact: "
-        f"{listed(row['behind_exact'], False)}. Exact (lr {row['exact_lr']:.2g}) reached "
+        f"the reward difference to exact): beat exact: {beats}; no clear difference: {neither}; "
+        f"behind exact: {behind}. Exact (lr {row['exact_lr']:.2g}) reached "
         + ("-" if share is None else f"{100 * share:.1f}%")
         + f" of the attainable gain (ceiling {summary['ceiling']['value']:.4g}, pretrained "
         f"{report.initial['reward']:.4g}).\n"

@@ -923,7 +923,7 @@ class RaceReport:
         statistic (means, bootstrap intervals, paired differences, compute to reach) is
         recomputed from those, so ``load(p).to_json()`` equals the file where the stored
         statistics are the raw data's."""
-        from gradest.harness.report import NON_FINITE
+        from gradest.harness.report import json_restored
 
         file = Path(path)
         if file.is_dir():
@@ -939,19 +939,10 @@ class RaceReport:
             raise InvalidValue(
                 f"{str(file)!r} is not a race report (schema {schema!r}, expected {SCHEMA!r})"
             )
-        back = {text: float(name) for name, text in NON_FINITE.items()}
-
-        def restored(value: Any) -> Any:  # json_safe's inverse for the raw data
-            if isinstance(value, str):
-                return back.get(value, value)
-            if isinstance(value, dict):
-                return {key: restored(item) for key, item in value.items()}
-            if isinstance(value, list):
-                return [restored(item) for item in value]
-            return value
-
         return cls(
-            config=data["config"], initial=restored(data["initial"]), runs=restored(data["runs"])
+            config=data["config"],
+            initial=json_restored(data["initial"]),
+            runs=json_restored(data["runs"]),
         )
 
     def to_json(self) -> str:

@@ -164,6 +164,19 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def json_restored(value: Any) -> Any:
+    """:func:`json_safe`'s inverse: ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` strings back
+    to floats, in dicts and lists (a report's raw data read back)."""
+    if isinstance(value, str):
+        back = {text: float(name) for name, text in NON_FINITE.items()}
+        return back.get(value, value)
+    if isinstance(value, dict):
+        return {key: json_restored(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [json_restored(item) for item in value]
+    return value
+
+
 def _pm(estimate: Estimate | None, spec: str = ".3g") -> str:
     if estimate is None:
         return "-"

@@ -495,7 +495,7 @@ class TunedRaceReport:
     def load(cls, path: str | os.PathLike[str]) -> TunedRaceReport:
         """The report a tuned race wrote (``report.json`` or its folder), rebuilt from its
         settings and raw runs alone: every statistic is recomputed."""
-        from gradest.harness.report import NON_FINITE
+        from gradest.harness.report import json_restored
 
         file = Path(path)
         if file.is_dir():
@@ -515,23 +515,12 @@ class TunedRaceReport:
         for field in ("config", "initial", "ceiling_run", "tuning", "runs"):
             if not isinstance(data.get(field), dict):
                 raise InvalidValue(f"{str(file)!r}: field {field!r} is missing or not an object")
-        back = {text: float(name) for name, text in NON_FINITE.items()}
-
-        def restored(value: Any) -> Any:
-            if isinstance(value, str):
-                return back.get(value, value)
-            if isinstance(value, dict):
-                return {key: restored(item) for key, item in value.items()}
-            if isinstance(value, list):
-                return [restored(item) for item in value]
-            return value
-
         return cls(
             config=data["config"],
-            initial=restored(data["initial"]),
-            ceiling_run=restored(data["ceiling_run"]),
-            tuning=restored(data["tuning"]),
-            runs=restored(data["runs"]),
+            initial=json_restored(data["initial"]),
+            ceiling_run=json_restored(data["ceiling_run"]),
+            tuning=json_restored(data["tuning"]),
+            runs=json_restored(data["runs"]),
         )
 
     def write(self, out: str | os.PathLike[str], *, plots: bool = True) -> Path:

@@ -166,7 +166,8 @@ def tuned_race_markdown(report: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _names(entries: list[dict[str, Any]], with_ci: bool) -> str:
+def estimator_names(entries: list[dict[str, Any]], with_ci: bool) -> str:
+    """Backticked specs of a decision row's entries, each with its paired interval."""
     if not entries:
         return "none"
     if with_ci:
@@ -191,8 +192,9 @@ def decision_table(summary: Mapping[str, Any], fractions: list[float] | None = N
         )
         lines.append(
             f"| {_steps(row['budget_exact_steps'])} | {exact_cell} | "
-            f"{_names(row['beats_exact'], True)} | {_names(row['no_clear_difference'], False)} | "
-            f"{_names(row['behind_exact'], False)} |"
+            f"{estimator_names(row['beats_exact'], True)} | "
+            f"{estimator_names(row['no_clear_difference'], False)} | "
+            f"{estimator_names(row['behind_exact'], False)} |"
         )
     return lines
 

@@ -30,10 +30,25 @@ def _add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     add_finetune_arguments(parser)
 
 
+#: The exit status after Ctrl-C (128 + SIGINT), as shells report an interrupted command.
+INTERRUPTED = 130
+
+
 def _run_finetune(args: argparse.Namespace) -> int:
+    import sys
+
+    from gradest.integrations.distributed import launched_world
     from gradest_digits.finetune_cli import run_finetune_from_args
 
-    result = run_finetune_from_args(args)
+    try:
+        result = run_finetune_from_args(args)
+    except KeyboardInterrupt:
+        # Ctrl-C: gradest's own handler would say "nothing was written", but a run has
+        # written its log and checkpoints (each atomically: complete or absent); say how to
+        # continue, once (rank 0 under torchrun).
+        if launched_world()[0] == 0:
+            print(interrupted_line(args), file=sys.stderr)
+        return INTERRUPTED
     if result.get("rank", 0) != 0:  # under torchrun, rank 0 reports for everyone
         return 0
     print(
@@ -41,6 +56,31 @@ def _run_finetune(args: argparse.Namespace) -> int:
         f"log {result['log_path']}"
     )
     return 0
+
+
+def interrupted_line(args: argparse.Namespace) -> str:
+    """The one line ``gradest finetune`` stopped by Ctrl-C ends with: the newest complete
+    checkpoint and ``gradest finetune --resume OUT``, which continues from it."""
+    import shlex
+    from pathlib import Path
+
+    from gradest_digits.run_state import checkpoints_in
+
+    # The run's folder, as run_finetune_from_args decides it.
+    out = Path(args.resume or args.out or "runs/finetune")
+    resume = f"gradest finetune --resume {shlex.quote(str(out))}"
+    found = checkpoints_in(out / "checkpoints")
+    if not found:
+        return (
+            f"gradest finetune: interrupted before its first checkpoint (--checkpoint-every N "
+            f"saves one every N steps, the default 0 only the final one); {resume} starts it "
+            f"over from step 0"
+        )
+    step, path = found[0]
+    return (
+        f"gradest finetune: interrupted; the last complete checkpoint is step {step} "
+        f"({path}); continue with: {resume}"
+    )
 
 
 pretrain = Command(

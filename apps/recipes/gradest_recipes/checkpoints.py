@@ -208,6 +208,8 @@ def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any
     if accelerator.is_main_process:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
+        for stopped in folder.glob(".step_*.deleting"):  # a deletion that was interrupted
+            shutil.rmtree(stopped, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
     if export is not None:
@@ -217,14 +219,25 @@ def save_checkpoint(accelerator: Any, out: Path, step: int, state: dict[str, Any
         record = {"format": FORMAT, "step": step, **state}
         atomic_write_text(partial / STATE_FILE, json.dumps(record, indent=1) + "\n")
         if final.exists():
-            shutil.rmtree(final)
+            _remove_checkpoint(final)
         os.replace(partial, final)
         if keep:
             older = [path for number, path in checkpoint_dirs(folder) if number <= step]
             for old in older[keep:]:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove_checkpoint(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder, renamed out of the checkpoint names first: a run
+    stopped (Ctrl-C, a kill) in the middle of the deletion leaves a hidden
+    ``.step_XXXXXX.deleting`` folder that ``latest`` never takes, not a torn checkpoint
+    that still holds its ``recipe_state.json``; the next checkpoint's save removes it."""
+    doomed = path.with_name(f".{path.name}.deleting")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def abandon_newer(out: Path, step: int) -> list[Path]:

@@ -24,14 +24,17 @@ are thin scripts around it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import json
+import logging
 import math
 import os
+import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +114,93 @@ def missing_dependencies() -> list[str]:
 
 def main(argv: Sequence[str] | None = None, *, family: str, objective: str = "reward") -> int:
     """Run the ``family`` recipe with command-line ``argv`` and the script's ``objective``
-    (``reward``, ``grpo``, ``adjoint_matching``); returns the exit status."""
+    (``reward``, ``grpo``, ``adjoint_matching``); returns the exit status: 0, or
+    :data:`INTERRUPTED` after Ctrl-C, which ends with one line on stderr naming the newest
+    complete checkpoint and the command that continues from it."""
     missing = missing_dependencies()
     if missing:
         raise MissingDependency(
             f"the recipes need {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-            f"not installed: pip install ./apps/recipes (from the gradest repository root)"
+            f"not installed: pip install . ./apps/recipes (from the gradest repository root)"
         )
     script = f"{family}_{objective}.py"
     config, _ = config_from_argv(
         family, argv, saved_from=saved_settings, objective=objective, script=script
     )
-    train(family, config)
+    try:
+        with _auto_progress_logged(config):
+            train(family, config)
+    except KeyboardInterrupt:
+        # Ctrl-C: checkpoints are complete or absent (written under a temporary name and
+        # renamed), so the run continues from the newest one; say how, in one line.
+        if int(os.environ.get("RANK", "0")) == 0:  # once, not from every process
+            print(interrupted_line(script, config), file=sys.stderr)
+        return INTERRUPTED
     return 0
+
+
+#: The exit status after Ctrl-C (128 + SIGINT), as shells report an interrupted command.
+INTERRUPTED = 130
+
+
+def interrupted_line(script: str, config: RecipeConfig) -> str:
+    """The one line a recipe stopped by Ctrl-C ends with: the newest complete checkpoint
+    and the command that continues from it (or, before the first one, that nothing can)."""
+    from gradest_recipes.checkpoints import checkpoint_dirs
+
+    # The script as it was started when it is the one running, else the shipped one.
+    command = sys.argv[0] if Path(sys.argv[0]).name == script else f"examples/recipes/{script}"
+    out = Path(config.out)
+    found = checkpoint_dirs(out / "checkpoints")
+    if not found:
+        return (
+            f"{script}: interrupted before its first checkpoint (save_every="
+            f"{config.save_every}); nothing to resume: start again with another "
+            f"--output_dir (or remove {out})"
+        )
+    step, folder = found[0]
+    # Several processes are continued by the launcher that started them (its own flags).
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    how = "continue with: python" if single else "continue under the same launcher with:"
+    return (
+        f"{script}: interrupted; the last complete checkpoint is step {step} ({folder}); "
+        f"{how} {shlex.quote(command)} --resume_from_checkpoint latest "
+        f"--output_dir {shlex.quote(str(out))}"
+    )
+
+
+class _ProgressBarHandler(logging.Handler):
+    """Log records as lines above the progress bar (``tqdm.write``), on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # logging's own rule: a handler never raises into the caller
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _auto_progress_logged(config: RecipeConfig) -> Iterator[None]:
+    """Show ``auto``'s INFO lines (the ``"gradest.auto"`` logger: what a probe will cost,
+    in model units and exact calls, before it runs; what it spent and picked) on the main
+    process's stderr while the run trains, unless the program configured logging itself
+    (a handler on that logger or above it: its settings are kept). Python shows only
+    warnings by default, so without this a probe of ~40 exact calls' work would be silent.
+    The handler and the level are removed again at the end (in-process runs, tests)."""
+    logger = logging.getLogger("gradest.auto")
+    configured = logger.hasHandlers()
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if configured or not main_process or config.estimator.partition(":")[0].strip() != "auto":
+        yield
+        return
+    handler, level = _ProgressBarHandler(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def script_main(

@@ -12,11 +12,14 @@ fixture that resets accelerate's global state is in conftest.py.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -198,6 +201,28 @@ def rl_script(family: str, objective: str):
     return module
 
 
+# docs/recipes.md's call that loads a recipe's LoRA export with diffusers.
+DOCUMENTED_LORA_LOAD = re.compile(r"`(load_lora_adapter\(folder,[^`]*\))`")
+
+
+def documented_lora_load(family: str = "sd3") -> dict[str, Any]:
+    """The keyword arguments of the ``load_lora_adapter(folder, ...)`` call that
+    docs/recipes.md gives for a recipe's LoRA files, read from the page, so that the tests
+    run the documented call and not one of their own (a call that differs from what
+    diffusers needs fails there, as it would for a reader). The page writes SD3's
+    ``prefix="transformer"``; for sd_unet the prefix is ``"unet"``, as the page says."""
+    text = (ROOT / "docs" / "recipes.md").read_text("utf-8")
+    found = DOCUMENTED_LORA_LOAD.search(text)
+    assert found is not None, "docs/recipes.md no longer shows load_lora_adapter(folder, ...)"
+    call = ast.parse(" ".join(found.group(1).split()), mode="eval").body
+    assert isinstance(call, ast.Call) and [ast.unparse(a) for a in call.args] == ["folder"]
+    keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
+    assert keywords.get("prefix") == "transformer", keywords
+    if family == "sd_unet":
+        keywords["prefix"] = "unet"
+    return keywords
+
+
 def assert_lora_loads_into_fresh_denoiser(
     family: str, folder: Path, trained: dict[str, torch.Tensor]
 ) -> None:
@@ -205,16 +230,13 @@ def assert_lora_loads_into_fresh_denoiser(
     into a fresh tiny denoiser: every key matched, every weight the trained one (the
     recipe's own names, ``.default.``, with or without the wrappers' path, as
     ``lora_0.safetensors`` holds them; alpha = rank: scale 1)."""
-    import re
-
     from gradest_recipes.families import tiny_denoiser
 
-    prefix = "unet" if family == "sd_unet" else "transformer"
     wrapper = re.compile(r"^(model\.)?transformer\.")  # CFG's .model, DiffusersVelocity's
     trained = {wrapper.sub("", key): value for key, value in trained.items()}
     fresh = tiny_denoiser(family)
-    fresh.load_lora_adapter(str(folder), prefix=prefix, adapter_name="loaded",
-                            weight_name="pytorch_lora_weights.safetensors")  # fmt: skip
+    # The documented call (docs/recipes.md), its prefix the family's, the adapter named.
+    fresh.load_lora_adapter(str(folder), **documented_lora_load(family), adapter_name="loaded")
     loaded = {k.replace(".loaded.", ".default."): v for k, v in fresh.state_dict().items()
               if "lora_" in k}  # fmt: skip
     assert set(loaded) == set(trained)  # no key unmatched, none missing

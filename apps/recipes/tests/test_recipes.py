@@ -38,6 +38,7 @@ from recipe_support import (  # noqa: E402
     SCRIPTS,
     assert_run_outputs,
     comparable,
+    documented_lora_load,
     launch,
     lora_file,
     records,
@@ -111,17 +112,20 @@ def test_the_script_runs_as_a_subprocess(tmp_path):
 
 
 def test_the_lora_export_loads_into_diffusers_and_reproduces_the_model(tmp_path):
-    """``lora/pytorch_lora_weights.safetensors`` is diffusers' format; alpha is folded in."""
+    """``lora/pytorch_lora_weights.safetensors`` is diffusers' format; alpha is folded in.
+    It is loaded with the call docs/recipes.md gives, read from the page and run as written
+    on the run's ``lora`` folder (a call diffusers 0.42 refuses fails here)."""
     from safetensors.torch import load_file
 
     config = load_config(
         "sd3", overrides={"tiny": True, "out": str(tmp_path), "lr": 1e-2, "lora_alpha": 4.0}
     )
     trained = train("sd3", config).family.denoiser.eval()
-    state = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    folder = tmp_path / "lora"
+    state = load_file(str(folder / "pytorch_lora_weights.safetensors"))
     assert all(k.startswith("transformer.") and ".default." not in k for k in state)
     loaded = tiny_denoiser("sd3")
-    loaded.load_lora_adapter(state, prefix="transformer", adapter_name="reward")
+    loaded.load_lora_adapter(str(folder), **documented_lora_load())  # exactly the page's call
     g = torch.Generator().manual_seed(0)
     inputs = dict(
         hidden_states=torch.randn(2, 4, 8, 8, generator=g),

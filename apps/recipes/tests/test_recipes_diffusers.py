@@ -32,6 +32,7 @@ from recipe_support import (  # noqa: E402
     RECIPE_WARNINGS,
     SCRIPTS,
     comparable,
+    documented_lora_load,
     lora_export,
     lora_file,
     records,
@@ -123,10 +124,9 @@ def test_toml_keys_in_either_spelling_and_diffusers_names(tmp_path):
 def _load_into_fresh_denoiser(family: str, folder: Path, trained: dict[str, torch.Tensor]):
     """``load_lora_adapter`` the checkpoint folder into a fresh tiny denoiser with diffusers:
     every key matched, every weight the trained one (alpha is the rank: scale 1)."""
-    prefix = "unet" if family == "sd_unet" else "transformer"
     fresh = tiny_denoiser(family)
-    fresh.load_lora_adapter(str(folder), prefix=prefix, adapter_name="reward",
-                            weight_name="pytorch_lora_weights.safetensors")  # fmt: skip
+    # The documented call (docs/recipes.md), its prefix the family's, the adapter named.
+    fresh.load_lora_adapter(str(folder), **documented_lora_load(family), adapter_name="reward")
     loaded = {k.replace(".reward.", ".default."): v for k, v in fresh.state_dict().items()
               if "lora_" in k}  # fmt: skip
     assert set(loaded) == set(trained)  # no key unmatched, none missing
@@ -387,11 +387,11 @@ def test_a_missing_dependency_is_one_line_naming_the_install(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     (line,) = done.stderr.strip().splitlines()
-    assert "accelerate" in line and "pip install ./apps/recipes" in line
+    assert "accelerate" in line and "pip install . ./apps/recipes" in line
     # the recipes package itself missing: the script's own one line
     code = code.replace("sys.modules['accelerate'] = None", "sys.modules['gradest_recipes'] = None")
     done = subprocess.run([sys.executable, "-c", code], env={**env, "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 1
     (line,) = done.stderr.strip().splitlines()
-    assert "gradest_recipes is not installed" in line and "pip install ./apps/recipes" in line
+    assert "gradest_recipes is not installed" in line and "pip install . ./apps/recipes" in line

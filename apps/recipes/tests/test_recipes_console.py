@@ -1,0 +1,106 @@
+"""What a recipe says on the console: Ctrl-C ends with one line naming the resume command
+(exit status 130) and the run continues from its last complete checkpoint; ``--estimator
+auto`` says what its probe will cost before the probe runs.
+
+Both run the script as a subprocess, as a user does: the console (stderr) is what is
+checked, and a SIGINT is delivered to a real process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+pytest.importorskip("tensorboard")
+
+from recipe_support import LAUNCHER_ENV, RECIPE_WARNINGS, SCRIPTS, records, script  # noqa: E402
+
+pytestmark = [
+    *RECIPE_WARNINGS,
+    pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process: POSIX"),
+]
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    return {**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _default_sigint() -> None:
+    """In the child: SIGINT at its default, so Python turns it into KeyboardInterrupt (a
+    shell starts background jobs with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_ends_with_the_resume_command_and_the_run_continues(tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable, str(SCRIPTS / "sd3_reward.py"), "--tiny", "--output_dir", str(out),
+        "--max_train_steps", "100000", "--checkpointing_steps", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=_default_sigint,
+    )  # fmt: skip
+    first = out / "checkpoints" / "step_000001" / "recipe_state.json"
+    deadline = time.monotonic() + 180
+    while not first.is_file():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            _, err = process.communicate()
+            pytest.fail(f"no first checkpoint: {err[-3000:]}")
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    checkpoints = (out / "checkpoints").glob("step_*")
+    newest = max(folder for folder in checkpoints if (folder / "recipe_state.json").is_file())
+    step = json.loads((newest / "recipe_state.json").read_text())["step"]
+    assert last == (
+        f"sd3_reward.py: interrupted; the last complete checkpoint is step {step} ({newest}); "
+        f"continue with: python {SCRIPTS / 'sd3_reward.py'} --resume_from_checkpoint latest "
+        f"--output_dir {out}"
+    )
+    assert "steps done" not in stdout  # it did not pass for a finished run
+    # The resume command continues the run: one more step after the checkpoint.
+    main = script("sd3").main
+    argv = ["--resume_from_checkpoint", "latest", "--output_dir", str(out)]
+    assert main([*argv, "--max_train_steps", str(step + 1)]) == 0
+    assert [row["step"] for row in records(out)] == list(range(1, step + 2))
+    assert (out / "checkpoints" / f"step_{step + 1:06d}" / "recipe_state.json").is_file()
+    assert json.loads((out / "done.json").read_text())["step"] == step + 1
+
+
+def test_auto_says_what_its_probe_costs_before_it_runs(tmp_path):
+    out = tmp_path / "auto"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sd3_reward.py"), "--tiny", "--output_dir", str(out),
+         "--max_train_steps", "1", "--estimator", "auto:candidates=(exact,sdo),draws=2"],
+        env=_environment(), capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("auto: ")]
+    expected, plan, spent = lines
+    # tiny: 3 inference steps, 3N = 9 model units per exact call; from the noise and on
+    # the path: 2 x (1 reference + 1 candidate x 2 draws) = 6 exact calls.
+    assert expected.startswith("auto: probe 1 of 1 on this call, before it trains: about 6 ")
+    assert "54 model units at 3N = 9 per exact call" in expected
+    assert plan.startswith("auto: probing 1 candidate(s) x 2 draws")
+    assert spent.startswith("auto: the probe spent") and "picked" in spent
+    assert records(out)[0]["step"] == 1

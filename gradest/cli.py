@@ -211,14 +211,44 @@ def _budget_flag(text: str) -> float:
 
 def _cmd_race(args: argparse.Namespace) -> int:
     from gradest.harness.plots import plots_unavailable
-    from gradest.harness.race import RACE_TASKS_GROUP, _check_fractions, race, registered_tasks
+    from gradest.harness.race import (
+        DEFAULT_FRACTIONS,
+        RACE_TASKS_GROUP,
+        _check_fractions,
+        race,
+        registered_tasks,
+    )
     from gradest.harness.task_options import parse_task_options
+    from gradest.harness.tuned_race import (
+        DEFAULT_TUNED_FRACTIONS,
+        parse_lr_grid,
+        parse_seed_list,
+        tuned_race,
+    )
 
     specs = _estimator_specs(args.estimators, example="exact,sdo,truncated:k=1")
     if "exact" not in specs:
         specs.insert(0, "exact")  # the reference every difference is taken to
-    if args.seeds <= 0:
-        raise InvalidValue(f"--seeds must be >= 1, got {args.seeds}")
+    seeds = parse_seed_list(args.seeds, what="--seeds")
+    grid = None if args.tune is None else parse_lr_grid(args.tune)
+    if grid is None and args.tune_seeds is not None:
+        raise InvalidValue("--tune-seeds needs --tune lr=GRID (the rates to choose from)")
+    if grid is not None:
+        if args.tune_seeds is None:
+            raise InvalidValue(
+                "--tune needs --tune-seeds, disjoint from --seeds, e.g. --tune-seeds 0-7 "
+                "--seeds 16-31 (a rate is chosen on seeds it is not reported on)"
+            )
+        if args.budget_seconds is not None or args.budget is None:
+            raise InvalidValue(
+                "--tune races a FLOPs budget: give --budget 8x (a wall-time budget moves with "
+                "the machine's load between tuning and report)"
+            )
+        if any(option.partition("=")[0].strip() == "lr" for option in args.task_option):
+            raise InvalidValue(
+                "--task-option lr=... and --tune lr=... both set the lr; the tuned race sets "
+                "each run's lr from the grid"
+            )
     if (args.budget is None) == (args.budget_seconds is None):
         raise InvalidValue(
             "give one budget: --budget 8x (exact steps' FLOPs) or --budget-seconds S"
@@ -226,12 +256,15 @@ def _cmd_race(args: argparse.Namespace) -> int:
     steps = None if args.budget is None else _budget_flag(args.budget)
     if args.budget_seconds is not None and not args.budget_seconds > 0:
         raise InvalidValue(f"--budget-seconds must be positive, got {args.budget_seconds}")
-    try:
-        fractions = [float(f) for f in args.fractions.split(",")]
-    except ValueError:
-        raise InvalidValue(
-            f"--fractions {args.fractions!r} is not a comma list of numbers"
-        ) from None
+    if args.fractions is None:
+        fractions = list(DEFAULT_FRACTIONS if grid is None else DEFAULT_TUNED_FRACTIONS)
+    else:
+        try:
+            fractions = [float(f) for f in args.fractions.split(",")]
+        except ValueError:
+            raise InvalidValue(
+                f"--fractions {args.fractions!r} is not a comma list of numbers"
+            ) from None
     _check_fractions(fractions)
     tasks = registered_tasks()
     if args.model not in tasks:
@@ -249,16 +282,42 @@ def _cmd_race(args: argparse.Namespace) -> int:
     if missing is not None and not args.quiet:
         print(f"gradest race: plots will be skipped: {missing}")
     task = tasks[args.model](eval_samples=args.eval_samples, device=args.device, **options)
+    plots = not args.no_plots and missing is None
+    if grid is not None:
+        assert steps is not None
+        tune_seeds = parse_seed_list(args.tune_seeds, what="--tune-seeds")
+        with warnings.catch_warnings():
+            # The command prints these itself, after the report.
+            warnings.filterwarnings("ignore", message="gradest race --tune")
+            tuned = tuned_race(
+                task,
+                specs,
+                lrs=grid,
+                tune_seeds=tune_seeds,
+                seeds=seeds,
+                budget_exact_steps=steps,
+                fractions=fractions,
+                ceiling_factor=args.ceiling_factor,
+                out=out,
+                show_progress=not args.quiet,
+                plots=plots,
+            )
+        if not args.quiet:
+            print(tuned.to_markdown())
+        print(f"wrote {out}/report.md, report.json" + ("" if not plots else " and plots"))
+        for note in tuned.grid_warnings():
+            print(f"gradest race: not ready to quote: {note}", file=sys.stderr)
+        return 0
     report = race(
         task,
         specs,
-        seeds=args.seeds,
+        seeds=seeds,
         budget_exact_steps=steps,
         budget_seconds=args.budget_seconds,
         fractions=fractions,
         out=out,
         show_progress=not args.quiet,
-        plots=not args.no_plots and missing is None,
+        plots=plots,
     )
     if not args.quiet:
         print(report.to_markdown())
@@ -389,7 +448,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=spec_list_text,
         help=f"{SPEC_LIST_HELP} (exact is added when missing: the reference)",
     )
-    rc.add_argument("--seeds", type=int, default=16, help="seeds 0..S-1 (default 16)")
+    rc.add_argument(
+        "--seeds",
+        default="16",
+        help="the (report) seeds: a count (16: seeds 0-15), a range (16-31) or a list (0,3,5)",
+    )
+    rc.add_argument(
+        "--tune",
+        default=None,
+        metavar="lr=GRID",
+        help="tune every estimator's lr on --tune-seeds before the race: lr=3e-5..1e-3:6 (6 "
+        "log-spaced points) or lr=1e-4,3e-4,1e-3 (FLOPs budgets only)",
+    )
+    rc.add_argument(
+        "--tune-seeds",
+        default=None,
+        help="the tuning seeds (with --tune), disjoint from --seeds, e.g. 0-7",
+    )
+    rc.add_argument(
+        "--ceiling-factor",
+        type=float,
+        default=16.0,
+        help="with --tune: the ceiling run's budget in race budgets (default 16)",
+    )
     rc.add_argument(
         "--budget",
         default=None,
@@ -400,8 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rc.add_argument(
         "--fractions",
-        default="0.125,0.25,0.5,1",
-        help="budget fractions the model is evaluated at (default 0.125,0.25,0.5,1)",
+        default=None,
+        help="budget fractions the model is evaluated at (default 0.125,0.25,0.5,1; with "
+        "--tune every eighth: time to target interpolates between them)",
     )
     rc.add_argument(
         "--eval-samples",

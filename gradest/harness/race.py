@@ -552,10 +552,14 @@ class _Race:
             self.advance(run, sampler)
 
     def _evaluate(self, run: _Run) -> None:
+        # Evaluated in eval mode, then back to the mode the run trains in (the task's: a
+        # step's surrogate is recorded before this evaluation and backpropagated after it,
+        # so the mode must come back as it was, or the surrogate is outdated).
+        training = run.model.training
         run.model.eval()
         with torch.no_grad():
             metrics = {k: float(v) for k, v in self.task.evaluate(run.model).items()}
-        run.model.train()
+        run.model.train(training)
         run.curve.append(
             {
                 "fraction": self.fractions[run.next_point],
@@ -1139,6 +1143,8 @@ def _ci(interval: Mapping[str, Any], spec: str = ".4g") -> str:
 
 
 def _seed_text(seeds: Sequence[int]) -> str:
-    if list(seeds) == list(range(len(seeds))):
-        return f"0-{len(seeds) - 1}" if len(seeds) > 1 else "0"
-    return ", ".join(map(str, seeds))
+    """``0-15`` for a run of consecutive seeds (``16-31`` too), else the list."""
+    values = list(seeds)
+    if len(values) > 1 and values == list(range(values[0], values[0] + len(values))):
+        return f"{values[0]}-{values[-1]}"
+    return ", ".join(map(str, values))

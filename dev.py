@@ -86,12 +86,22 @@ def ensure_environment() -> None:
         venv.create(VENV, with_pip=True)
     if STAMP.exists() and STAMP.read_text() == _fingerprint():
         return
-    print("dev.py: installing gradest, its applications and their test/benchmark "
-          "dependencies", flush=True)
+    print(
+        "dev.py: installing gradest, its applications and their test/benchmark dependencies",
+        flush=True,
+    )
     editable = [f"{ROOT}[dev]", *(f"{ROOT / app}{APP_EXTRAS.get(app, '')}" for app in APPS)]
     subprocess.run(
-        [str(BIN / "python"), "-m", "pip", "install", "--quiet",
-         "-c", str(ROOT / "constraints.txt"), *(arg for path in editable for arg in ("-e", path))],
+        [
+            str(BIN / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "-c",
+            str(ROOT / "constraints.txt"),
+            *(arg for path in editable for arg in ("-e", path)),
+        ],
         check=True,
     )
     STAMP.write_text(_fingerprint())

@@ -222,9 +222,7 @@ def handwritten_markdown(rows: list[dict[str, Any]]) -> str:
 # -- section: every estimator's wall time against its FLOPs --------------------------------
 
 
-def estimator_section(
-    bench: Bench, runs: int, repeats: int, warmup: int
-) -> list[dict[str, Any]]:
+def estimator_section(bench: Bench, runs: int, repeats: int, warmup: int) -> list[dict[str, Any]]:
     settings = {
         f"terminal N={TERMINAL_STEPS}": {
             spec: bench.gradest_terminal(spec) for spec in ALL_TERMINAL_ESTIMATORS
@@ -398,9 +396,7 @@ def profile_calls(
     return out
 
 
-def profile_section(
-    benches: dict[str, Bench], calls: int, repeats: int
-) -> list[dict[str, Any]]:
+def profile_section(benches: dict[str, Bench], calls: int, repeats: int) -> list[dict[str, Any]]:
     """Per model: exact vs hand-written (terminal N=50, per step), and jagg (per call)."""
     out = []
     for label, bench in benches.items():

@@ -408,9 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=spec_list_text,
         help=f"{SPEC_LIST_HELP} (default: every built-in estimator in its recommended form)",
     )
-    cmp.add_argument(
-        "--seeds", type=WholeNumber(1), default=16, help="trajectories (default 16)"
-    )
+    cmp.add_argument("--seeds", type=WholeNumber(1), default=16, help="trajectories (default 16)")
     cmp.add_argument(
         "--draws",
         type=WholeNumber(1),
@@ -425,9 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--device", default="cpu", help="cpu or cuda")
     cmp.add_argument("--dtype", default="float64", help="float64 or float32")
-    cmp.add_argument(
-        "--repeats", type=WholeNumber(1), default=3, help="wall-time repeats (median)"
-    )
+    cmp.add_argument("--repeats", type=WholeNumber(1), default=3, help="wall-time repeats (median)")
     cmp.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     cmp.add_argument("--no-sweeps", dest="sweeps", action="store_false", help="skip jagg sweeps")
     cmp.add_argument("--no-plots", action="store_true", help="skip PNG plots")

@@ -79,9 +79,7 @@ def _as_lists(value: Any) -> Any:
 
 def host_floats(values: Any) -> list[float]:
     """0-dim tensors as Python floats in one transfer (not one host sync each)."""
-    items = [
-        v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in values
-    ]
+    items = [v if v.ndim == 0 and not v.requires_grad else v.detach().reshape(()) for v in values]
     if not items:
         return []
     if any(is_symbolic(v) for v in items):

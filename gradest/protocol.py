@@ -191,9 +191,7 @@ class Surrogate:
 
     def backward(self, **kwargs: Any) -> None:
         """Deprecated: use ``sur.loss.backward()`` (``self.loss.backward(**kwargs)``)."""
-        warn_deprecated(
-            "Surrogate.backward() is deprecated; use sur.loss.backward()", stacklevel=2
-        )
+        warn_deprecated("Surrogate.backward() is deprecated; use sur.loss.backward()", stacklevel=2)
         self.loss.backward(**kwargs)
 
 

@@ -212,8 +212,8 @@ def test_the_probe_states_its_plan_first_and_keeps_within_probe_budget(setup, ca
     # What the auto logger had said when the model was first called: the probe's cost.
     said_before_the_model_ran: list[list[str]] = []
     hook = model.register_forward_pre_hook(
-        lambda *_: None if said_before_the_model_ran else said_before_the_model_ran.append(
-            messages()
+        lambda *_: (
+            None if said_before_the_model_ran else said_before_the_model_ran.append(messages())
         )
     )
     try:

@@ -226,7 +226,13 @@ def test_every_builtin_matches_its_definition_with_the_kl(spec):
     )
     generator = torch.Generator().manual_seed(2)
     assert_matches_definition(
-        spec, model, flow, objective, trajectory=trajectory, generator=generator, rtol=1e-10,
+        spec,
+        model,
+        flow,
+        objective,
+        trajectory=trajectory,
+        generator=generator,
+        rtol=1e-10,
         # auto's first call probes (exact), its next the chosen candidate
         surrogate=not spec.startswith("auto"),
     )

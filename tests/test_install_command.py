@@ -39,11 +39,7 @@ def documented_command(page: str, app: str) -> list[str]:
     text = (ROOT / page).read_text("utf-8")
     spans = re.findall(r"`(pip install [^`]*)`", text)
     lines = [line.strip() for line in text.splitlines() if line.startswith("    pip install ")]
-    found = [
-        command
-        for command in sorted(spans + lines, key=text.find)
-        if f"./{app}" in command
-    ]
+    found = [command for command in sorted(spans + lines, key=text.find) if f"./{app}" in command]
     assert found, f"{page} names no pip install command for ./{app}"
     words = shlex.split(found[0], comments=True)
     assert words[:2] == ["pip", "install"], found[0]

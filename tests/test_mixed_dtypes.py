@@ -85,8 +85,11 @@ def test_a_shape_error_keeps_its_shape_hint():
         ("expected m1 and m2 to have the same dtype, but got: c10::BFloat16 != float", 2),
         ("expected scalar type Float but found BFloat16", 2),
         ("Input type (c10::Half) and bias type (float) should be the same", 2),
-        ("Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the "
-         "same or input should be a MKLDNN tensor and weight is a dense tensor", 1),  # devices
+        (
+            "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the "
+            "same or input should be a MKLDNN tensor and weight is a dense tensor",
+            1,
+        ),  # devices
         ("mat1 and mat2 shapes cannot be multiplied (2x6 and 5x4)", 0),
     ],
 )

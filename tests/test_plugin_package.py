@@ -294,8 +294,7 @@ def test_cli_list_warns_about_clashing_and_broken_plugins(install_dirs, tmp_path
     warnings_text = " ".join(result.stderr.split())  # warnings may wrap
     assert (
         f"estimator plugin 'sdo_mean' from {CLASH_DIST} is a duplicate of the one "
-        f"from {EXAMPLE_DIST}"
-        in warnings_text
+        f"from {EXAMPLE_DIST}" in warnings_text
     )
     assert f"estimator plugin 'exact' from {CLASH_DIST} is a duplicate of the one from gradest" in (
         warnings_text

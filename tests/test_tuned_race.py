@@ -347,6 +347,7 @@ def test_replay_reproduces_a_shards_first_points(tmp_path) -> None:
     committed = ShardStore(out, report.config["identity"]).result(ShardKey(spec, lr, 6))
     assert committed is not None
     replayed = replay_shard(QuadraticTask(), report.config, ShardKey(spec, lr, 6), points=2)
+
     def measured(curve):
         return [{k: v for k, v in point.items() if k != "seconds"} for point in curve]
 

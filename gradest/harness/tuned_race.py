@@ -246,6 +246,7 @@ def choose_lrs(
         ]
         for lr in lrs
     }
+
     def best_at(index: int) -> float:
         """The best mean reward at budget fraction ``index``; a tie goes to the smaller lr."""
         return max(lrs, key=lambda lr: (means[lr][index], -lr))

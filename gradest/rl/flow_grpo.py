@@ -216,8 +216,7 @@ def grpo_objective(
         raise InvalidValue(f"advantages must be [B] = [{batch}], got {_shape_of(advantages)}")
     if isinstance(clip, bool) or not isinstance(clip, int | float):
         raise InvalidType(
-            f"clip must be a float in (0, 1), got {clip!r} (PPO uses 0.2, Flow-GRPO's "
-            f"configs 1e-4)"
+            f"clip must be a float in (0, 1), got {clip!r} (PPO uses 0.2, Flow-GRPO's configs 1e-4)"
         )
     if not (math.isfinite(clip) and 0 < clip < 1):
         raise InvalidValue(

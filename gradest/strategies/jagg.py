@@ -322,8 +322,7 @@ class Jagg(EstimatorBase):
         others = [k for k in range(ctx.num_steps) if k not in row_of]
         other_of = dict(zip(others, ctx.velocities_at(others), strict=True))
         velocities = [
-            node_velocities[row_of[k]] if k in row_of else other_of[k]
-            for k in range(ctx.num_steps)
+            node_velocities[row_of[k]] if k in row_of else other_of[k] for k in range(ctx.num_steps)
         ]
         cotangents = torch.stack(
             [ctx.step_cotangent(k, velocities[k]) for k in range(ctx.num_steps)]
@@ -376,8 +375,7 @@ class Jagg(EstimatorBase):
         groups = self._layout(ctx)
         times = ctx.host_times  # schedule math on host floats: no tensor op per group
         weights = [
-            lagrange_rows([times[j] for j in g.nodes], [times[k] for k in g.steps])
-            for g in groups
+            lagrange_rows([times[j] for j in g.nodes], [times[k] for k in g.steps]) for g in groups
         ]
         # Every group's cosine on the device, groups of one shape together, then one
         # transfer for all of them (no host sync per group).

@@ -76,9 +76,7 @@ def host_cosines(cosines: Sequence[float | Tensor | None]) -> list[float | None]
     if not tensors:
         return [c if c is None else float(c) for c in cosines]
     device = tensors[0].device
-    values = iter(
-        torch.stack([c.to(device=device, dtype=torch.float64) for c in tensors]).tolist()
-    )
+    values = iter(torch.stack([c.to(device=device, dtype=torch.float64) for c in tensors]).tolist())
     return [next(values) if isinstance(c, Tensor) else c for c in cosines]
 
 

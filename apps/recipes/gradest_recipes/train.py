@@ -804,8 +804,10 @@ def train(family: str, config: RecipeConfig) -> _Run:
         run.finish()
         if run.accelerator.is_main_process:
             _write_done(run)
-            print(f"{family}: the run was already at step {run.step}; exported its LoRA "
-                  f"weights to {run.out / 'lora' / LORA_FILE}")
+            print(
+                f"{family}: the run was already at step {run.step}; exported its LoRA "
+                f"weights to {run.out / 'lora' / LORA_FILE}"
+            )
         return run
     if run.step >= config.steps:
         raise InvalidValue(

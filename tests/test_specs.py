@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from check_table import check_rows
 
 import gradest
 from gradest.cli import build_parser, main
@@ -124,9 +125,8 @@ def test_both_commands_show_the_same_example():
 
 
 def _check_rows(stdout: str) -> list[str]:
-    """The estimator column of ``gradest check``'s table, each estimator once."""
-    rows = [line.split("|")[1].strip() for line in stdout.splitlines() if line.startswith("|")]
-    return list(dict.fromkeys(r for r in rows[2:] if r))  # header and rule left out
+    """The estimators of ``gradest check``'s table, as the estimator each spec builds."""
+    return [repr(gradest.estimator(spec)) for spec in check_rows(stdout)]
 
 
 def test_one_list_gives_the_same_estimators_in_compare_and_check(tmp_path, capsys):

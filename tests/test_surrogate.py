@@ -20,6 +20,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from check_table import check_rows
 
 import gradest
 from gradest.base import surrogate_from_estimate
@@ -286,7 +287,7 @@ def test_gradest_check_fails_an_estimator_whose_surrogate_is_wrong(monkeypatch, 
 
     monkeypatch.setattr(check, "estimator", lambda spec: DoubledSurrogate())
     assert not check.run_check(["exact"], steps=3, show_progress=False)
-    rows = [line for line in capsys.readouterr().out.splitlines() if "DoubledSurrogate" in line]
+    rows = check_rows(capsys.readouterr().out)["exact"]
     assert len(rows) == 2 and all("FAIL" in row for row in rows)
     monkeypatch.undo()
     assert check.run_check(["exact"], steps=3, show_progress=False)

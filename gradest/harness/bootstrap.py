@@ -105,14 +105,31 @@ def bootstrap_mean(
     mean = float(data.mean())
     if n == 1 or bool((data == data[0]).all()):
         return Interval(mean, mean, mean, n, level, resamples)
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, n, (resamples, n), generator=generator)
-    means = data[index].mean(1)
     # +inf values make a resample's mean +inf; quantile handles infinities when sorted.
-    ordered, _ = torch.sort(means)
+    means = data[_resampled_seeds(n, resamples, seed)].mean(1)
+    return _percentile_interval(mean, means, n, level, resamples)
+
+
+def _resampled_seeds(n: int, resamples: int, seed: int) -> torch.Tensor:
+    """``[resamples, n]`` seed indices drawn with replacement from a fixed generator."""
+    return torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _percentile_interval(
+    point: float, resampled: torch.Tensor, n: int, level: float, resamples: int
+) -> Interval:
+    """``point`` with the ``level`` percentile interval of the resampled statistics."""
+    ordered, _ = torch.sort(resampled)
     low = _quantile(ordered, (1 - level) / 2)
     high = _quantile(ordered, (1 + level) / 2)
-    return Interval(mean, low, high, n, level, resamples)
+    return Interval(point, low, high, n, level, resamples)
+
+
+def _check_pairs(values: Sequence[float], baseline: Sequence[float]) -> None:
+    if len(values) != len(baseline):
+        raise InvalidValue(
+            f"paired values need one per seed each; got {len(values)} and {len(baseline)}"
+        )
 
 
 def _quantile(ordered: torch.Tensor, q: float) -> float:
@@ -139,10 +156,7 @@ def paired_bootstrap(
     ``values[i]`` and ``baseline[i]`` come from the same seed; seeds (pairs) are
     resampled together, so what the seeds share (the initial noise, the data) cancels.
     """
-    if len(values) != len(baseline):
-        raise InvalidValue(
-            f"paired values need one per seed each; got {len(values)} and {len(baseline)}"
-        )
+    _check_pairs(values, baseline)
     diffs = [float(a) - float(b) for a, b in zip(values, baseline, strict=True)]
     return bootstrap_mean(diffs, resamples=resamples, level=level, seed=seed)
 
@@ -161,10 +175,9 @@ def paired_ratio_bootstrap(
     reached): a "not reached" seed has no ratio to speak of.
     """
     _check(resamples, level)
-    if len(values) != len(baseline) or not values:
-        raise InvalidValue(
-            f"paired values need one per seed each; got {len(values)} and {len(baseline)}"
-        )
+    _check_pairs(values, baseline)
+    if not values:
+        raise InvalidValue("a ratio of means needs at least one seed")
     a = torch.tensor([float(v) for v in values], dtype=torch.float64)
     b = torch.tensor([float(v) for v in baseline], dtype=torch.float64)
     if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())) or bool(
@@ -175,14 +188,5 @@ def paired_ratio_bootstrap(
     ratio = float(a.mean() / b.mean())
     if n == 1:
         return Interval(ratio, ratio, ratio, n, level, resamples)
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, n, (resamples, n), generator=generator)
-    ordered, _ = torch.sort(a[index].mean(1) / b[index].mean(1))
-    return Interval(
-        ratio,
-        _quantile(ordered, (1 - level) / 2),
-        _quantile(ordered, (1 + level) / 2),
-        n,
-        level,
-        resamples,
-    )
+    index = _resampled_seeds(n, resamples, seed)
+    return _percentile_interval(ratio, a[index].mean(1) / b[index].mean(1), n, level, resamples)

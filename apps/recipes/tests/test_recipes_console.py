@@ -48,24 +48,29 @@ def test_ctrl_c_ends_with_the_resume_command_and_the_run_continues(tmp_path):
         sys.executable, str(SCRIPTS / "sd3_reward.py"), "--tiny", "--output_dir", str(out),
         "--max_train_steps", "100000", "--checkpointing_steps", "1",
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, preexec_fn=_default_sigint,
-    )  # fmt: skip
-    first = out / "checkpoints" / "step_000001" / "recipe_state.json"
-    deadline = time.monotonic() + 180
-    while not first.is_file():
-        if process.poll() is not None or time.monotonic() > deadline:
+    # Files, not pipes: nothing reads a pipe while the run waits for its checkpoint, and a
+    # child that fills one (a progress bar) blocks before it gets there.
+    out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out_file.open("w") as stdout_sink, err_file.open("w") as stderr_sink:
+        process = subprocess.Popen(
+            command, env=_environment(), stdout=stdout_sink, stderr=stderr_sink,
+            text=True, preexec_fn=_default_sigint,
+        )  # fmt: skip
+        first = out / "checkpoints" / "step_000001" / "recipe_state.json"
+        deadline = time.monotonic() + 300
+        while not first.is_file():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                pytest.fail(f"no first checkpoint: {err_file.read_text()[-3000:]}")
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
             process.kill()
-            _, err = process.communicate()
-            pytest.fail(f"no first checkpoint: {err[-3000:]}")
-        time.sleep(0.1)
-    process.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    try:
-        stdout, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
+            raise
+    stdout, stderr = out_file.read_text(), err_file.read_text()
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]

@@ -97,6 +97,21 @@ def _estimator_specs(text: str, *, example: str) -> list[str]:
     return specs
 
 
+# What defines a compare's numbers (besides its estimators): a folder holds one compare.
+_COMPARE_SETTINGS = (
+    "model",
+    "objective",
+    "steps",
+    "batch",
+    "seeds",
+    "draws",
+    "repeats",
+    "dtype",
+    "device",
+    "sweeps",
+)
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
@@ -104,6 +119,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from gradest.harness.embedded import embedded_problem
     from gradest.harness.plots import plots_unavailable
     from gradest.harness.sweeps import jagg_debias_sweep, jagg_span_sweep, jagg_tau_sweep
+    from gradest.run_folder import RunRecord, claim_run_folder
 
     specs = _estimator_specs(args.estimators, example="exact,jagg:window=4,sdo")
     if specs == split_spec_list(COMPARE_DEFAULT):
@@ -129,47 +145,59 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if dtype is None:
         raise InvalidValue(f"--dtype must be float64 or float32, got {args.dtype!r}")
     _check_device(args.device)
-    problem = embedded_problem(
-        args.model,
-        steps=args.steps,
-        objective=args.objective,
-        batch=args.batch,
-        dtype=dtype,
-        device=args.device,
+    # The folder holds one compare: its settings (all but where the output goes and how it
+    # is shown) are its identity; rerunning the same compare rewrites its report.
+    record = RunRecord(
+        command="gradest compare",
+        settings={
+            "estimators": specs,
+            **{k: getattr(args, k) for k in _COMPARE_SETTINGS},
+        },
     )
-    report = compare(
-        problem.model,
-        problem.flow,
-        problem.objective,
-        specs,
-        noise_fn=problem.noise_fn,
-        cond_fn=problem.cond_fn,
-        seeds=args.seeds,
-        draws=args.draws,
-        timing_repeats=args.repeats,
-        show_progress=not args.quiet,
-    )
-    if args.sweeps and any(registry.parse_spec(s)[0] == "jagg" for s in specs):
-        from gradest.trajectory import rollout
+    with claim_run_folder(out, record):
+        problem = embedded_problem(
+            args.model,
+            steps=args.steps,
+            objective=args.objective,
+            batch=args.batch,
+            dtype=dtype,
+            device=args.device,
+        )
+        report = compare(
+            problem.model,
+            problem.flow,
+            problem.objective,
+            specs,
+            noise_fn=problem.noise_fn,
+            cond_fn=problem.cond_fn,
+            seeds=args.seeds,
+            draws=args.draws,
+            timing_repeats=args.repeats,
+            show_progress=not args.quiet,
+        )
+        if args.sweeps and any(registry.parse_spec(s)[0] == "jagg" for s in specs):
+            from gradest.trajectory import rollout
 
-        cond = problem.cond_fn(0)
-        trajectory = rollout(problem.model, problem.flow, problem.noise_fn(0), cond=cond)
-        report.config["sweeps"] = {
-            # one group of at most 8 steps (a stepwise objective knows only N steps)
-            "span": jagg_span_sweep(
-                problem.model,
-                problem.objective,
-                problem.noise_fn(0),
-                cond,
-                steps=min(8, args.steps),
-            ),
-            "tau": jagg_tau_sweep(problem.model, problem.flow, problem.objective, trajectory, cond),
-            "debias": jagg_debias_sweep(
-                problem.model, problem.flow, problem.objective, trajectory, cond
-            ),
-        }
-    plots = not args.no_plots and missing is None
-    report.write(out, plots=plots)
+            cond = problem.cond_fn(0)
+            trajectory = rollout(problem.model, problem.flow, problem.noise_fn(0), cond=cond)
+            report.config["sweeps"] = {
+                # one group of at most 8 steps (a stepwise objective knows only N steps)
+                "span": jagg_span_sweep(
+                    problem.model,
+                    problem.objective,
+                    problem.noise_fn(0),
+                    cond,
+                    steps=min(8, args.steps),
+                ),
+                "tau": jagg_tau_sweep(
+                    problem.model, problem.flow, problem.objective, trajectory, cond
+                ),
+                "debias": jagg_debias_sweep(
+                    problem.model, problem.flow, problem.objective, trajectory, cond
+                ),
+            }
+        plots = not args.no_plots and missing is None
+        report.write(out, plots=plots)
     print(report.to_markdown())
     print(f"wrote {out}/report.md, report.json" + (" and plots" if plots else ""))
     if missing is not None:

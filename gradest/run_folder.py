@@ -244,6 +244,8 @@ def claim_run_folder(
             f"{shown} holds no gradest run to continue{held}; start a run there with "
             f"--out instead, or pass the folder of the run to continue"
         )
+    missing = [folder, *folder.parents]
+    first_created = next((p for p in reversed(missing) if not p.exists()), None)
     check_output_dir(folder, what=what)  # creates it
     lock = None
     if not shared:
@@ -254,12 +256,31 @@ def claim_run_folder(
                 f"{shown} is in use by {describe_holder(holder or {})}: one run writes a "
                 f"folder at a time; wait for it to finish, or pass a new --out"
             )
+    continued, failed = True, False
     try:
         continued = _check_owner(folder, record, shown, resume=resume, resume_hint=resume_hint)
         yield RunFolder(path=folder, record=record, continued=continued, lock=lock)
+    except BaseException:
+        failed = True
+        raise
     finally:
+        # A run that failed before writing anything leaves nothing: not its record (removed
+        # while the lock is held), and not the folders it created (a user error is one line
+        # and no trace on disk).
+        untouched = failed and not continued and not shared and _entries(folder) == [RUN_RECORD]
+        if untouched:
+            with contextlib.suppress(OSError):
+                (folder / RUN_RECORD).unlink()
         if lock is not None:
             lock.release()
+        if untouched and first_created is not None:
+            for created in [folder, *folder.parents]:
+                try:
+                    created.rmdir()
+                except OSError:
+                    break  # not empty: something else is there now
+                if created == first_created:
+                    break
 
 
 def _check_owner(

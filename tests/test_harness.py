@@ -424,7 +424,7 @@ def test_compare_without_matplotlib_writes_the_report_and_says_why(tmp_path, cap
     assert code == 0
     printed = capsys.readouterr().out
     assert "plots skipped: matplotlib is not installed" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "run.json"]
     model, flow, objective, noise_fn = _problem()
     report = compare(model, flow, objective, ["exact"], noise_fn=noise_fn, seeds=1)
     with pytest.warns(UserWarning, match="plots skipped: matplotlib is not installed"):

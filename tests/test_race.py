@@ -432,3 +432,67 @@ def test_stalled_steps_are_those_far_above_the_runs_median() -> None:
     assert stalled_steps([0.1, 0.1, 0.1, 0.1 * STALL_FACTOR]) == []  # not above the factor
     assert stalled_steps([0.1, 0.1, 0.1, 0.6, 0.1]) == [(3, 0.6)]
     assert stalled_steps([0.1, 5.0]) == []  # two steps have no median to speak of
+
+
+def _small_race(out, **change: Any) -> RaceReport:
+    settings: dict[str, Any] = dict(
+        seeds=1, budget_exact_steps=1, fractions=(1.0,), show_progress=False, plots=False
+    )
+    return race(QuadraticTask(), SPECS, out=out, **(settings | change))
+
+
+def test_a_race_folder_holds_one_race_and_one_writer(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from gradest.run_folder import RUN_RECORD, FolderInUse, read_run_record
+
+    out = tmp_path / "race"
+    _small_race(out)
+    record = read_run_record(out / RUN_RECORD)
+    assert record.command == "gradest race" and record.settings["seeds"] == [0]
+    # a second process while one runs: refused naming it, the folder unchanged
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from gradest.process_lock import try_lock; "
+            "held = try_lock(sys.argv[1], command='gradest race'); print('held', flush=True); "
+            "time.sleep(60)",
+            str(out / ".gradest-run.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.suffix != ".lock"}
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(FolderInUse, match=rf"in use by pid {holder.pid} on "):
+            _small_race(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.suffix != ".lock"}
+    assert after == before
+    # the killed holder's lock is free: the same race reruns (and finds itself finished)
+    assert _numbers(_small_race(out)) == _numbers(RaceReport.load(out / "report.json"))
+
+
+def test_a_folder_of_another_run_or_tool_is_refused_untouched(tmp_path) -> None:
+    from gradest.run_folder import RunRecord, claim_run_folder
+
+    finetuned = tmp_path / "ft"
+    with claim_run_folder(finetuned, RunRecord(command="gradest finetune", settings={"lr": 1})):
+        (finetuned / "log.jsonl").write_text("{}\n")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (foreign / "state").mkdir()  # a state folder without its race's record
+    for folder, message in [
+        (finetuned, "holds a 'gradest finetune' run, not a 'gradest race' run"),
+        (foreign, r"not a gradest run's \(notes.txt, state"),
+    ]:
+        before = sorted((p, p.is_file() and p.read_bytes()) for p in folder.rglob("*"))
+        with pytest.raises(InvalidValue, match=message):
+            _small_race(folder)
+        assert sorted((p, p.is_file() and p.read_bytes()) for p in folder.rglob("*")) == before

@@ -201,3 +201,36 @@ def test_an_unwritable_parent_is_one_line_before_anything(tmp_path: Path) -> Non
     with pytest.raises(OutputError, match="is a file|part of the path is a file"):
         with claim_run_folder(blocker / "run", RACE):
             pytest.fail("the body of a refused claim ran")
+
+
+def test_a_run_that_fails_before_writing_anything_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "run"
+    with pytest.raises(RuntimeError, match="bad model"):
+        with claim_run_folder(out, RACE):
+            raise RuntimeError("bad model")
+    assert list(tmp_path.iterdir()) == []
+    # one that wrote something keeps it (and its record), to resume
+    with pytest.raises(RuntimeError, match="killed"):
+        with claim_run_folder(out, RACE):
+            (out / "state").mkdir()
+            raise RuntimeError("killed")
+    assert sorted(os.listdir(out)) == [RUN_RECORD, "state"]
+    with claim_run_folder(out, RACE) as claimed:
+        assert claimed.continued
+
+
+def test_gradest_compare_keeps_one_compare_per_folder(tmp_path: Path, capsys) -> None:
+    from gradest.cli import main
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--steps", "4", "--seeds", "1", "--draws", "1", "--repeats", "1"]
+    argv += ["--no-sweeps", "--no-plots", "--quiet", "--out", str(out)]
+    assert main([*argv, "--estimators", "exact,sdo"]) == 0
+    report = (out / "report.json").read_bytes()
+    capsys.readouterr()
+    assert main([*argv, "--estimators", "exact,jagg:window=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds another 'gradest compare' run (estimators: ['exact', 'sdo'] there" in err
+    assert "new --out" in err and len(err.splitlines()) == 1
+    assert (out / "report.json").read_bytes() == report
+    assert main([*argv, "--estimators", "exact,sdo"]) == 0  # the same compare: rewritten

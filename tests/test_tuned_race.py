@@ -229,7 +229,7 @@ def test_shards_merge_from_another_machine_without_rerunning(tmp_path, counted_r
     whole = _quiet_race(QuadraticTask(), tmp_path / "one")
     # "another machine" ran the tuning runs of seed 0: their files are copied over
     other = tmp_path / "two"
-    shutil.copy(tmp_path / "one" / "race.json", other.mkdir() or other / "race.json")
+    shutil.copy(tmp_path / "one" / "run.json", other.mkdir() or other / "run.json")
     for shard in (tmp_path / "one" / "shards").rglob("seed-0.json"):
         target = other / shard.relative_to(tmp_path / "one")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -310,7 +310,9 @@ def test_another_kind_of_race_folder_is_refused(tmp_path) -> None:
         show_progress=False,
         plots=False,
     )
-    with pytest.raises(InvalidValue, match="another kind of race"):
+    with pytest.raises(
+        InvalidValue, match="holds a 'gradest race' run, not a 'gradest race --tune'"
+    ):
         _quiet_race(QuadraticTask(), out)
     with pytest.raises(InvalidValue, match="disjoint"):
         _quiet_race(QuadraticTask(), tmp_path / "new", seeds=[1, 5])
@@ -321,19 +323,29 @@ def test_a_shard_claimed_by_a_live_process_is_skipped_and_a_dead_ones_taken_over
     key = ShardKey("exact", 0.01, 3)
     lock = tmp_path / "state" / "shards" / key.relative(".lock")
     lock.parent.mkdir(parents=True)
-    import socket
-
-    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
-    with store.claim(key) as mine:
-        assert not mine
-    assert store.holder(key) == f"pid {os.getppid()} on {socket.gethostname()}"
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from gradest.process_lock import try_lock; "
+            "held = try_lock(sys.argv[1], command='other'); print('held', flush=True); "
+            "time.sleep(60)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
         text=True,
-        check=True,
     )
-    lock.write_text(json.dumps({"pid": int(gone.stdout), "host": socket.gethostname()}))
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with store.claim(key) as mine:
+            assert not mine
+        assert store.holder(key) is not None
+        assert store.holder(key).startswith(f"pid {holder.pid} on ")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock.exists()  # the killed holder left its lock file behind: it is free
+    assert store.holder(key) is None
     with store.claim(key) as mine:
         assert mine
         assert json.loads(lock.read_text())["pid"] == os.getpid()

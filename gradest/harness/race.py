@@ -39,12 +39,14 @@ class labels) from ``seed``, so every estimator sees the same training batches a
 the task draws the same amount per step, and the estimator's own draws from a stream of
 their own.
 
-**Resume.** With ``out`` the race writes ``race.json`` (its settings) and, after every
-evaluation point, the state of that (seed, estimator) (model, optimizer, generators, the
-curve so far) atomically under ``out/state``. A rerun with the same ``out`` and settings
-continues where it stopped; with a FLOPs budget the result equals an uninterrupted race
-bit for bit (on the same machine; estimators that keep state across calls, such as
-``auto``'s cache, start that state afresh). Different settings are refused, naming them.
+**Resume.** With ``out`` the race claims the folder (:mod:`gradest.run_folder`: its
+``run.json`` records the race's settings, and a lock refuses a second process while it
+runs) and writes, after every evaluation point, the state of that (seed, estimator)
+(model, optimizer, generators, the curve so far) atomically under ``out/state``. A rerun
+with the same ``out`` and settings continues where it stopped; with a FLOPs budget the
+result equals an uninterrupted race bit for bit (on the same machine; estimators that keep
+state across calls, such as ``auto``'s cache, start that state afresh). Different settings
+are refused, naming them.
 
 **Statistics** (:mod:`gradest.harness.bootstrap`): means over seeds with 95% percentile
 bootstrap intervals, resampling seeds; differences to ``exact`` are paired by seed. No
@@ -53,6 +55,7 @@ significance test is made on the (deterministic) costs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -85,10 +88,13 @@ from gradest.harness.cost import count_flops
 from gradest.objectives import Objective
 from gradest.protocol import Cost, supports
 from gradest.registry import estimator as build_estimator
+from gradest.run_folder import RUN_RECORD, RunRecord, claim_run_folder, read_run_record
 from gradest.samplers import AffineSampler
 
 RACE_TASKS_GROUP = "gradest.race_tasks"
 MIN_EVAL_SAMPLES = 256
+# The command a race folder's run.json names (a tuned race names its own).
+RACE_COMMAND = "gradest race"
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
 REACH_LEVELS = (0.5, 0.9)
 SCHEMA = "gradest.race/1"
@@ -703,42 +709,63 @@ def race(
             with fewer than :data:`MIN_EVAL_SAMPLES` evaluation samples, or an ``out`` that
             holds a race with other settings; all before any work.
         OutputError: ``out`` cannot be written (before any work).
+        FolderInUse: another process is running a race in ``out``.
     """
-    from tqdm.auto import tqdm
-
     _check_task(task)
     specs = _check_specs(specs, task.objective_kind)
     seed_list = _check_seeds(seeds)
     fraction_list = _check_fractions(fractions)
     kind, value = _check_budget(budget_flops, budget_seconds, budget_exact_steps)
+    settings = _settings(task, specs, seed_list, kind, value, fraction_list)
     target = None
     if out is not None:
         target = check_output_dir(out, what="out", create=False)
-        for name in ("report.md", "report.json", "race.json", "state"):
+        for name in ("report.md", "report.json", "state"):
             entry = target / name
             if entry.is_symlink() or (name != "state" and entry.is_dir()):
                 raise OutputError(f"out {str(target)!r}: {name} there is not a plain file")
-    settings = _settings(task, specs, seed_list, kind, value, fraction_list)
-    if target is not None and (target / "race.json").is_file():
-        try:
-            saved = json.loads((target / "race.json").read_text())
-        except (OSError, ValueError) as err:
-            raise InvalidValue(
-                f"out {str(target)!r} holds a race.json that does not read ({err}); pass a new out"
-            ) from None
-        _check_same_race(saved, settings, target)
-    elif target is not None and (target / "state").exists():
-        raise InvalidValue(
-            f"out {str(target)!r} holds a race state without its race.json; pass a new out"
+        if (target / RUN_RECORD).is_file():
+            saved = read_run_record(target / RUN_RECORD)
+            if saved.command == RACE_COMMAND:
+                # The race's own message first: it names the settings as the command sets them.
+                _check_same_race(saved.settings, settings, target)
+    with contextlib.ExitStack() as stack:
+        if target is not None:
+            stack.enter_context(
+                claim_run_folder(target, RunRecord(command=RACE_COMMAND, settings=settings))
+            )
+        return _run_race(
+            task,
+            specs,
+            seed_list,
+            fraction_list,
+            kind,
+            value,
+            settings,
+            target,
+            show_progress=show_progress,
+            plots=plots,
         )
 
-    # -- the work starts here --
+
+def _run_race(
+    task: RaceTask,
+    specs: list[str],
+    seed_list: list[int],
+    fraction_list: list[float],
+    kind: str,
+    value: float,
+    settings: dict[str, Any],
+    target: Path | None,
+    *,
+    show_progress: bool,
+    plots: bool,
+) -> RaceReport:
+    """The work of :func:`race`, in the folder it has claimed (``target``)."""
+    from tqdm.auto import tqdm
+
     measured = measure_budget(task, kind, value)
     kind, budget = measured.kind, measured.budget
-    if target is not None:
-        target.mkdir(parents=True, exist_ok=True)
-        if not (target / "race.json").is_file():
-            atomic_write_text(target / "race.json", json.dumps(settings, indent=2))
     settings = {**settings, **measured.settings()}
     pretrained = measured.pretrained
 

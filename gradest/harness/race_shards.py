@@ -13,9 +13,9 @@ the race it belongs to and its evaluated curve. Shards are what a long race is m
 * **Resumed.** A run in progress keeps its state (model, optimizer, generators, the curve
   so far) after every evaluation point, under ``state/``; a rerun continues it, on the same
   machine, equal to an uninterrupted run.
-* **Run by several processes.** A process claims a shard with a lock file naming its pid
-  and host before running it; another process skips a claimed shard and comes back to it,
-  and a lock left by a killed process (same host, pid gone) is taken over.
+* **Run by several processes.** A process claims a shard with a lock
+  (:mod:`gradest.process_lock`) before running it; another process skips a claimed shard
+  and comes back to it, and a lock left by a killed process is free and taken over.
 
 Layout under a race folder (``<lr>`` is ``lr-1e-04``; ``task-lr`` where the task's own
 optimizer settings are kept)::
@@ -36,10 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
-import socket
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,7 +44,8 @@ from typing import Any
 import attrs
 
 from gradest.errors import InvalidValue
-from gradest.files import OutputError, atomic_write_text, refuse_symlinks
+from gradest.files import atomic_write_text, refuse_symlinks
+from gradest.process_lock import describe_holder, read_holder, try_lock
 
 SHARD_SCHEMA = "gradest.race-shard/1"
 # The fields a shard file must hold, and the types they must have.
@@ -99,16 +97,6 @@ class ShardKey:
     def describe(self) -> str:
         lr = "the task's lr" if self.lr is None else f"lr {self.lr:g}"
         return f"{self.spec!r} at {lr}, seed {self.seed}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 @attrs.define(eq=False)
@@ -222,58 +210,19 @@ class ShardStore:
     @contextlib.contextmanager
     def claim(self, key: ShardKey) -> Iterator[bool]:
         """Hold the shard's lock while the body runs it: yields True when this process holds
-        it, False when a live process does (skip the shard and come back to it). A lock of
-        a process of this host that is gone is taken over."""
+        it, False when a live process does (skip the shard and come back to it). A killed
+        process's lock is free (:mod:`gradest.process_lock`) and taken over."""
         self._check_no_links(key)
-        lock = self._lock_path(key)
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        for _ in range(3):
-            try:
-                handle = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                if self._holder_alive(lock):
-                    yield False
-                    return
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()  # stale: its process is gone
-                continue
-            except OSError as err:
-                raise OutputError(f"cannot write the lock {str(lock)!r}: {err.strerror}") from None
-            with os.fdopen(handle, "w") as file:
-                json.dump(mine, file)
-            try:
-                yield True
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()
+        lock_path = self._lock_path(key)
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = try_lock(lock_path, command=f"gradest race --tune: {key.describe()}")
+        if lock is None:
+            yield False
             return
-        yield False
+        with lock:
+            yield True
 
     def holder(self, key: ShardKey) -> str | None:
-        """Who holds the shard's lock (``pid N on HOST``), or None."""
-        lock = self._lock_path(key)
-        if not lock.is_file() or not self._holder_alive(lock):
-            return None
-        info = self._read_lock(lock)
-        return f"pid {info.get('pid')} on {info.get('host')}"
-
-    @staticmethod
-    def _read_lock(lock: Path) -> dict[str, Any]:
-        try:
-            info = json.loads(lock.read_text())
-        except (OSError, ValueError):
-            return {}
-        return info if isinstance(info, dict) else {}
-
-    def _holder_alive(self, lock: Path) -> bool:
-        info = self._read_lock(lock)
-        pid = info.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool):
-            # Being written right now, or torn by a kill: young means being written.
-            with contextlib.suppress(OSError):
-                return time.time() - lock.stat().st_mtime < 5.0
-            return False
-        if info.get("host") != socket.gethostname():
-            return True  # another machine's: nothing here can tell it is gone
-        return pid != os.getpid() and _pid_alive(pid)
+        """Who holds the shard's lock (``pid N on HOST (...)``), or None."""
+        info = read_holder(self._lock_path(key))
+        return None if info is None else describe_holder(info)

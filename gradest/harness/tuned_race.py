@@ -62,7 +62,7 @@ import attrs
 import torch
 
 from gradest.errors import InvalidType, InvalidValue
-from gradest.files import OutputError, atomic_write_text, check_output_dir
+from gradest.files import atomic_write_text, check_output_dir, refuse_non_file
 from gradest.harness.bootstrap import bootstrap_mean, paired_bootstrap, paired_ratio_bootstrap
 from gradest.harness.race import (
     REFERENCE,
@@ -77,7 +77,10 @@ from gradest.harness.race import (
     measure_budget,
 )
 from gradest.harness.race_shards import ShardKey, ShardStore, lr_label, race_identity
+from gradest.run_folder import RunRecord, claim_run_folder
 
+# The command a tuned race folder's run.json names (a plain race's is "gradest race").
+TUNED_RACE_COMMAND = "gradest race --tune"
 TUNED_SCHEMA = "gradest.tuned-race/1"
 DEFAULT_LEVELS = (0.5, 0.8, 0.9)
 PRIMARY_LEVEL = 0.8
@@ -627,42 +630,6 @@ class _ShardRunner:
             return json.loads(json.dumps(row))  # as a later read gives it back
 
 
-def _folder_settings(target: Path, settings: dict[str, Any], identity: str) -> None:
-    """Refuse a folder that holds another race; a race of the same identity may grow."""
-    race_json = target / "race.json"
-    if race_json.is_symlink() or (race_json.exists() and not race_json.is_file()):
-        raise OutputError(f"out {str(target)!r}: race.json there is not a plain file")
-    if not race_json.exists():
-        for entry in ("shards", "state", "ceiling"):
-            if (target / entry).exists():
-                raise InvalidValue(
-                    f"out {str(target)!r} holds race runs ({entry}/) without their race.json; "
-                    f"pass a new --out"
-                )
-        return
-    try:
-        saved = json.loads(race_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as err:
-        raise InvalidValue(
-            f"out {str(target)!r}: its race.json does not read ({err}); pass a new --out"
-        ) from None
-    if not isinstance(saved, dict) or saved.get("kind") != "tuned":
-        raise InvalidValue(
-            f"out {str(target)!r} holds another kind of race (not a tuned one); pass a new --out"
-        )
-    if saved.get("identity") != identity:
-        ours, theirs = settings["identity_settings"], saved.get("identity_settings") or {}
-        differing = [
-            f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} now"
-            for k in sorted(set(ours) | set(theirs))
-            if ours.get(k) != theirs.get(k)
-        ]
-        raise InvalidValue(
-            f"out {str(target)!r} holds a tuned race with other settings ({'; '.join(differing)}); "
-            f"rerun with its settings to continue or extend it, or pass a new --out"
-        )
-
-
 def tuned_race(
     task: RaceTask,
     specs: Sequence[str],
@@ -740,16 +707,22 @@ def tuned_race(
         "ceiling_factor": float(ceiling_factor),
     }
     target = None
-    if out is not None:
-        target = check_output_dir(out, what="out", create=False)
-        _folder_settings(target, settings, identity)
-
-    # -- the work starts here --
-    measured = measure_budget(task, kind, value)
-    if target is not None:
-        target.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(target / "race.json", json.dumps(settings, indent=2) + "\n")
     with contextlib.ExitStack() as stack:
+        if out is not None:
+            # Several processes may run one tuned race (each claims its shards): the folder
+            # is shared, and its record is the race's identity, which the race's growth
+            # (more lrs, estimators or seeds) leaves unchanged.
+            target = check_output_dir(out, what="out", create=False)
+            refuse_non_file(target / "race.json", what=f"out {str(target)!r}: race.json")
+            record = RunRecord(
+                command=TUNED_RACE_COMMAND, settings={"identity": identity, **identity_settings}
+            )
+            stack.enter_context(claim_run_folder(target, record, shared=True))
+        # -- the work starts here --
+        measured = measure_budget(task, kind, value)
+        if target is not None:
+            # This call's settings (the grid, line-up and seeds it asked for), for the reader.
+            atomic_write_text(target / "race.json", json.dumps(settings, indent=2) + "\n")
         # Without out, the shards live in a temporary folder for the call's duration.
         root = (
             target

@@ -104,7 +104,8 @@ def _documented_race_commands() -> list[tuple[list[str], bool]]:
 def test_documented_race_commands_reproduce_the_committed_races(tmp_path, monkeypatch):
     """Each race command docs/results.md shows is accepted as the race committed in its
     --out folder (same task settings, estimators, seeds, budget, fractions): rerun in a
-    folder holding that race.json, it passes the settings check and reaches the work."""
+    folder holding that run.json (the race's record), it passes the settings check and
+    reaches the work."""
     import functools
     import shutil
     from pathlib import Path
@@ -134,15 +135,15 @@ def test_documented_race_commands_reproduce_the_committed_races(tmp_path, monkey
     assert len([c for c, planned in commands if not planned]) >= 6, commands
     for argv, planned in commands:
         out = argv[argv.index("--out") + 1]
-        committed = repo / out / "race.json"
+        committed = repo / out / "run.json"
         folder = tmp_path / out.replace("/", "_")
         folder.mkdir()
         if committed.is_file():
-            shutil.copy(committed, folder / "race.json")
+            shutil.copy(committed, folder / "run.json")
         else:
             # Only a race set out to run later may lack its data; its command must still
             # be one the race accepts (it reaches the work in an empty folder).
-            assert planned, f"{out} has no committed race.json"
+            assert planned, f"{out} has no committed run.json"
         at = argv.index("--out")
         argv = [*argv[:at], *argv[at + 2 :], "--out", str(folder), "--quiet", "--no-plots"]
         try:

@@ -4,7 +4,8 @@ A checkpoint is the folder ``OUT/checkpoints/step_XXXXXX/``: accelerate's own st
 (optimizer, gradient scaler, every process's RNG states, ``accelerator.step``) plus
 ``lora_0.safetensors`` (the adapter tensors only: the frozen base weights come from
 ``pretrained`` again, so a checkpoint of an SD3 LoRA run is megabytes, not gigabytes) and
-``recipe_state.json`` (the step, the family and every setting). It is written under a
+``recipe_state.json`` (the step, the family, every setting and the run's lineage: the
+checkpoints of other folders it continues from). It is written under a
 temporary name and renamed when complete, so a run killed while saving leaves the
 previous checkpoint as the newest one. Under accelerate's own FSDP (GPUs) accelerate saves
 the (sharded) model itself and the LoRA-only hooks stand aside.
@@ -36,8 +37,10 @@ __all__ = [
     "FullStateAdamW",
     "abandon_newer",
     "checkpoint_dirs",
+    "checkpoint_lineage",
     "export_lora",
     "find_checkpoint",
+    "holds_checkpoint",
     "register_lora_hooks",
     "save_checkpoint",
 ]
@@ -89,6 +92,19 @@ def find_checkpoint(location: str | Path) -> tuple[Path, dict[str, Any]]:
             f"(format {state.get('format')!r}, expected {FORMAT!r})"
         )
     return chosen, state
+
+
+def checkpoint_lineage(folder: Path, state: dict[str, Any]) -> tuple[str, ...]:
+    """What the run that wrote the checkpoint ``folder`` continued from outside its own
+    folder (``state["lineage"]``, resolved checkpoint paths in order; empty for a run
+    started from scratch, and for a checkpoint written before the lineage was saved)."""
+    lineage = state.get("lineage", [])
+    if not isinstance(lineage, list) or not all(isinstance(item, str) for item in lineage):
+        raise InvalidValue(
+            f"checkpoint {str(folder)!r} is damaged: its {STATE_FILE} lineage is "
+            f"{lineage!r}, not a list of checkpoint paths"
+        )
+    return tuple(lineage)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -240,10 +256,26 @@ def _remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def abandon_newer(out: Path, step: int) -> list[Path]:
+def holds_checkpoint(out: str | Path, checkpoint: str | Path) -> bool:
+    """Whether ``checkpoint`` is one of the run folder ``out``'s own: it lies under
+    ``out/checkpoints/`` (``abandoned/`` included). Both paths resolved: links and ``..``
+    followed, so two spellings of one folder are one."""
+    return (Path(out) / "checkpoints").resolve() in Path(checkpoint).resolve().parents
+
+
+def abandon_newer(out: Path, step: int, *, resumed_from: Path) -> list[Path]:
     """Move the checkpoints of ``out`` newer than ``step`` (a run resumed from an older
     checkpoint abandons them) to ``out/checkpoints/abandoned/``, where neither ``latest``
-    nor ``keep_checkpoints`` sees them; nothing is deleted. Returns the new locations."""
+    nor ``keep_checkpoints`` sees them; nothing is deleted. Returns the new locations.
+
+    Only a run continued in its own folder abandons anything: ``resumed_from`` (the
+    checkpoint it resumes) must be one of ``out``'s own (:func:`holds_checkpoint`); a
+    checkpoint of another folder is refused, so another run's checkpoints never move."""
+    if not holds_checkpoint(out, resumed_from):
+        raise InvalidValue(
+            f"checkpoint {str(resumed_from)!r} is not in {str(out)!r}: a run resumed from "
+            f"another folder's checkpoint abandons nothing there"
+        )
     folder = out / "checkpoints"
     moved = []
     for number, path in checkpoint_dirs(folder):

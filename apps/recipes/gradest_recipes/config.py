@@ -48,6 +48,7 @@ __all__ = [
     "build_parser",
     "config_from_argv",
     "load_config",
+    "run_settings",
     "to_toml",
 ]
 
@@ -242,6 +243,23 @@ MAY_CHANGE_ON_RESUME = frozenset(
 #: Settings never written into a run's saved config (``config.toml``, the checkpoints'
 #: ``recipe_state.json``): reusing a saved config as ``--config`` starts a run.
 NOT_SAVED = frozenset({"resume"})
+
+
+def run_settings(config: RecipeConfig) -> dict[str, Any]:
+    """The settings a run folder records as its run's (``run.json``, gradest.run_folder):
+    every setting a resumed run must share, that is all but :data:`MAY_CHANGE_ON_RESUME`
+    and :data:`NOT_SAVED`. A float setting given as an integer is recorded as a float, so
+    that a run read back from TOML or JSON records the same value."""
+    values: dict[str, Any] = {}
+    for key, value in config.to_dict().items():
+        if key in MAY_CHANGE_ON_RESUME or key in NOT_SAVED:
+            continue
+        number = isinstance(value, int) and not isinstance(value, bool)
+        if number and _base_type(FIELDS[key].type) is float:
+            value = float(value)
+        values[key] = value
+    return values
+
 
 LR_SCHEDULERS = (
     "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",

@@ -11,7 +11,9 @@ Outputs in ``out``: ``config.toml`` (every setting), ``log.jsonl`` (one record p
 ``samples/step_XXXXXX.png`` (a grid every ``sample_every`` steps and at the end),
 ``checkpoints/step_XXXXXX/`` (every ``save_every`` steps and at the end; see
 :mod:`gradest_recipes.checkpoints`) and ``lora/pytorch_lora_weights.safetensors`` (the
-final adapters in diffusers' format).
+final adapters in diffusers' format), plus the run folder's own ``run.json`` (the run's
+identity: :func:`run_record`) and, while the run writes, its lock ``.gradest-run.lock``
+(:mod:`gradest.run_folder`: a folder holds one run, written by one process at a time).
 
 With ``objective = "grpo"`` or ``"adjoint_matching"`` (the scripts
 ``examples/recipes/{sd3,flux}_{grpo,adjoint_matching}.py``) each micro-step instead rolls
@@ -38,19 +40,31 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue, MissingDependency
-from gradest.files import JsonLog, atomic_write, atomic_write_text, check_output_dir
+from gradest.files import JsonLog, atomic_write, atomic_write_text
 from gradest.protocol import check_surrogate, is_stateful
+from gradest.run_folder import (
+    RUN_LOCK,
+    RUN_RECORD,
+    RunFolder,
+    RunRecord,
+    claim_run_folder,
+    lineage_of,
+)
 from gradest_recipes.checkpoints import (
     FullStateAdamW,
     abandon_newer,
+    checkpoint_dirs,
+    checkpoint_lineage,
     export_lora,
     find_checkpoint,
+    holds_checkpoint,
     lora_tensors,
     register_lora_hooks,
     save_checkpoint,
@@ -61,6 +75,7 @@ from gradest_recipes.config import (
     RecipeConfig,
     RecipeConfigError,
     config_from_argv,
+    run_settings,
     to_toml,
 )
 from gradest_recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
@@ -68,7 +83,7 @@ from gradest_recipes.families import Family, build_family, guided, shard_denoise
 from gradest_recipes.rewards import Reward, decode_images, resolve_reward, reward_objective
 from gradest_recipes.rl_objectives import RLObjective, per_sample_reward, supports_stepwise
 
-__all__ = ["main", "script_main", "train"]
+__all__ = ["main", "run_record", "script_main", "train"]
 
 # diffusers' file name for LoRA weights (``load_lora_weights`` finds it in a folder).
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -146,8 +161,6 @@ INTERRUPTED = 130
 def interrupted_line(script: str, config: RecipeConfig) -> str:
     """The one line a recipe stopped by Ctrl-C ends with: the newest complete checkpoint
     and the command that continues from it (or, before the first one, that nothing can)."""
-    from gradest_recipes.checkpoints import checkpoint_dirs
-
     # The script as it was started when it is the one running, else the shipped one.
     command = sys.argv[0] if Path(sys.argv[0]).name == script else f"examples/recipes/{script}"
     out = Path(config.out)
@@ -288,6 +301,130 @@ def _check_resume(family: str, config: RecipeConfig, state: dict[str, Any]) -> N
                 f"resumed run may change only {sorted(MAY_CHANGE_ON_RESUME - {'resume'})} "
                 f"(start a new run in another out folder to change {key})"
             )
+
+
+#: How a recipe names its out folder in messages (diffusers' flag, as the resume line has it).
+OUT_OPTION = "--output_dir"
+
+
+def run_record(family: str, config: RecipeConfig, lineage: Sequence[str] = ()) -> RunRecord:
+    """The identity of ``config``'s run, as its folder's ``run.json`` records it: the
+    script's command, the settings a resume may not change (:func:`run_settings`) and
+    ``lineage``, the checkpoints of other folders the run continues from."""
+    return RunRecord(
+        command=f"gradest recipe {family}_{config.objective}",
+        settings=run_settings(config),
+        lineage=tuple(lineage),
+    )
+
+
+@attrs.frozen
+class _Start:
+    """How a run starts in its folder, worked out before anything is written.
+
+    Attributes:
+        record: the run's identity (``run.json``).
+        resume_from: the checkpoint resumed (its folder and its recipe state), or None.
+        in_place: the checkpoint lies in the run's own out folder (the run continues
+            there); False for a new run and for a checkpoint of another folder (the run
+            continues from it in a new or empty out folder).
+    """
+
+    record: RunRecord
+    resume_from: tuple[Path, dict[str, Any]] | None
+    in_place: bool
+
+
+def _start_of(family: str, config: RecipeConfig) -> _Start:
+    """Where ``config``'s run starts, and its record: only reads (the resumed checkpoint's
+    state and settings are checked here, before the folder is claimed)."""
+    if not config.resume:
+        return _Start(record=run_record(family, config), resume_from=None, in_place=False)
+    folder, state = find_checkpoint(config.resume)
+    _check_resume(family, config, state)
+    lineage = checkpoint_lineage(folder, state)
+    out = Path(config.out)
+    in_place = holds_checkpoint(out, folder)
+    if in_place and not (out / RUN_RECORD).is_file():
+        raise InvalidValue(
+            f"{OUT_OPTION} {str(out)!r} holds no {RUN_RECORD}: a run of an older gradest (or "
+            f"not a recipe run), which is not continued in place; continue from its "
+            f"checkpoint in a new folder: --resume_from_checkpoint {shlex.quote(str(folder))} "
+            f"--output_dir NEW"
+        )
+    if not in_place:  # continued from another folder's checkpoint: part of this run's identity
+        lineage = (*lineage, *lineage_of([folder]))
+    return _Start(
+        record=run_record(family, config, lineage), resume_from=(folder, state), in_place=in_place
+    )
+
+
+def _on_cpus(world: int) -> bool:
+    """Whether accelerate is asked for CPUs (``cpu=True``): several processes on a machine
+    without CUDA run data parallel on CPUs (gloo), which accelerate enables only so."""
+    from accelerate.utils import parse_flag_from_env
+
+    return (world > 1 and not torch.cuda.is_available()) or parse_flag_from_env(
+        "ACCELERATE_USE_CPU"
+    )
+
+
+@contextlib.contextmanager
+def _claimed(config: RecipeConfig, start: _Start) -> Iterator[RunFolder | None]:
+    """Hold the run folder ``config.out`` for the body (gradest.run_folder's rule): the main
+    process claims it (``run.json``, the lock) before any process writes anything there;
+    the others wait for the outcome, and a refusal is raised on every process. Yields the
+    claim on the main process, None on the others."""
+    from accelerate import PartialState
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The process group first (the Accelerator built later takes this state over), so that
+    # the other processes can wait for the main one's claim.
+    state = PartialState(cpu=_on_cpus(world))
+    if world > 1 and state.num_processes != world:
+        raise RecipeConfigError(
+            f"launched as {world} processes but accelerate set up {state.num_processes}; "
+            f"every process would write the same files. Launch with accelerate launch (or "
+            f"torchrun) on a supported backend"
+        )
+    out = Path(config.out)
+    hint = None
+    if checkpoint_dirs(out / "checkpoints"):  # the documented resume (see interrupted_line)
+        hint = f"--resume_from_checkpoint latest {OUT_OPTION} {shlex.quote(str(out))}"
+    with contextlib.ExitStack() as stack:
+        claimed: RunFolder | None = None
+        refused: GradestError | None = None
+        if state.is_main_process:
+            try:
+                claimed = stack.enter_context(
+                    claim_run_folder(
+                        out,
+                        start.record,
+                        what=OUT_OPTION,
+                        resume=start.in_place,
+                        resume_hint=hint,
+                    )
+                )
+            except GradestError as err:
+                refused = err
+        if state.num_processes > 1:  # the others go on once the main process holds it
+            from accelerate.utils import broadcast_object_list
+
+            refused = broadcast_object_list([refused])[0]
+        if refused is not None:
+            raise refused
+        yield claimed
+
+
+def _forget_unstarted(claimed: RunFolder | None) -> None:
+    """After a run that claimed a new folder failed before writing anything there (a
+    setting refused, a file that does not load): remove its ``run.json`` again, so that
+    the folder is as it was and the corrected command can start there."""
+    if claimed is None or claimed.continued:
+        return
+    with contextlib.suppress(OSError):
+        if set(os.listdir(claimed.path)) <= {RUN_RECORD, RUN_LOCK}:
+            (claimed.path / RUN_RECORD).unlink()
 
 
 class _EstimatorState:
@@ -436,7 +573,7 @@ def _validation_embeddings(family: str, config: RecipeConfig, device: Any) -> Pr
 class _Run:
     """One run's state (kept in one place so the loop reads top to bottom)."""
 
-    def __init__(self, family_name: str, config: RecipeConfig):
+    def __init__(self, family_name: str, config: RecipeConfig, start: _Start):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -451,38 +588,25 @@ class _Run:
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.out = Path(config.out)
-        resume_step = int(find_checkpoint(config.resume)[1]["step"]) if config.resume else 0
+        self.start = start
+        self.resume_from = start.resume_from
+        resume_step = int(start.resume_from[1]["step"]) if start.resume_from else 0
         self.accelerator = accelerator = Accelerator(
             mixed_precision=config.mixed_precision,
             gradient_accumulation_steps=config.gradient_accumulation,
-            # Several processes on a machine without CUDA: data parallel on CPUs (gloo),
-            # which accelerate enables only with cpu=True.
-            cpu=world > 1 and not torch.cuda.is_available(),
+            cpu=_on_cpus(world),
             log_with=_trackers(family_name, config, self.out, resume_step) or None,
         )
-        if world > 1 and accelerator.num_processes != world:
-            raise RecipeConfigError(
-                f"launched as {world} processes but accelerate set up "
-                f"{accelerator.num_processes}; every process would write the same files. "
-                f"Launch with accelerate launch (or torchrun) on a supported backend"
-            )
         _check_fsdp(config, accelerator, world)
-        self.resume_from: tuple[Path, dict[str, Any]] | None = None
-        if config.resume:
-            self.resume_from = find_checkpoint(config.resume)
-            _check_resume(family_name, config, self.resume_from[1])
-            if accelerator.is_main_process:  # this lineage's newer checkpoints: kept aside
-                for moved in abandon_newer(self.out, int(self.resume_from[1]["step"])):
-                    print(f"resuming from step {self.resume_from[1]['step']}: the newer "
-                          f"checkpoint was moved to {moved}", file=sys.stderr)  # fmt: skip
+        if self.resume_from is not None and start.in_place:
+            # This run's own newer checkpoints: kept aside (never another folder's: a run
+            # resumed from another folder's checkpoint starts in a new or empty one).
+            folder, state = self.resume_from
+            if accelerator.is_main_process:
+                for moved in abandon_newer(self.out, int(state["step"]), resumed_from=folder):
+                    print(f"resuming from step {state['step']}: the newer checkpoint was "
+                          f"moved to {moved}", file=sys.stderr)  # fmt: skip
             accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            check_output_dir(self.out, what="the recipe's out folder")
-            if not config.resume and (self.out / "log.jsonl").exists():
-                raise RecipeConfigError(
-                    f"setting out={config.out!r}: that folder already holds a run "
-                    f"(log.jsonl); pass --resume {config.out} to continue it, or another out"
-                )
         set_seed(config.seed)  # LoRA's random init
         self.embeddings: PromptEmbeddings = (
             tiny_embeddings(family_name)
@@ -761,7 +885,8 @@ class _Run:
 
     def checkpoint(self) -> None:
         saved = {k: v for k, v in self.config.to_dict().items() if k not in NOT_SAVED}
-        state = {"family": self.family_name, "config": saved}
+        lineage = list(self.start.record.lineage)
+        state = {"family": self.family_name, "config": saved, "lineage": lineage}
         save_checkpoint(
             self.accelerator, self.out, self.step, state, self.config.keep_checkpoints,
             export=self.export,
@@ -796,8 +921,26 @@ def _write_done(run: _Run) -> None:
 
 def train(family: str, config: RecipeConfig) -> _Run:
     """Run the recipe for ``family`` with ``config``; returns the finished run (its
-    ``family.denoiser``, ``out``, ``step``)."""
-    run = _Run(family, config)
+    ``family.denoiser``, ``out``, ``step``).
+
+    The out folder is claimed for the whole run (gradest.run_folder): a new run starts only
+    in a new or empty folder; resuming a checkpoint of the folder continues its run (the
+    same settings and lineage); resuming a checkpoint of another folder starts a run in a
+    new or empty one, which records the checkpoint as its lineage. Another run's folder,
+    other files, or a folder another live process writes are refused in one line, before
+    anything there is written."""
+    start = _start_of(family, config)
+    with _claimed(config, start) as claimed:
+        try:
+            run = _Run(family, config, start)
+        except BaseException:
+            _forget_unstarted(claimed)
+            raise
+        return _train(family, run)
+
+
+def _train(family: str, run: _Run) -> _Run:
+    """The loop of :func:`train`, in the claimed folder."""
     config = run.config
     if run.step == config.steps and not (run.out / DONE_FILE).exists():
         # Killed after its last checkpoint but before the export: finish the export only.

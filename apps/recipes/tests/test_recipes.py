@@ -63,6 +63,7 @@ from gradest_recipes.rewards import decode_images, resolve_reward, reward_object
 from gradest_recipes.train import train  # noqa: E402
 
 import gradest  # noqa: E402
+from gradest.errors import InvalidValue  # noqa: E402
 from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler  # noqa: E402
 
 # -- 1. each recipe end to end ---------------------------------------------------------------
@@ -213,7 +214,11 @@ def test_resume_refuses_changed_settings_and_finished_runs(tmp_path):
         main(["--resume", str(tmp_path), "--steps", "3", "--lr", "0.5"])
     with pytest.raises(ValueError, match=r"steps=2 .*already at step 2"):
         main(["--resume", str(tmp_path)])
-    with pytest.raises(RecipeConfigError, match=r"out=.*already holds a run.*--resume"):
+    # The run folder's rule (gradest.run_folder): the folder's run.json, not its log.jsonl,
+    # says it holds a run, and the refusal names the documented resume and --out.
+    with pytest.raises(
+        InvalidValue, match=r"output_dir .*holds an earlier run.*--resume_from_checkpoint latest"
+    ):
         main(["--tiny", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match=r"resume=.*no checkpoint there"):
         main(["--tiny", "--resume", str(tmp_path / "nothing")])

@@ -54,6 +54,7 @@ __all__ = [
     "RunFolder",
     "RunRecord",
     "claim_run_folder",
+    "lineage_of",
     "read_run_record",
 ]
 
@@ -240,9 +241,12 @@ def claim_run_folder(
     if resume is True and not record_path.is_file():
         found = _entries(folder)
         held = f" (it holds {', '.join(found[:5])}, but no {RUN_RECORD})" if found else ""
+        start = (
+            "start a new run in a new folder" if found else "start the run there without resuming"
+        )
         raise InvalidValue(
-            f"{shown} holds no gradest run to continue{held}; start a run there with "
-            f"--out instead, or pass the folder of the run to continue"
+            f"{shown} holds no gradest run to continue{held}; {start}, or pass the folder of "
+            f"the run to continue"
         )
     missing = [folder, *folder.parents]
     first_created = next((p for p in reversed(missing) if not p.exists()), None)
@@ -304,9 +308,14 @@ def _check_owner(
                 )
             differing = saved.differences(record)
             if differing:
+                how = (
+                    "it continues another checkpoint"
+                    if all(d.startswith("lineage:") for d in differing)
+                    else "rerun with its settings to continue it"
+                )
                 raise InvalidValue(
                     f"{shown} holds another {record.command!r} run ({'; '.join(differing)}); "
-                    f"rerun with its settings to continue it, or pass a new --out"
+                    f"{how}, or pass a new --out"
                 )
             if resume is False:
                 how = f"continue it with {resume_hint}" if resume_hint else "continue it"

@@ -9,10 +9,16 @@ settings; flags on the command line override it), ``--resume`` and ``--quiet``.
 Every run records its settings in ``OUT/settings.json`` before any work
 (:data:`RUN_SETTINGS`: the :class:`FinetuneConfig` fields with the estimator's spec, and
 the target, the labels, the LoRA rank and the device). ``--resume DIR`` takes every
-setting from there (from the newest checkpoint for a folder written before that file
-existed, :func:`recorded_settings`); only the flags given explicitly, on the command line
-or in a ``--config`` file (:func:`gradest.config_file.explicit_settings`), are compared
-with the run's, and a differing one is refused unless it may change (:data:`MAY_CHANGE`).
+setting from there (from ``run.json`` for a run stopped before it wrote that file,
+:func:`recorded_settings`); only the flags given explicitly, on the command line or in a
+``--config`` file (:func:`gradest.config_file.explicit_settings`), are compared with the
+run's, and a differing one is refused unless it may change (:data:`MAY_CHANGE`).
+
+The folder belongs to one run (:mod:`gradest.run_folder`): a new run claims it with its
+``run.json`` (:func:`run_record`: the settings that may not change on resume) and holds
+its lock, ``.gradest-run.lock``, until it ends, so a second ``gradest finetune`` writing
+the same folder is refused naming the first one's pid. The command's own refusals, which
+name what is there and how to go on, come first; the claim is the backstop.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +46,11 @@ from gradest.files import (
 from gradest.integers import WholeNumber
 from gradest.integrations.distributed import launched_world
 from gradest.protocol import check_steps
+from gradest.run_folder import RUN_LOCK, RUN_RECORD, RunRecord, claim_run_folder, read_run_record
 from gradest_digits.finetune import check_sizes, finetune, resolve_estimator
 from gradest_digits.finetune_config import FinetuneConfig, add_config_arguments, config_from_args
 from gradest_digits.finetune_tensorboard import use_tensorboard
-from gradest_digits.run_state import (
-    ADDED_SETTINGS,
-    check_lineage,
-    earlier_run,
-    newest_checkpoint,
-)
+from gradest_digits.run_state import check_lineage, earlier_run, newest_checkpoint
 
 # The settings a run records (OUT/settings.json) and a bare --resume takes back: every
 # FinetuneConfig field (the estimator as its spec) and the command's own settings.
@@ -57,6 +60,8 @@ RUN_SETTINGS = (*FinetuneConfig.names(), "target", "labels", "lora_rank", "devic
 # Settings an explicit flag may change on resume: how far the run goes, how often it saves,
 # where it runs. (--out, --quiet, --tensorboard and --config are not settings at all.)
 MAY_CHANGE = frozenset({"steps", "checkpoint_every", "device"})
+# The command a run folder's run.json names.
+COMMAND = "gradest finetune"
 
 
 def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,13 +159,15 @@ def resolve_device(name: Any) -> torch.device:
 def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``gradest finetune`` on the shipped digits DiT and classifier reward.
 
-    Writes ``log.jsonl``, ``result.json`` (the result without the history),
-    ``checkpoints/`` and (unless ``--no-tensorboard``) ``tensorboard/`` under ``--out``
-    (or continues the run in ``--resume DIR``) and returns the result dict; every output
-    path is checked before any work. Under ``torchrun``
-    (``python -m torch.distributed.run --nproc_per_node=2 -m gradest.cli finetune ...``)
-    the ranks train data-parallel (see :func:`~gradest_digits.finetune.finetune`;
-    ``--batch-size`` is the global batch) and only rank 0 writes.
+    Writes ``run.json``, ``settings.json``, ``log.jsonl``, ``result.json`` (the result
+    without the history), ``checkpoints/`` and (unless ``--no-tensorboard``)
+    ``tensorboard/`` under ``--out`` (or continues the run in ``--resume DIR``) and returns
+    the result dict; every output path is checked before any work, and the folder is held
+    (:func:`gradest.run_folder.claim_run_folder`) from the first write to the last. Under
+    ``torchrun`` (``python -m torch.distributed.run --nproc_per_node=2 -m gradest.cli
+    finetune ...``) the ranks train data-parallel (see
+    :func:`~gradest_digits.finetune.finetune`; ``--batch-size`` is the global batch) and
+    only rank 0 claims the folder and writes.
     """
     recorded = None
     # Names the file system cannot take are one line before anything looks at the folder.
@@ -172,6 +179,7 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         # not given explicitly becomes the run's; a given one must equal it.
         if Path(args.resume).is_dir():
             refuse_symlinks(run_entries(Path(args.resume)), what=f"--resume {args.resume!r}")
+            check_resumable(Path(args.resume))
         recorded = recorded_settings(args.resume)
         args = resumed_args(args, recorded, args.resume)
     # Validate the cheap things before loading checkpoints.
@@ -193,21 +201,51 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
         )
     out = Path(args.resume or args.out or "runs/finetune")
     rank, _ = launched_world()
+    resuming = args.resume is not None
+    settings = run_settings(args)
     # The decision to use the folder comes first, reading only: nothing in it is written,
     # cut or repaired before (a folder of another tool passed as --out keeps every byte).
-    # Under torchrun rank 0 decides and writes; the other ranks would otherwise meet the
-    # settings.json rank 0 just wrote and take the new run for an earlier one.
-    if rank == 0 or args.resume is not None:
-        decide_folder(out, resuming=args.resume is not None)
+    # Under torchrun rank 0 decides, claims and writes; the other ranks would otherwise meet
+    # the settings.json rank 0 just wrote and take the new run for an earlier one.
+    if rank != 0:
+        if resuming:
+            decide_folder(out, resuming=True)
+        else:
+            wait_for_claim(out)  # before finetune() creates checkpoints/ in it
+        return _train(args, out, config, device, settings, recorded, tensorboard, rank)
+    if not resuming:
+        decide_folder(out, resuming=False)  # an earlier run of this command, named
+    # The claim: run.json written (a new run) or matched (a resume), and the lock held
+    # until the run ends; another command's run or another tool's files are refused.
+    resume_hint = f"gradest finetune --resume {str(out)}"
+    with claim_run_folder(out, run_record(settings), resume=resuming, resume_hint=resume_hint):
+        if resuming:
+            # Under the lock: a run still writing the folder is refused, naming its pid,
+            # before its files are read while they change.
+            decide_folder(out, resuming=True)
+        return _train(args, out, config, device, settings, recorded, tensorboard, rank)
+
+
+def _train(
+    args: argparse.Namespace,
+    out: Path,
+    config: FinetuneConfig,
+    device: torch.device,
+    settings: dict[str, Any],
+    recorded: dict[str, Any] | None,
+    tensorboard: bool,
+    rank: int,
+) -> dict[str, Any]:
+    """The run in its decided (and, on rank 0, claimed) folder ``out``."""
     out = check_output_dir(out, what="--out")
     # finetune() checks the log and checkpoint folder; result.json is written here.
     check_output_file(out / "result.json", what="--out")
     if rank == 0:  # another rank's cleanup could remove rank 0's file being written
         remove_stale_temporaries(out, names=OWN_FILES)
-    settings = run_settings(args)
     # The settings are on disk before any work, except where finetune() still has to
     # accept them: a resumed run that goes less far than recorded (the checkpoint's step),
-    # or an older folder's (its checkpoint's settings). Those are written once it ran.
+    # or one stopped before it wrote them (its run.json's settings). Those are written
+    # once it ran.
     write_now = recorded is None or (
         (out / SETTINGS_FILE).is_file() and settings["steps"] >= recorded["steps"]
     )
@@ -263,19 +301,31 @@ DIGITS_SHAPE = (1, 8, 8)
 
 def run_entries(out: Path) -> list[Path]:
     """The paths a run writes in ``out``: its files, its folders and its checkpoints."""
-    entries = [out / name for name in OWN_FILES] + [out / "checkpoints", out / "tensorboard"]
+    entries = [out / name for name in (RUN_RECORD, *OWN_FILES)]
+    entries += [out / "checkpoints", out / "tensorboard"]
     checkpoints = out / "checkpoints"
     if checkpoints.is_dir() and not checkpoints.is_symlink():
         entries += sorted(checkpoints.iterdir())
     return entries
 
 
+def run_record(settings: dict[str, Any]) -> RunRecord:
+    """The run's identity in its folder's ``run.json``: the settings a resume may not
+    change (all of :data:`RUN_SETTINGS` but :data:`MAY_CHANGE`). It starts from the shipped
+    DiT, so it continues nothing outside its folder (no lineage)."""
+    kept = {name: settings[name] for name in RUN_SETTINGS if name not in MAY_CHANGE}
+    return RunRecord(command=COMMAND, settings=kept)
+
+
 def decide_folder(out: Path, *, resuming: bool) -> None:
     """Whether ``out`` may be used, decided reading only: a link among the run's entries is
     refused (never followed for writing), and a new run refuses a folder that holds
-    anything of an earlier run or another tool (a log with any bytes, checkpoints,
-    ``settings.json``, ``result.json``). A resumed run's newest checkpoint must load and
-    its log must be that checkpoint's history (:func:`gradest_digits.run_state.check_lineage`).
+    anything of an earlier run of the command (a log with any bytes, checkpoints,
+    ``settings.json``, ``result.json``), naming it and ``--resume``. A folder without a
+    ``gradest finetune`` ``run.json`` (another tool's, another command's) is refused by the
+    claim that follows (:func:`gradest.run_folder.claim_run_folder`). A resumed run's
+    newest checkpoint must load and its log must be that checkpoint's history
+    (:func:`gradest_digits.run_state.check_lineage`).
     """
     if out.exists() and not out.is_dir():
         return  # check_output_dir says it is a file
@@ -283,6 +333,9 @@ def decide_folder(out: Path, *, resuming: bool) -> None:
         return  # nothing there yet: a new folder
     refuse_symlinks(run_entries(out), what=f"--out {str(out)!r}")
     if not resuming:
+        record = out / RUN_RECORD
+        if not record.is_file() or read_run_record(record).command != COMMAND:
+            return  # not this command's run: the claim names what is there
         found = earlier_run(
             out / "log.jsonl", out / "checkpoints", (out / SETTINGS_FILE, out / "result.json")
         )
@@ -297,6 +350,58 @@ def decide_folder(out: Path, *, resuming: bool) -> None:
         check_lineage(state, out / "log.jsonl", out / "checkpoints")
     else:
         JsonLog(out / "log.jsonl").records()  # a damaged log is one line, before any write
+
+
+def check_resumable(folder: Path) -> None:
+    """Refuse, reading only, to ``--resume`` a folder that holds no ``gradest finetune``
+    run but other files: another command's run (its ``run.json`` names it), or files
+    without a ``run.json`` (another tool's, a run of an older gradest). An empty folder is
+    left to :func:`recorded_settings` (it holds no run)."""
+    shown = f"--resume {str(folder)!r}"
+    record = folder / RUN_RECORD
+    if record.is_file():
+        saved = read_run_record(record)  # one that does not read is one line naming it
+        if saved.command != COMMAND:
+            raise InvalidValue(
+                f"{shown} holds a {saved.command!r} run, not a {COMMAND!r} run; pass the "
+                f"--out folder of the run to continue"
+            )
+        return
+    found = sorted(
+        name
+        for name in os.listdir(folder)
+        # The lock and run.json's temporary (a run killed before it recorded itself) and a
+        # desktop's droppings say nothing, as for the claim.
+        if name not in _SAY_NOTHING
+        and not (name.startswith(f".{RUN_RECORD}.") and name.endswith(".tmp"))
+    )
+    if found:
+        listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise InvalidValue(
+            f"{shown} holds files that are not a gradest run's ({listed}; no {RUN_RECORD}), "
+            f"so it cannot be continued; nothing in it is changed: start a new run with "
+            f"--out NEW"
+        )
+
+
+_SAY_NOTHING = frozenset({RUN_LOCK, ".DS_Store", "Thumbs.db", "desktop.ini"})
+# How long a rank other than 0 waits for rank 0 to claim a new run's folder.
+CLAIM_WAIT_S = 600.0
+
+
+def wait_for_claim(out: Path, *, timeout: float = CLAIM_WAIT_S) -> None:
+    """Under torchrun, a rank other than 0 waits until rank 0 has claimed the new run's
+    folder (its ``run.json`` is there) before :func:`finetune` creates ``checkpoints/``
+    in it: the claim refuses a folder holding files of no recorded run. A rank 0 that is
+    refused stops the launch (torchrun ends every rank when one fails)."""
+    deadline = time.monotonic() + timeout
+    while not (out / RUN_RECORD).is_file():
+        if time.monotonic() > deadline:
+            raise InvalidValue(
+                f"--out {str(out)!r}: rank 0 did not claim the folder (write "
+                f"{RUN_RECORD}) within {timeout:.0f} s; see rank 0's error"
+            )
+        time.sleep(0.05)
 
 
 def check_lora_rank(model: torch.nn.Module, rank: int) -> None:
@@ -326,11 +431,11 @@ def write_settings(out: Path, settings: dict[str, Any]) -> None:
 
 
 def recorded_settings(resume: Any) -> dict[str, Any]:
-    """The settings of the run in the folder ``resume``: ``settings.json``, or for a folder
-    written before that file existed, what its newest checkpoint proves.
+    """The settings of the run in the folder ``resume``: ``settings.json``, or for a run
+    stopped before it wrote that file, its ``run.json`` (every setting but
+    :data:`MAY_CHANGE`: ``resumed_args`` then asks for ``--steps``).
 
-    A setting the checkpoint does not prove is left out (``resumed_args`` then asks for
-    it). Raises (one line, naming the folder) when it is not a folder or holds no run.
+    Raises (one line, naming the folder) when it is not a folder or holds no run.
     """
     folder = Path(resume)
     if not folder.is_dir():
@@ -352,53 +457,22 @@ def recorded_settings(resume: Any) -> dict[str, Any]:
                 f"finetune ({SETTINGS_FORMAT}); it cannot be resumed"
             )
         return {name: settings[name] for name in RUN_SETTINGS}
-    state = newest_checkpoint(folder)
-    if state is None:
-        log = folder / "log.jsonl"
-        records = len(JsonLog(log).records()) if log.is_file() else 0
-        found = (
-            f"its log holds {records} record(s) of a run killed before its first checkpoint "
-            f"by an older gradest, which recorded no settings; start it again with a new --out"
-            if records
-            else "pass the --out folder of the run to continue"
-        )
+    record = folder / RUN_RECORD
+    if not record.is_file():
         raise InvalidValue(
-            f"--resume {str(folder)!r}: the folder holds no run (no {SETTINGS_FILE}, no "
-            f"checkpoint); {found}"
+            f"--resume {str(folder)!r}: the folder holds no run (no {RUN_RECORD}, no "
+            f"{SETTINGS_FILE}); pass the --out folder of the run to continue"
         )
-    return settings_from_checkpoint(state)
-
-
-def settings_from_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint written before ``settings.json`` existed proves about its run.
-
-    Its config record holds the FinetuneConfig fields (GRPO's only in GRPO mode, those
-    added later at the value they then had: :data:`ADDED_SETTINGS`) with the estimator
-    as its ``repr`` and the labels as the class (None, or the target digit); the target
-    is proven only by ``labels == target`` and the LoRA rank only when no LoRA weights
-    were saved. The estimator is proven only when it is the default's.
-    """
-    saved = {**ADDED_SETTINGS, **state["config"]}
-    defaults = FinetuneConfig()
-    settings: dict[str, Any] = {}
-    for name in FinetuneConfig.names():
-        if name == "estimator":
-            if saved.get("estimator") == repr(resolve_estimator(defaults.estimator)):
-                settings[name] = defaults.estimator
-        elif name == "checkpoint_every":
-            continue  # not recorded; it may change anyway
-        elif name in saved:
-            settings[name] = saved[name]
-        elif saved.get("mode") != "grpo":
-            settings[name] = getattr(defaults, name)  # GRPO's settings are unused
-    labels = saved.get("labels")
-    if labels is None:
-        settings["labels"] = "null"
-    elif isinstance(labels, int):
-        settings["labels"], settings["target"] = "target", labels
-    if not any("lora_" in key for key in state.get("model", {})):
-        settings["lora_rank"] = 0
-    return settings
+    saved = read_run_record(record)
+    wanted = [name for name in RUN_SETTINGS if name not in MAY_CHANGE]
+    missing = sorted(set(wanted) - set(saved.settings))
+    if saved.command != COMMAND or missing:
+        why = f"lacks {', '.join(missing)}" if missing else f"names {saved.command!r}"
+        raise InvalidValue(
+            f"--resume {str(folder)!r}: {str(record)!r} is not the record of a {COMMAND!r} "
+            f"run (it {why}); it cannot be resumed"
+        )
+    return {name: saved.settings[name] for name in wanted}
 
 
 def _same(name: str, recorded: Any, given: Any) -> bool:
@@ -419,9 +493,13 @@ def resumed_args(
 ) -> argparse.Namespace:
     """``args`` with the run's setting for every flag not given explicitly.
 
+    A given flag equal to the run's keeps the run's spelling (``sdo`` given for
+    ``sdo:samples=1``), so that the run's record stays the same.
+
     Raises (one line): a given flag differs from the run's value (except
     :data:`MAY_CHANGE`), naming each with both values; or the run does not record a
-    setting (an older folder) and it was not given.
+    setting (``--steps`` of a run stopped before it wrote ``settings.json``) and it was
+    not given.
     """
     given = explicit_settings(args)
     if given is None:  # not parsed by add_finetune_arguments' parser: all count as given
@@ -441,20 +519,23 @@ def resumed_args(
             f"(only --steps, --checkpoint-every and --device may change), or start a new "
             f"run with another --out"
         )
+    # --checkpoint-every and --device have defaults that fit any run; how far it goes does not.
     unknown = [
         name
         for name in RUN_SETTINGS
-        if name not in recorded and name not in given and name not in MAY_CHANGE
+        if name not in recorded and name not in given and name not in _ANY_DEFAULT
     ]
     if unknown:
         flags = ", ".join(_flag(name) for name in unknown)
         raise InvalidValue(
-            f"--resume {str(resume)!r}: the run does not record {flags} (its checkpoints "
-            f"were written before {SETTINGS_FILE} existed); pass {flags} with the value(s) it "
-            f"was started with"
+            f"--resume {str(resume)!r}: the run does not record {flags} (it stopped before it "
+            f"wrote {SETTINGS_FILE}); pass {flags}"
         )
     merged = argparse.Namespace(**vars(args))
     for name, value in recorded.items():
-        if name not in given:
+        if name not in given or name not in MAY_CHANGE:
             setattr(merged, name, value)
     return merged
+
+
+_ANY_DEFAULT = frozenset({"checkpoint_every", "device"})

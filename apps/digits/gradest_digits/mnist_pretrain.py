@@ -9,12 +9,15 @@ flow matching exactly as the 8x8 DiT (:func:`gradest_digits.pretrain.pretrain_di
 ``z_t = (1 - t) x + t eps``, target ``eps - x``, logit-normal ``t``, 10% null-label
 dropout, AdamW with warm-up and cosine decay, and an EMA of the weights is shipped. Its
 evaluation: conditional samples (``RectifiedFlow(20)``) classified by the new classifier,
-overall and per class.
+overall and per class. Each file it writes is held as ``gradest pretrain`` holds its
+``--out`` (:func:`gradest_digits.pretrain.claim_output_file`): a lock beside it for the
+run, and an existing file replaced only when it is a checkpoint of the same kind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -25,22 +28,26 @@ import torch
 from torch import nn
 
 from gradest.errors import GradestError, InvalidValue
-from gradest.files import atomic_save, check_output_dir
+from gradest.files import check_output_dir
 from gradest.models.dit import DiT
 from gradest.samplers import RectifiedFlow
 from gradest.trajectory import rollout
 from gradest_digits.assets import asset_path
 from gradest_digits.mnist import IMAGE_SHAPE, NUM_CLASSES, load_mnist_dataset
 from gradest_digits.mnist_assets import (
+    CLASSIFIER_KIND,
+    DIT_KIND,
     MNIST_CLASSIFIER_CHECKPOINT,
     MNIST_DIT_CHECKPOINT,
     mnist_classifier_checkpoint,
     mnist_dit_checkpoint,
 )
 from gradest_digits.mnist_classifier import train_mnist_classifier
-from gradest_digits.pretrain import pretrain_dit
+from gradest_digits.pretrain import claim_output_file, pretrain_dit, write_claimed
 
 DIT_CONFIG = "digits"
+# The command its lock files name.
+COMMAND = "python -m gradest_digits.mnist_pretrain"
 
 
 def pretrain_mnist_dit(
@@ -131,23 +138,38 @@ def mnist_pretrain(
     result: dict[str, Any] = {}
     from gradest_digits.mnist_assets import mnist_classifier_from_checkpoint
 
-    if what in ("all", "classifier"):
-        classifier, info = train_mnist_classifier(
-            seed=seed, epochs=classifier_epochs, progress=progress
+    written = {
+        name: kind
+        for name, kind, wanted in (
+            (MNIST_CLASSIFIER_CHECKPOINT, CLASSIFIER_KIND, ("all", "classifier")),
+            (MNIST_DIT_CHECKPOINT, DIT_KIND, ("all", "dit")),
         )
-        checkpoint = mnist_classifier_checkpoint(classifier, info)
-        atomic_save(checkpoint, folder / MNIST_CLASSIFIER_CHECKPOINT)
-        result["classifier"] = info
-    else:
-        path = folder / MNIST_CLASSIFIER_CHECKPOINT
-        if not path.is_file():
-            raise InvalidValue(f"--what dit evaluates with {path}; train the classifier first")
-        classifier = mnist_classifier_from_checkpoint(torch.load(path, weights_only=True))
-    if what in ("all", "dit"):
-        model, info = pretrain_mnist_dit(steps=dit_steps, seed=seed, progress=progress)
-        info["evaluation"] = evaluate_mnist_dit(model, classifier.requires_grad_(False), seed=seed)
-        atomic_save(mnist_dit_checkpoint(model, info), folder / MNIST_DIT_CHECKPOINT)
-        result["dit"] = info
+        if what in wanted
+    }
+    held = {"what": "the checkpoint", "flag": "--out-dir", "command": COMMAND}
+    with contextlib.ExitStack() as stack:
+        # Both files are held (and checked) before either is trained.
+        for name, kind in written.items():
+            stack.enter_context(claim_output_file(folder / name, kind, **held))
+        if what in ("all", "classifier"):
+            classifier, info = train_mnist_classifier(
+                seed=seed, epochs=classifier_epochs, progress=progress
+            )
+            checkpoint = mnist_classifier_checkpoint(classifier, info)
+            write_claimed(checkpoint, folder / MNIST_CLASSIFIER_CHECKPOINT, **held)
+            result["classifier"] = info
+        else:
+            path = folder / MNIST_CLASSIFIER_CHECKPOINT
+            if not path.is_file():
+                raise InvalidValue(f"--what dit evaluates with {path}; train the classifier first")
+            classifier = mnist_classifier_from_checkpoint(torch.load(path, weights_only=True))
+        if what in ("all", "dit"):
+            model, info = pretrain_mnist_dit(steps=dit_steps, seed=seed, progress=progress)
+            info["evaluation"] = evaluate_mnist_dit(
+                model, classifier.requires_grad_(False), seed=seed
+            )
+            write_claimed(mnist_dit_checkpoint(model, info), folder / MNIST_DIT_CHECKPOINT, **held)
+            result["dit"] = info
     return result
 
 

@@ -16,16 +16,23 @@ smooths the last few hundred steps' noise out of the weights at no training cost
 --out apps/digits/gradest_digits/assets/digits_dit.pt``
 regenerates the shipped checkpoint (``--what classifier`` the classifier); see
 ``apps/digits/gradest_digits/assets/README.md``.
+
+The file ``--out`` belongs to one run, in the spirit of :mod:`gradest.run_folder`
+(:func:`claim_output_file`): the run holds a lock beside it, ``.<name>.lock``, from before
+training until the file is written, so a second pretrain to the same file is refused
+naming the first one's pid; and an existing file is replaced only when it is a pretrained
+checkpoint of the same kind (the shipped asset being regenerated), never another file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +42,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue
-from gradest.files import atomic_save, check_output_file
+from gradest.files import OutputError, atomic_save, check_output_file
 from gradest.integers import WholeNumber
 from gradest.models.dit import DiT
+from gradest.process_lock import describe_holder, read_holder, try_lock
 from gradest.samplers import RectifiedFlow
 from gradest.trajectory import rollout
 from gradest_digits.assets import classifier_checkpoint, dit_checkpoint, load_digit_classifier
@@ -266,6 +274,103 @@ def evaluate_dit(
 
 
 WHATS = ("dit", "classifier")
+# The checkpoint kind each --what writes (gradest_digits.assets).
+KINDS = {"dit": "digits_dit", "classifier": "digit_classifier"}
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock a run writing the file ``path`` holds: ``.<name>.lock`` beside it."""
+    target = Path(path)
+    return target.parent / f".{target.name}.lock"
+
+
+def replaceable_or_refuse(
+    path: Path, kind: str, *, what: str = "out", flag: str = "--out", remake: str
+) -> None:
+    """Refuse, reading only, to replace the existing file ``path`` unless it is a
+    checkpoint of ``kind`` (``torch.load(weights_only=True)``: loading runs no code).
+
+    Args:
+        what: how the messages name the file (``"out"``, as :func:`pretrain` does).
+        flag: the option that names another file (``"--out"``), for the fix.
+        remake: the command that writes ``kind`` (for the message).
+
+    Raises:
+        InvalidValue: one line naming the file, what it holds and the fix; it is kept.
+    """
+    if not path.is_file():
+        return  # nothing there (check_output_file refused what is not a file)
+    try:
+        found = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # torch raises many kinds (and long texts) for a file not its own
+        held = "a file that does not load as a torch checkpoint"
+    else:
+        if isinstance(found, dict) and found.get("kind") == kind:
+            return
+        from gradest_digits.run_state import FORMAT as FINETUNE_FORMAT
+
+        if isinstance(found, dict) and found.get("format") == FINETUNE_FORMAT:
+            held = "a gradest finetune checkpoint"
+        elif isinstance(found, dict) and isinstance(found.get("kind"), str):
+            held = f"a {found['kind']!r} checkpoint"
+        else:
+            held = f"a torch file of another tool ({type(found).__name__})"
+    raise InvalidValue(
+        f"{what} {str(path)!r} holds {held}, not a {kind!r} checkpoint of {remake}: it is not "
+        f"replaced; pass another {flag}, or remove the file first to replace it"
+    )
+
+
+@contextlib.contextmanager
+def claim_output_file(
+    path: str | Path,
+    kind: str,
+    *,
+    what: str = "out",
+    flag: str = "--out",
+    command: str = "gradest pretrain",
+) -> Iterator[Path]:
+    """Hold the file ``path`` for one run writing a ``kind`` checkpoint there.
+
+    The lock beside it (:func:`lock_path`, :func:`gradest.process_lock.try_lock`) is held
+    for the body; an existing file must be a checkpoint of ``kind``
+    (:func:`replaceable_or_refuse`), checked now and again before the body's
+    :func:`write_claimed` writes it. A lock left by a killed process is taken over.
+
+    Raises:
+        OutputError: another live process holds the file (naming its pid), or the path
+            cannot be written.
+        InvalidValue: the file there is not a checkpoint of ``kind``.
+    """
+    target = check_output_file(path, what=what)
+    lock_file = lock_path(target)
+    lock = try_lock(lock_file, command=command)
+    if lock is None:
+        holder = read_holder(lock_file)
+        raise OutputError(
+            f"{what} {str(target)!r} is being written by {describe_holder(holder or {})}: one "
+            f"run writes a file at a time; wait for it to finish, or pass another {flag}"
+        )
+    try:
+        replaceable_or_refuse(target, kind, what=what, flag=flag, remake=command)
+        yield target
+    finally:
+        lock.release()
+
+
+def write_claimed(
+    checkpoint: Mapping[str, Any],
+    path: Path,
+    *,
+    what: str = "out",
+    flag: str = "--out",
+    command: str,
+) -> None:
+    """Save ``checkpoint`` to the file ``path`` held by :func:`claim_output_file`,
+    checking again that what is there (a file that appeared while the run trained) is a
+    checkpoint of the same kind."""
+    replaceable_or_refuse(path, str(checkpoint["kind"]), what=what, flag=flag, remake=command)
+    atomic_save(dict(checkpoint), path)
 
 
 def pretrain(
@@ -291,30 +396,32 @@ def pretrain(
     """
     if what not in WHATS:
         raise InvalidValue(f"what={what!r} is not one of {', '.join(WHATS)}")
-    # Checked before training, so a bad path costs seconds, not the trained model.
-    out = check_output_file(out, what="out")
+    if what == "classifier" and steps is not None:
+        raise InvalidValue("the classifier trains for --epochs, not --steps")
+    if what == "dit" and epochs is not None:
+        raise InvalidValue("the DiT trains for --steps, not --epochs")
     # Options left as None keep the training function's own defaults.
     settings: dict[str, Any] = {
         key: value for key, value in (("batch_size", batch_size), ("lr", lr)) if value is not None
     }
-    if what == "classifier":
-        if steps is not None:
-            raise InvalidValue("the classifier trains for --epochs, not --steps")
-        if epochs is not None:
-            settings["epochs"] = epochs
-        classifier, info = train_classifier(seed=seed, progress=progress, **settings)
-        checkpoint = classifier_checkpoint(classifier, info)
-    else:
-        if epochs is not None:
-            raise InvalidValue("the DiT trains for --steps, not --epochs")
-        if steps is not None:
-            settings["steps"] = steps
-        model, info = pretrain_dit(seed=seed, progress=progress, **settings)
-        if evaluate:
-            info["evaluation"] = evaluate_dit(model, load_digit_classifier(), seed=seed)
-        checkpoint = dit_checkpoint(model, info)
-    atomic_save(checkpoint, out)
-    return {**info, "out": str(out), "bytes": out.stat().st_size}
+    command = f"gradest pretrain --what {what}"
+    # Checked and held before training, so a bad path, a file of another kind or a second
+    # writer costs seconds, not the trained model.
+    with claim_output_file(out, KINDS[what], command=command) as target:
+        if what == "classifier":
+            if epochs is not None:
+                settings["epochs"] = epochs
+            classifier, info = train_classifier(seed=seed, progress=progress, **settings)
+            checkpoint = classifier_checkpoint(classifier, info)
+        else:
+            if steps is not None:
+                settings["steps"] = steps
+            model, info = pretrain_dit(seed=seed, progress=progress, **settings)
+            if evaluate:
+                info["evaluation"] = evaluate_dit(model, load_digit_classifier(), seed=seed)
+            checkpoint = dit_checkpoint(model, info)
+        write_claimed(checkpoint, target, command=command)
+    return {**info, "out": str(target), "bytes": target.stat().st_size}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

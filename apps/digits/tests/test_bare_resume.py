@@ -7,8 +7,9 @@
   differing one is refused in one line naming it with both values, an equal one is
   accepted; ``--steps``, ``--checkpoint-every`` and ``--device`` may change.
 * ``--resume`` of a folder that does not exist or holds no run is one line, exit status 2,
-  and creates nothing; a folder written before ``settings.json`` existed resumes with
-  what its checkpoint proves and asks for the rest by name.
+  and creates nothing; a folder without ``run.json`` (an older gradest's run) is not a
+  gradest run's and is kept as it is; a run stopped before it wrote ``settings.json``
+  resumes with the settings of its ``run.json`` and asks for ``--steps``.
 """
 
 from __future__ import annotations
@@ -164,37 +165,70 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_its_settings(
     assert same(final_model(two_steps), want)
 
 
-def test_an_older_folder_resumes_with_what_its_checkpoint_proves(tmp_path, capsys, two_steps):
-    # Written before settings.json existed: the checkpoint records the config (the
-    # estimator as its repr, no target: the labels are null).
-    (two_steps / "settings.json").unlink()
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("kept", [(), ("settings.json",)])
+def test_an_older_folder_without_run_json_is_not_a_gradest_runs(tmp_path, capsys, two_steps, kept):
+    # Written by a gradest before run.json existed (with or without settings.json): it is
+    # not a gradest run's folder now, for --resume as for --out, and keeps every byte.
+    (two_steps / "run.json").unlink()
+    for name in {"settings.json"} - set(kept):
+        (two_steps / name).unlink()
+    before = snapshot(two_steps)
     code, err = cli(capsys, "--resume", str(two_steps), "--steps", "3")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "the run does not record --estimator, --target" in err
-    assert "--batch-size" not in err and "--lr" not in err  # the checkpoint proves those
-    # Given explicitly, the estimator is still compared with the checkpoint's.
+    assert "holds files that are not a gradest run's (checkpoints, log.jsonl" in err, err
+    assert "no run.json" in err and "--out NEW" in err, err
+    code, err = cli(capsys, *RUN, "--steps", "3", "--out", str(two_steps))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "holds files that are not a gradest run's" in err and "new --out" in err, err
+    assert snapshot(two_steps) == before
+
+
+def test_a_run_stopped_before_its_settings_resumes_with_its_run_record(tmp_path, capsys, two_steps):
+    # Stopped between run.json and settings.json (or settings.json lost): run.json records
+    # every setting a resume may not change; how far the run goes is asked for.
+    recorded = settings(two_steps)
+    (two_steps / "settings.json").unlink()
+    code, err = cli(capsys, "--resume", str(two_steps))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the run does not record --steps" in err
+    assert "--batch-size" not in err and "--lr" not in err  # run.json records those
+    assert "--estimator" not in err and "--target" not in err
+    # Given explicitly, the estimator is still compared with the run's (its run.json).
     code, err = cli(
         capsys, "--resume", str(two_steps), "--steps", "3", "--estimator", "exact", "--target", "2"
     )
-    assert code == 2 and "estimator: checkpoint" in err, err
+    assert code == 2 and "--estimator 'sdo:samples=2' (given 'exact')" in err, err
     assert not (two_steps / "settings.json").exists()  # written only once a resume ran
-    ok(
-        capsys,
-        *("--resume", str(two_steps), "--steps", "3"),
-        *("--estimator", "sdo:samples=2", "--target", "2"),
-    )
+    ok(capsys, "--resume", str(two_steps), "--steps", "3", "--target", "2")
     assert [r["step"] for r in records(two_steps)] == [0, 1, 2]
-    assert settings(two_steps)["batch_size"] == 3  # taken from the checkpoint
+    assert settings(two_steps)["batch_size"] == 3  # taken from run.json
+    now = settings(two_steps)
+    assert now["checkpoint_every"] == 0  # not recorded in run.json: its default
+    assert {**now, "checkpoint_every": 1} == {**recorded, "steps": 3}
 
 
-def test_an_older_checkpoint_proves_the_target_of_target_labels():
-    from gradest_digits.finetune_cli import settings_from_checkpoint
+def test_the_run_record_proves_every_setting_but_those_that_may_change(tmp_path):
+    from gradest_digits.finetune_cli import (
+        MAY_CHANGE,
+        RUN_SETTINGS,
+        recorded_settings,
+        run_record,
+        run_settings,
+    )
 
-    config = {"estimator": "Exact(checkpoint=False)", "mode": "reward", "steps": 2, "labels": 5}
-    proven = settings_from_checkpoint({"config": config, "model": {"w": torch.zeros(1)}})
+    args = parse_finetune_args(["--estimator", "exact", "--labels", "target", "--target", "5"])
+    (tmp_path / "run.json").write_text(run_record(run_settings(args)).to_json())
+    proven = recorded_settings(tmp_path)
     assert (proven["estimator"], proven["labels"], proven["target"]) == ("exact", "target", 5)
     assert proven["lora_rank"] == 0 and proven["prior_weight"] == 0.0
-    lora = settings_from_checkpoint(
-        {"config": {**config, "labels": None}, "model": {"a.lora_A": 0}}
+    assert set(proven) == set(RUN_SETTINGS) - MAY_CHANGE  # --steps is asked for
+    # Another command's record is not a finetune run's.
+    (tmp_path / "run.json").write_text(
+        run_record(run_settings(args)).to_json().replace("gradest finetune", "gradest race")
     )
-    assert "target" not in lora and "lora_rank" not in lora and lora["labels"] == "null"
+    with pytest.raises(ValueError, match="is not the record of a 'gradest finetune' run"):
+        recorded_settings(tmp_path)

@@ -235,9 +235,10 @@ def test_sigkill_at_random_moments_leaves_whole_files_and_a_resumable_run(tmp_pa
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=60)
         assert_every_final_file_is_whole(folder)
-        # Killed before it recorded its settings, the folder holds no run to resume (an
-        # error): it is started again.
-        started_run = (folder / "settings.json").is_file()
+        # Killed before it recorded its run (run.json), the folder holds no run to resume
+        # (an error): it is started again. Once run.json is there, the folder is the run's
+        # (also if it was killed before settings.json): only --resume continues it.
+        started_run = (folder / "run.json").is_file()
         resumed = cli(*ARGV, *(("--resume",) if started_run else ("--out",)), str(folder))
         code = resumed.wait(timeout=300)
         assert code == 0, (trial, resumed.stderr.read().decode())

@@ -2,10 +2,11 @@
 
 Each test reproduces an attack that used to destroy, mix or follow something:
 
-* a folder of another tool passed as ``--out`` (a log with a torn last line) keeps every
-  byte although the command is refused; a ``log.jsonl`` or ``checkpoints`` that is a
-  symbolic link out of the folder is refused by name and its target is unchanged; a
-  non-JSON line in the middle of the log is one line naming the file and the line;
+* a folder of another tool passed as ``--out`` (a log with a torn last line, no
+  ``run.json``) keeps every byte although the command is refused; a ``log.jsonl`` or
+  ``checkpoints`` that is a symbolic link out of the folder is refused by name and its
+  target is unchanged; a non-JSON line in the middle of the log is one line naming the
+  file and the line;
 * a newest checkpoint of another format (or unreadable) is kept and the resume refused,
   naming the file, its format and ``--out NEW``; resuming an older checkpoint in place (a
   branch) is refused and keeps the newer steps, and branching into a new folder works;
@@ -90,7 +91,10 @@ def test_a_foreign_log_with_a_torn_last_line_keeps_its_bytes(
     before = snapshot(folder)
     code, err = cli(capsys, *RUN, "--steps", "1", "--out", str(folder))
     assert code == 2
-    assert "holds an earlier run" in one_line(err)
+    # No run.json: not a gradest run's (not an earlier run to --resume), named file by file.
+    line = one_line(err)
+    assert "holds files that are not a gradest run's (.notes.txt.abc.tmp, log.jsonl" in line
+    assert "no run.json" in line and "pass a new --out" in line and "--resume" not in line
     assert snapshot(folder) == before
 
 

@@ -496,3 +496,78 @@ def test_a_folder_of_another_run_or_tool_is_refused_untouched(tmp_path) -> None:
         with pytest.raises(InvalidValue, match=message):
             _small_race(folder)
         assert sorted((p, p.is_file() and p.read_bytes()) for p in folder.rglob("*")) == before
+
+
+class _Payload:
+    """Unpickling this runs ``touch`` (if a reader ever ran pickled code)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_damaged_or_foreign_run_state_is_one_line_and_kept(tmp_path) -> None:
+    import pickle
+
+    settings = dict(
+        seeds=1, budget_exact_steps=4, fractions=(0.25, 0.5, 1.0), show_progress=False, plots=False
+    )
+    out = tmp_path / "killed"
+    with pytest.raises(Killed):
+        race(QuadraticTask(kill_after=2), SPECS, out=out, **settings)
+    state_file = next((out / "state").rglob("*.pt"))
+    good = state_file.read_bytes()
+    saved = torch.load(state_file, weights_only=True)
+    marker = tmp_path / "payload-ran"
+
+    def saved_with(**change: Any) -> bytes:
+        import io
+
+        buffer = io.BytesIO()
+        torch.save({**saved, **change}, buffer)
+        return buffer.getvalue()
+
+    def without(field: str) -> bytes:
+        import io
+
+        buffer = io.BytesIO()
+        torch.save({k: v for k, v in saved.items() if k != field}, buffer)
+        return buffer.getvalue()
+
+    cases = {
+        b"": "does not load",
+        good[: len(good) // 2]: "does not load",
+        pickle.dumps(_Payload(str(marker))): "does not load",
+        saved_with(schema="other/1"): "has schema 'other/1'",
+        without("optimizer"): "has optimizer = NoneType, not dict",
+        saved_with(step="3"): "has step = str, not int",
+        saved_with(done=1): "has done = int, not bool",
+        saved_with(curve="{"): "curve that is not JSON",
+        saved_with(seed=7): "not 'exact' seed 0|not 'truncated:k=1' seed 0",
+        saved_with(model={"weight": torch.zeros(1)}): "does not fit the run",
+    }
+    for data, message in cases.items():
+        state_file.write_bytes(data)
+        with pytest.raises(InvalidValue, match=message) as info:
+            race(QuadraticTask(), SPECS, out=out, **settings)
+        assert "\n" not in str(info.value) and "move it away" in str(info.value)
+        assert state_file.read_bytes() == data  # kept as it is
+    assert not marker.exists()  # the pickled payload never ran
+    # a state folder that is a link: refused before anything is written through it
+    state_file.write_bytes(good)
+    elsewhere = tmp_path / "elsewhere"
+    seed_folder = state_file.parent
+    seed_folder.rename(elsewhere)
+    seed_folder.symlink_to(elsewhere)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    with pytest.raises(GradestError, match="symbolic link"):
+        race(QuadraticTask(), SPECS, out=out, **settings)
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
+    seed_folder.unlink()
+    elsewhere.rename(seed_folder)
+    whole = race(QuadraticTask(), SPECS, out=tmp_path / "whole", **settings)
+    assert _numbers(race(QuadraticTask(), SPECS, out=out, **settings)) == _numbers(whole)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -76,7 +77,13 @@ from torch import Tensor, nn
 from gradest import entry_points
 from gradest._checks import check_surrogate
 from gradest.errors import InvalidType, InvalidValue
-from gradest.files import OutputError, atomic_save, atomic_write_text, check_output_dir
+from gradest.files import (
+    OutputError,
+    atomic_save,
+    atomic_write_text,
+    check_output_dir,
+    refuse_symlinks,
+)
 from gradest.harness.bootstrap import (
     BOOTSTRAP_SEED,
     LEVEL,
@@ -443,6 +450,80 @@ def evaluate_pretrained(task: RaceTask, pretrained: nn.Module) -> dict[str, floa
 # -- the runs -------------------------------------------------------------------------------
 
 
+RUN_STATE_SCHEMA = "gradest.race-state/1"
+# The fields of a run's state file (besides model and optimizer), with their types.
+_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "spec": str,
+    "seed": int,
+    "model": dict,
+    "optimizer": dict,
+    "data": Tensor,
+    "draws": Tensor,
+    "step": int,
+    "flops": (int, float),
+    "seconds": (int, float),
+    "last_seconds": (int, float),
+    "next_point": int,
+    "done": bool,
+    "curve": str,
+    "stopped_step": str,
+    "step_seconds": str,
+}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:200]
+
+
+def _state_refused(path: Path, why: str) -> InvalidValue:
+    return InvalidValue(
+        f"race state {str(path)!r} {why}; it is kept as it is: move it away to rerun that run "
+        f"from its start"
+    )
+
+
+def read_run_state(path: Path, *, spec: str, seed: int) -> dict[str, Any]:
+    """The state file of a race run in progress, checked field by field.
+
+    It is loaded with ``weights_only=True`` (a file that would run code when unpickled is
+    refused, its code not run) and must be this race's state of ``spec`` on ``seed``.
+
+    Raises:
+        InvalidValue: one line naming the file and what is wrong (it does not load, a
+            field is missing or of another type, it is another run's); the file is kept.
+    """
+    if path.is_symlink() or not path.is_file():
+        raise _state_refused(path, "is a symbolic link or not a regular file")
+    try:
+        with warnings.catch_warnings():
+            # torch warns about a foreign pickle's protocol before refusing it: the refusal
+            # below says all there is to say.
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many kinds for a damaged zip or a foreign pickle
+        raise _state_refused(path, f"does not load ({_first_line(err)})") from None
+    if not isinstance(state, dict):
+        raise _state_refused(path, f"holds a {type(state).__name__}, not a run's state")
+    if state.get("schema") != RUN_STATE_SCHEMA:
+        raise _state_refused(path, f"has schema {state.get('schema')!r}, not {RUN_STATE_SCHEMA!r}")
+    for field, kind in _STATE_FIELDS.items():
+        value = state.get(field)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise _state_refused(path, f"has {field} = {type(value).__name__}, not {wanted}")
+    for field in ("curve", "stopped_step", "step_seconds"):
+        try:
+            json.loads(state[field])
+        except ValueError:
+            raise _state_refused(path, f"has a {field} that is not JSON") from None
+    if state["spec"] != spec or state["seed"] != seed:
+        raise _state_refused(
+            path, f"holds {state['spec']!r} seed {state['seed']}, not {spec!r} seed {seed}"
+        )
+    return state
+
+
 @attrs.define(eq=False)
 class _Run:
     """One estimator's fine-tuning on one seed."""
@@ -467,6 +548,7 @@ class _Run:
 
     def state(self, data_state: Tensor, draw_state: Tensor) -> dict[str, Any]:
         return {
+            "schema": RUN_STATE_SCHEMA,
             "spec": self.spec,
             "seed": self.seed,
             "model": self.model.state_dict(),
@@ -505,8 +587,7 @@ class _Run:
             setattr(self, key, state[key])
         self.curve = json.loads(state["curve"])
         self.stopped_step = json.loads(state["stopped_step"])
-        # states written before step times were kept have none
-        self.step_seconds = json.loads(state.get("step_seconds", "[]"))
+        self.step_seconds = json.loads(state["step_seconds"])
 
 
 @attrs.define(eq=False)
@@ -542,14 +623,12 @@ class _Race:
             lr=lr,
         )
         path = None if self.state_path is None else self.state_path(run)
-        if path is not None and path.is_file():
-            state = torch.load(path, weights_only=True)
-            if state["spec"] != spec or state["seed"] != seed:
-                raise InvalidValue(
-                    f"{path} holds {state['spec']!r} seed {state['seed']}, not "
-                    f"{spec!r} seed {seed}: the race folder is not this race's"
-                )
-            run.restore(state)
+        if path is not None and (path.exists() or path.is_symlink()):
+            state = read_run_state(path, spec=spec, seed=seed)
+            try:
+                run.restore(state)
+            except (RuntimeError, KeyError, ValueError, TypeError) as err:
+                raise _state_refused(path, f"does not fit the run ({_first_line(err)})") from None
         return run
 
     def finish(self, run: _Run, sampler: AffineSampler) -> None:
@@ -748,6 +827,15 @@ def race(
         )
 
 
+def _state_path(folder: Path, specs: list[str], run: _Run) -> Path:
+    """Where a plain race keeps ``run``'s state: no part of the way below the race folder
+    may be a link (it could lead the state's writes out of the folder)."""
+    state = folder / "state"
+    path = state / f"seed{run.seed}" / f"{specs.index(run.spec):03d}.pt"
+    refuse_symlinks([state, path.parent, path], what=f"race folder {str(folder)!r}")
+    return path
+
+
 def _run_race(
     task: RaceTask,
     specs: list[str],
@@ -772,16 +860,13 @@ def _run_race(
     initial = evaluate_pretrained(task, pretrained)
     total = len(seed_list) * len(specs) * len(fraction_list)
     with tqdm(total=total, desc=f"race {task.name}", unit="eval", disable=not show_progress) as bar:
-        state_dir = None if target is None else target / "state"
         state = _Race(
             task=task,
             kind=kind,
             budget=budget,
             fractions=fraction_list,
             flops_per_unit=measured.flops_per_unit,
-            state_path=None
-            if state_dir is None
-            else (lambda run: state_dir / f"seed{run.seed}" / f"{specs.index(run.spec):03d}.pt"),
+            state_path=None if target is None else functools.partial(_state_path, target, specs),
             bar=bar,
         )
         runs: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}

@@ -64,3 +64,32 @@ def test_load_refuses_what_is_not_a_race_report(tmp_path: Path) -> None:
         RaceReport.load(tmp_path / "report.json")
     with pytest.raises(InvalidValue, match="not a readable"):
         RaceReport.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[]", "not a race report"),
+        ("null", "not a race report"),
+        ('"report"', "not a race report"),
+        ('{"schema": "gradest.race/1"}', "field 'config' is missing"),
+        ('{"schema": "gradest.race/1", "config": {}, "initial": [], "runs": {}}', "'initial'"),
+    ],
+)
+def test_one_reader_refuses_every_malformed_report_in_one_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    from gradest.harness.quoting import _load
+    from gradest.harness.tuned_race import TunedRaceReport
+
+    (tmp_path / "report.json").write_text(text)
+    for load in (RaceReport.load, lambda p: _load(p, ".")):
+        with pytest.raises(InvalidValue, match=message) as info:
+            load(tmp_path)
+        assert "\n" not in str(info.value)
+    with pytest.raises(InvalidValue, match="not a tuned race report|field"):
+        TunedRaceReport.load(tmp_path)
+    (tmp_path / "report.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(InvalidValue, match="not a readable race report.json.*UTF-8"):
+        RaceReport.load(tmp_path)
+    assert (tmp_path / "report.json").read_bytes() == b"\xff\xfe"

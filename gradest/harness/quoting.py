@@ -28,7 +28,6 @@ Renderers (``KIND``):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -51,14 +50,13 @@ _NUMBER = re.compile(r"(?<![\w.])[−+-]?\d+(?:,\d{3})*(?:\.\d+)?(?:e[−+-]?\d+
 
 
 def _load(root: Path, path: str) -> Any:
-    from gradest.harness.race import RaceReport
+    from gradest.harness.race import SCHEMA, RaceReport
+    from gradest.harness.report import read_report_json
     from gradest.harness.tuned_race import TUNED_SCHEMA, TunedRaceReport
 
     folder = root / path
-    try:
-        schema = json.loads((folder / "report.json").read_text(encoding="utf-8")).get("schema")
-    except (OSError, ValueError, AttributeError) as err:
-        raise InvalidValue(f"{path}: no readable report.json there ({err})") from None
+    kinds = {SCHEMA: "race report", TUNED_SCHEMA: "tuned race report"}
+    schema = read_report_json(folder, kinds=kinds)["schema"]
     return TunedRaceReport.load(folder) if schema == TUNED_SCHEMA else RaceReport.load(folder)
 
 

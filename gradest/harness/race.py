@@ -1039,22 +1039,11 @@ class RaceReport:
         statistic (means, bootstrap intervals, paired differences, compute to reach) is
         recomputed from those, so ``load(p).to_json()`` equals the file where the stored
         statistics are the raw data's."""
-        from gradest.harness.report import json_restored
+        from gradest.harness.report import json_restored, read_report_json
 
-        file = Path(path)
-        if file.is_dir():
-            file = file / "report.json"
-        try:
-            data = json.loads(file.read_text())
-        except (OSError, ValueError) as err:
-            raise InvalidValue(
-                f"{str(file)!r} is not a readable race report.json ({err})"
-            ) from None
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            schema = data.get("schema") if isinstance(data, dict) else None
-            raise InvalidValue(
-                f"{str(file)!r} is not a race report (schema {schema!r}, expected {SCHEMA!r})"
-            )
+        data = read_report_json(
+            path, kinds={SCHEMA: "race report"}, fields=("config", "initial", "runs")
+        )
         return cls(
             config=data["config"],
             initial=json_restored(data["initial"]),

@@ -29,12 +29,13 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from gradest.files import OutputError, atomic_write_text, check_output_dir
+from gradest.files import OutputError, atomic_write_text, check_output_dir, read_text
 from gradest.harness.cost import COST_DRAWS, ratio
 from gradest.harness.statistics import Estimate
 from gradest.harness.tensor_metrics import TensorStats, worst_tensors
@@ -175,6 +176,48 @@ def json_restored(value: Any) -> Any:
     if isinstance(value, list):
         return [json_restored(item) for item in value]
     return value
+
+
+def read_report_json(
+    path: str | os.PathLike[str], *, kinds: Mapping[str, str], fields: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The JSON object of a report gradest wrote (``report.json``, or the folder holding
+    it), checked against its schema: the one reader of every report format.
+
+    Args:
+        path: the file, or its folder.
+        kinds: the schemas accepted, each with what it is called in messages
+            (``{"gradest.race/1": "race report"}``).
+        fields: the top-level fields that must be objects.
+
+    Returns:
+        The parsed object (its non-finite floats still as :func:`json_safe` wrote them).
+
+    Raises:
+        InvalidValue / MissingFile: one line naming the file and what is wrong (missing,
+            not a regular file, not UTF-8 JSON, another schema, a field missing or not an
+            object); the file is left as it is.
+    """
+    from gradest.errors import GradestError, InvalidValue
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "report.json"
+    what = " or ".join(dict.fromkeys(kinds.values()))
+    try:
+        data = json.loads(read_text(file, what="the report"))
+    except (GradestError, ValueError) as err:
+        raise InvalidValue(f"{str(file)!r} is not a readable {what}.json ({err})") from None
+    if not isinstance(data, dict) or data.get("schema") not in kinds:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        expected = " or ".join(repr(k) for k in kinds)
+        raise InvalidValue(
+            f"{str(file)!r} is not a {what} (schema {schema!r}, expected {expected})"
+        )
+    for field in fields:
+        if not isinstance(data.get(field), dict):
+            raise InvalidValue(f"{str(file)!r}: field {field!r} is missing or not an object")
+    return data
 
 
 def _pm(estimate: Estimate | None, spec: str = ".3g") -> str:

@@ -499,26 +499,13 @@ class TunedRaceReport:
     def load(cls, path: str | os.PathLike[str]) -> TunedRaceReport:
         """The report a tuned race wrote (``report.json`` or its folder), rebuilt from its
         settings and raw runs alone: every statistic is recomputed."""
-        from gradest.harness.report import json_restored
+        from gradest.harness.report import json_restored, read_report_json
 
-        file = Path(path)
-        if file.is_dir():
-            file = file / "report.json"
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError) as err:
-            raise InvalidValue(
-                f"{str(file)!r} is not a readable tuned race report ({err})"
-            ) from None
-        if not isinstance(data, dict) or data.get("schema") != TUNED_SCHEMA:
-            schema = data.get("schema") if isinstance(data, dict) else None
-            raise InvalidValue(
-                f"{str(file)!r} is not a tuned race report (schema {schema!r}, expected "
-                f"{TUNED_SCHEMA!r})"
-            )
-        for field in ("config", "initial", "ceiling_run", "tuning", "runs"):
-            if not isinstance(data.get(field), dict):
-                raise InvalidValue(f"{str(file)!r}: field {field!r} is missing or not an object")
+        data = read_report_json(
+            path,
+            kinds={TUNED_SCHEMA: "tuned race report"},
+            fields=("config", "initial", "ceiling_run", "tuning", "runs"),
+        )
         return cls(
             config=data["config"],
             initial=json_restored(data["initial"]),

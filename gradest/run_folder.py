@@ -54,6 +54,8 @@ __all__ = [
     "RunFolder",
     "RunRecord",
     "claim_run_folder",
+    "describe_entries",
+    "foreign_entries",
     "lineage_of",
     "read_run_record",
 ]
@@ -169,6 +171,19 @@ def _entries(folder: Path) -> list[str]:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         return sorted(name for name in os.listdir(folder) if name not in _IGNORED)
     return []
+
+
+def foreign_entries(folder: str | os.PathLike[str]) -> list[str]:
+    """The entries of ``folder`` that say whose it is: all but the lock, a temporary of
+    ``run.json`` a killed process left, and a desktop's droppings (``.DS_Store``), sorted.
+    A folder without ``run.json`` that has any is not a gradest run's."""
+    return [name for name in _entries(Path(folder)) if not _own_temporary(name)]
+
+
+def describe_entries(names: Sequence[str]) -> str:
+    """``a, b, c, d, e and 3 more``: the first few of ``names`` for a message."""
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return ", ".join(names[:5]) + more
 
 
 def _publish(folder: Path, record: RunRecord) -> bool:
@@ -321,13 +336,11 @@ def _check_owner(
                 how = f"continue it with {resume_hint}" if resume_hint else "continue it"
                 raise InvalidValue(f"{shown} holds an earlier run; {how}, or pass a new --out")
             return True
-        found = [name for name in _entries(folder) if not _own_temporary(name)]
+        found = foreign_entries(folder)
         if found:
-            listed = ", ".join(found[:5]) + (
-                f" and {len(found) - 5} more" if len(found) > 5 else ""
-            )
             raise InvalidValue(
-                f"{shown} holds files that are not a gradest run's ({listed}; no {RUN_RECORD}): "
+                f"{shown} holds files that are not a gradest run's ({describe_entries(found)}; "
+                f"no {RUN_RECORD}): "
                 f"a run starts only in a new or empty folder, so nothing there is overwritten; "
                 f"pass a new --out"
             )

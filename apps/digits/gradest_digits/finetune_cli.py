@@ -46,7 +46,14 @@ from gradest.files import (
 from gradest.integers import WholeNumber
 from gradest.integrations.distributed import launched_world
 from gradest.protocol import check_steps
-from gradest.run_folder import RUN_LOCK, RUN_RECORD, RunRecord, claim_run_folder, read_run_record
+from gradest.run_folder import (
+    RUN_RECORD,
+    RunRecord,
+    claim_run_folder,
+    describe_entries,
+    foreign_entries,
+    read_run_record,
+)
 from gradest_digits.finetune import check_sizes, finetune, resolve_estimator
 from gradest_digits.finetune_config import FinetuneConfig, add_config_arguments, config_from_args
 from gradest_digits.finetune_tensorboard import use_tensorboard
@@ -367,16 +374,9 @@ def check_resumable(folder: Path) -> None:
                 f"--out folder of the run to continue"
             )
         return
-    found = sorted(
-        name
-        for name in os.listdir(folder)
-        # The lock and run.json's temporary (a run killed before it recorded itself) and a
-        # desktop's droppings say nothing, as for the claim.
-        if name not in _SAY_NOTHING
-        and not (name.startswith(f".{RUN_RECORD}.") and name.endswith(".tmp"))
-    )
+    found = foreign_entries(folder)
     if found:
-        listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        listed = describe_entries(found)
         raise InvalidValue(
             f"{shown} holds files that are not a gradest run's ({listed}; no {RUN_RECORD}), "
             f"so it cannot be continued; nothing in it is changed: start a new run with "
@@ -384,7 +384,6 @@ def check_resumable(folder: Path) -> None:
         )
 
 
-_SAY_NOTHING = frozenset({RUN_LOCK, ".DS_Store", "Thumbs.db", "desktop.ini"})
 # How long a rank other than 0 waits for rank 0 to claim a new run's folder.
 CLAIM_WAIT_S = 600.0
 

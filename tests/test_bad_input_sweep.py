@@ -1177,6 +1177,20 @@ CASES: list[Case] = [
         argv=("compare", "--out", "{file}"),
     ),
     command("compare --seeds x", "--seeds", "'x'"),
+    command(
+        "compare --out <a folder of another tool's files>",
+        "--out",
+        "not a gradest run's",
+        elide=(r"'[^']*'",),
+        argv=("compare", "--out", "{foreign}", "--quiet"),
+    ),
+    command(
+        "race --model digits --budget 1x --out <a folder of another tool's files>",
+        "--out",
+        "not a gradest run's",
+        elide=(r"'[^']*'",),
+        argv=("race", "--model", "digits", "--budget", "1x", "--out", "{foreign}", "--quiet"),
+    ),
     command("cost --model mlp --batch -1", "--batch", "-1"),
     command("cost --model mlp --steps 99999999999999999999", "--steps", "99999999999999999999"),
     command(
@@ -1232,14 +1246,22 @@ def _error_label(error: BaseException) -> str:
 
 
 def _argv(case: Case, scratch: Path) -> list[str]:
-    """The case's argv with ``{file}`` replaced by an existing file in ``scratch``, and
-    ``{fifo}`` by a FIFO there."""
+    """The case's argv with ``{file}`` replaced by an existing file in ``scratch``,
+    ``{fifo}`` by a FIFO there and ``{foreign}`` by a folder of another tool's files."""
     existing = scratch / "report.md"
     existing.write_text("")
     fifo = scratch / "pipe"
     if any("{fifo}" in arg for arg in case.argv):
         os.mkfifo(fifo)
-    return [arg.replace("{file}", str(existing)).replace("{fifo}", str(fifo)) for arg in case.argv]
+    foreign = scratch / "theirs"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not gradest's")
+    return [
+        arg.replace("{file}", str(existing))
+        .replace("{fifo}", str(fifo))
+        .replace("{foreign}", str(foreign))
+        for arg in case.argv
+    ]
 
 
 def outcome(case: Case) -> Outcome:

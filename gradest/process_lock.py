@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Mapping
@@ -81,7 +82,8 @@ def try_lock(path: str | os.PathLike[str], *, command: str) -> HeldLock | None:
     lock = Path(path)
     for _ in range(100):
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            # O_NONBLOCK: a FIFO put where the lock goes must not hang the open.
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as err:
             why = (
                 "it is a symbolic link"
@@ -89,6 +91,12 @@ def try_lock(path: str | os.PathLike[str], *, command: str) -> HeldLock | None:
                 else err.strerror or type(err).__name__
             )
             raise OutputError(f"cannot open the lock file {str(lock)!r}: {why}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OutputError(
+                f"the lock file {str(lock)!r} is not a regular file; remove what is there or "
+                f"pass another folder"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

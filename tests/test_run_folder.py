@@ -234,3 +234,13 @@ def test_gradest_compare_keeps_one_compare_per_folder(tmp_path: Path, capsys) ->
     assert "new --out" in err and len(err.splitlines()) == 1
     assert (out / "report.json").read_bytes() == report
     assert main([*argv, "--estimators", "exact,sdo"]) == 0  # the same compare: rewritten
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_lock_that_is_not_a_regular_file_is_one_line(tmp_path: Path, kind: str) -> None:
+    lock = tmp_path / RUN_LOCK
+    os.mkfifo(lock) if kind == "fifo" else lock.mkdir()
+    with pytest.raises(OutputError, match="lock file .* (not a regular file|Is a directory)"):
+        with claim_run_folder(tmp_path, RACE):
+            pytest.fail("the body of a refused claim ran")
+    assert lock.is_fifo() if kind == "fifo" else lock.is_dir()

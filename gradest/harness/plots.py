@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,27 +171,61 @@ def _debias_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     return _save_tight(plt, fig, folder / "jagg_debias.png")
 
 
+def _line_styles() -> Iterator[dict[str, Any]]:
+    """Colour and dash for each line of a plot: the ten tab10 colours, then again dashed,
+    dotted, dash-dotted, so that up to 40 estimators stay apart (a race's full line-up has
+    fifteen)."""
+    for dash in ("-", "--", ":", "-."):
+        for index in range(10):
+            yield {"color": f"C{index}", "linestyle": dash}
+
+
+def _band_line(
+    ax: Any,
+    xs: Sequence[float],
+    samples: Sequence[Sequence[float]],
+    style: dict[str, Any],
+    **kw: Any,
+) -> list[float]:
+    """Plot the mean of each ``samples[i]`` at ``xs[i]`` with its 95% bootstrap band
+    (resampling the values: the seeds); returns the means."""
+    from gradest.harness.bootstrap import bootstrap_mean
+
+    bands = [bootstrap_mean(list(values)) for values in samples]
+    means = [band.mean for band in bands]
+    ax.plot(xs, means, marker="o", markersize=3, **style, **kw)
+    ax.fill_between(
+        xs,
+        [band.low for band in bands],
+        [band.high for band in bands],
+        color=style["color"],
+        alpha=0.15,
+        linewidth=0,
+    )
+    return means
+
+
+def _legend_outside(ax: Any) -> None:
+    """The legend right of the axes, where it hides no curve (a full line-up has 15)."""
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+
+
 def plot_race(report: Any, folder: Path) -> list[Path]:
     """``reward_vs_compute.png`` of a race (:class:`gradest.harness.race.RaceReport`): per
     estimator the mean reward over seeds against the mean compute at each evaluation
     point, with its 95% bootstrap band (resampling seeds), the pretrained model at
     compute 0, and the ceiling (dashed) when the task knows it."""
-    from gradest.harness.bootstrap import bootstrap_mean
-
     plt, fig, ax = _figure(6.4, 4.2)
     initial = report.initial["reward"]
     fractions = report.config["fractions"]
-    for spec in report.runs:
-        xs, means, lows, highs = [0.0], [initial], [initial], [initial]
+    for spec, style in zip(report.runs, _line_styles(), strict=False):
+        xs = [0.0]
+        samples: list[Sequence[float]] = [[initial]]
         for i in range(len(fractions)):
             compute = report.at_fraction(spec, i, report.axis)
             xs.append(sum(compute) / len(compute) / report.unit)
-            band = bootstrap_mean(report.at_fraction(spec, i))
-            means.append(band.mean)
-            lows.append(band.low)
-            highs.append(band.high)
-        (line,) = ax.plot(xs, means, marker="o", markersize=3, label=spec)
-        ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
+            samples.append(report.at_fraction(spec, i))
+        _band_line(ax, xs, samples, style, label=spec)
     ceiling = report.config.get("ceiling")
     if ceiling is not None and math.isfinite(ceiling):
         ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label="ceiling")
@@ -216,24 +251,20 @@ def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
     * ``tuning_curves.png``: per estimator, the mean final reward over the tuning seeds
       against the lr (log axis) with its band, the chosen lr marked.
     """
-    from gradest.harness.bootstrap import bootstrap_mean
     from gradest.harness.race_shards import lr_label
 
     config, initial = report.config, report.initial["reward"]
     choices = report.choices()
-    plt, fig, ax = _figure(6.4, 4.2)
-    for spec in config["estimators"]:
+    plt, fig, ax = _figure(9.0, 4.2)
+    for spec, style in zip(config["estimators"], _line_styles(), strict=False):
         lr = choices[spec]["by_fraction"][-1]
         rows = report.runs[spec][lr_label(lr)]
-        xs, means, lows, highs = [0.0], [initial], [initial], [initial]
+        xs = [0.0]
+        samples: list[Sequence[float]] = [[initial]]
         for i in range(len(config["fractions"])):
             xs.append(sum(r["curve"][i]["flops"] for r in rows) / len(rows) / report.unit)
-            band = bootstrap_mean([r["curve"][i]["reward"] for r in rows])
-            means.append(band.mean)
-            lows.append(band.low)
-            highs.append(band.high)
-        (line,) = ax.plot(xs, means, marker="o", markersize=3, label=f"{spec} (lr {lr:.2g})")
-        ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
+            samples.append([r["curve"][i]["reward"] for r in rows])
+        _band_line(ax, xs, samples, style, label=f"{spec} (lr {lr:.2g})")
     ax.axhline(report.ceiling, color="black", linestyle="--", linewidth=1, label="ceiling")
     ax.set_xlabel("compute (exact training steps)")
     ax.set_ylabel("reward on the fixed evaluation set")
@@ -241,33 +272,19 @@ def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
         f"{config['task']}: tuned lrs, mean and 95% band over {len(config['seeds'])} report seeds",
         fontsize=9,
     )
-    ax.legend(fontsize=6)
-    first = folder / "reward_vs_compute.png"
-    _save(plt, fig, first)
+    _legend_outside(ax)
+    first = _save_tight(plt, fig, folder / "reward_vs_compute.png")
 
-    plt, fig, ax = _figure(6.4, 4.2)
+    plt, fig, ax = _figure(9.0, 4.2)
     lrs = config["lrs"]
-    for spec in config["estimators"]:
-        bands = [
-            bootstrap_mean([r["curve"][-1]["reward"] for r in report.tuning[spec][lr_label(lr)]])
-            for lr in lrs
+    for spec, style in zip(config["estimators"], _line_styles(), strict=False):
+        finals = [
+            [r["curve"][-1]["reward"] for r in report.tuning[spec][lr_label(lr)]] for lr in lrs
         ]
-        (line,) = ax.plot(lrs, [b.mean for b in bands], marker="o", markersize=3, label=spec)
-        ax.fill_between(
-            lrs,
-            [b.low for b in bands],
-            [b.high for b in bands],
-            color=line.get_color(),
-            alpha=0.15,
-            linewidth=0,
-        )
+        means = _band_line(ax, lrs, finals, style, label=spec)
         chosen = choices[spec]["by_fraction"][-1]
         ax.plot(
-            [chosen],
-            [bands[lrs.index(chosen)].mean],
-            marker="*",
-            markersize=10,
-            color=line.get_color(),
+            [chosen], [means[lrs.index(chosen)]], marker="*", markersize=10, color=style["color"]
         )
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
@@ -276,7 +293,6 @@ def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
         f"{config['task']}: tuning curves ({len(config['tune_seeds'])} tuning seeds; * chosen)",
         fontsize=9,
     )
-    ax.legend(fontsize=6)
-    second = folder / "tuning_curves.png"
-    _save(plt, fig, second)
+    _legend_outside(ax)
+    second = _save_tight(plt, fig, folder / "tuning_curves.png")
     return [first, second]

@@ -80,8 +80,8 @@ def _list_race_tasks() -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     from gradest.check import run_check
 
-    # The one list syntax (gradest.specs); the old ';' separator warns for a transition.
-    specs = split_spec_list(args.estimators, what="--estimators", legacy_separator=";")
+    # The one list syntax (gradest.specs).
+    specs = split_spec_list(args.estimators, what="--estimators")
     ok = run_check(specs or None, steps=args.steps, seed=args.seed, show_progress=not args.quiet)
     return 0 if ok else 1
 
@@ -233,7 +233,9 @@ def _budget_flag(text: str) -> float:
     except ValueError:
         raise InvalidValue(f"--budget {text!r} is not a number of exact steps like 8x") from None
     if not steps > 0 or steps == float("inf"):
-        raise InvalidValue(f"--budget must be positive, got {text!r}")
+        raise InvalidValue(
+            f"--budget must be a positive finite number of exact steps, got {text!r}"
+        )
     return steps
 
 

@@ -364,3 +364,17 @@ def test_replay_reproduces_a_shards_first_points(tmp_path) -> None:
         return [{k: v for k, v in point.items() if k != "seconds"} for point in curve]
 
     assert measured(replayed) == measured(committed["curve"][:2])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0-99999999999", "goes past the largest seed"),
+        ("99999999999999999999-99999999999999999999", "goes past the largest seed"),
+        ("0-999999999", "more than 1000000 seeds"),
+        ("1,0-999999", "more than 1000000 seeds"),
+    ],
+)
+def test_seed_lists_out_of_bounds_name_the_bound(text: str, message: str) -> None:
+    with pytest.raises(InvalidValue, match=message):
+        parse_seed_list(text)

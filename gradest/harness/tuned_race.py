@@ -158,6 +158,12 @@ def check_lr_grid(points: Iterable[Any], *, what: str = "lrs") -> list[float]:
     return floats
 
 
+# Seeds seed torch generators (64-bit) after offsets of a few million; a race of more
+# seeds than this would not finish.
+_MAX_SEED = 999_999_999
+_MAX_SEEDS = 1_000_000
+
+
 def parse_seed_list(text: str, *, what: str = "--seeds") -> list[int]:
     """``16`` (seeds 0..15), ``16-31`` (a range, both ends included), ``0,3,5`` or a mix
     (``0-3,8``): a seed list, each seed once."""
@@ -166,23 +172,27 @@ def parse_seed_list(text: str, *, what: str = "--seeds") -> list[int]:
     items = [item.strip() for item in text.split(",")]
     if len(items) == 1 and re.fullmatch(r"\d+", items[0]):
         count = int(items[0])
-        if not 1 <= count <= 1_000_000:
+        if not 1 <= count <= _MAX_SEEDS:
             raise InvalidValue(
-                f"{what} {text!r}: a single number is a count of seeds (1 .. 1000000: seeds "
-                f"0 .. count-1); for one seed give a range such as 0-0"
+                f"{what} {text!r}: a single number is a count of seeds (1 .. {_MAX_SEEDS}: "
+                f"seeds 0 .. count-1); for one seed give a range such as 0-0"
             )
         return list(range(count))
     seeds: list[int] = []
     for item in items:
-        match = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", item)
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
         if not match:
             raise InvalidValue(
                 f"{what} {text!r}: {item!r} is not a seed or a range; give e.g. 16-31 or 0,3,5"
             )
         low = int(match[1])
         high = low if match[2] is None else int(match[2])
+        if high > _MAX_SEED:
+            raise InvalidValue(f"{what} {text!r}: {item!r} goes past the largest seed, {_MAX_SEED}")
         if high < low:
             raise InvalidValue(f"{what} {text!r}: the range {item!r} runs backwards")
+        if len(seeds) + high - low + 1 > _MAX_SEEDS:
+            raise InvalidValue(f"{what} {text!r} lists more than {_MAX_SEEDS} seeds")
         seeds.extend(range(low, high + 1))
     if len(set(seeds)) != len(seeds):
         raise InvalidValue(f"{what} {text!r} lists a seed twice")

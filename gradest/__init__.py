@@ -7,8 +7,6 @@ Swap estimators by name; train with the surrogate loss::
     sur.loss.backward()   # .grad now holds the estimate; or est.estimate(...) for a dict
 """
 
-import warnings as _warnings
-
 # -- estimators: pick one by name, or write one ----------------------------------------------
 # estimator("jagg:window=4") builds one from a spec; available_estimators() lists the
 # registered classes; UnknownEstimatorError is raised for a name nobody registered.
@@ -31,17 +29,15 @@ import warnings as _warnings
 # -- measuring and errors ---------------------------------------------------------------------
 # compare() measures estimators against exact into a Report; GradestError is the base of
 # every error gradest raises on purpose, NonFiniteError the one for NaN/Inf,
-# SurrogateOutdated the one for a surrogate backpropagated after its model changed;
-# GradestDeprecationWarning is what deprecated names and arguments warn with.
+# SurrogateOutdated the one for a surrogate backpropagated after its model changed.
 # RL objectives (Flow-GRPO, adjoint matching) as a namespace: ``gradest.rl.grpo_objective``.
 from gradest import rl
-from gradest._deprecation import module_aliases as _module_aliases
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.conditioning import SharedCondition
 from gradest.context import EstimationContext
 from gradest.diffusion_samplers import DDIM
-from gradest.errors import GradestDeprecationWarning, GradestError, SurrogateOutdated
+from gradest.errors import GradestError, SurrogateOutdated
 from gradest.harness.compare import compare
 from gradest.harness.report import Report
 from gradest.nonfinite import NonFiniteError
@@ -63,18 +59,6 @@ from gradest.registry import UnknownEstimatorError, available_estimators, estima
 from gradest.samplers import AffineSampler, FlowSDE, RectifiedFlow
 from gradest.trajectory import Trajectory, rollout
 
-# Deprecated names and arguments warn once per calling location (not only under -W).
-_warnings.filterwarnings("default", category=GradestDeprecationWarning)
-
-# Deprecated top-level names, served with a warning that names the replacement.
-__getattr__ = _module_aliases(
-    __name__,
-    {
-        "DDIMSampler": (lambda: DDIM, "gradest.DDIM"),
-        "Shared": (lambda: SharedCondition, "gradest.SharedCondition"),
-    },
-)
-
 # The one place the version is written: pyproject.toml reads it from here (setuptools
 # dynamic metadata, read statically), tests/test_packaging.py checks the two agree.
 __version__ = "0.1.0"
@@ -89,7 +73,6 @@ __all__ = [
     "EstimatorAxes",
     "EstimatorBase",
     "FlowSDE",
-    "GradestDeprecationWarning",
     "GradestError",
     "GradientEstimate",
     "NonFiniteError",

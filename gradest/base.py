@@ -8,8 +8,7 @@ subclasses :class:`EstimatorBase` as a frozen attrs class and implements
 :func:`gradest.vjp.add_grads` / :func:`gradest.vjp.scale_grads`. The same two methods
 then serve ``estimate()`` (the VJPs evaluated) and ``surrogate()`` (the VJPs left to the
 caller's autograd backward). Input validation, sampling, cost counting and the result
-records live here once. ``backward()`` is deprecated
-(``est.surrogate(...).loss.backward()``).
+records live here once.
 """
 
 from __future__ import annotations
@@ -21,12 +20,10 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_estimate_grads, trainable_parameters
-from gradest._deprecation import sampler_keyword, warn_deprecated
 from gradest._lone_rank import warn_if_lone_rank
 from gradest.context import EstimationContext
 from gradest.errors import InvalidType, InvalidValue
 from gradest.errors import SurrogateOutdated as SurrogateOutdated  # its first home: re-exported
-from gradest.model_lock import grad_lock_for
 from gradest.model_state import ModelState, RecordedState
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError, deferred_checks
 from gradest.objectives import Objective, StepwiseObjective
@@ -156,7 +153,6 @@ class EstimatorBase:
 
     name: ClassVar[str] = "base"
 
-    @sampler_keyword
     def estimate(
         self,
         model: torch.nn.Module,
@@ -174,8 +170,7 @@ class EstimatorBase:
         Args:
             model: ``nn.Module`` called as ``model(z, t, **cond)``; only parameters with
                 ``requires_grad=True`` are differentiated.
-            sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)`` (``flow=`` is
-                a deprecated spelling of this keyword).
+            sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)``.
             objective: ``TerminalObjective`` or ``StepwiseObjective``.
             engine: how the VJPs are evaluated. ``"autograd"`` (default): the module is
                 called as itself and differentiated with ``torch.autograd.grad``, so hooks
@@ -240,7 +235,6 @@ class EstimatorBase:
             decisions=ctx.decisions,
         )
 
-    @sampler_keyword
     def surrogate(
         self,
         model: torch.nn.Module,
@@ -338,38 +332,6 @@ class EstimatorBase:
             ctx.finish_stepwise_value()
         ctx.field.randomness.finish()
         return grads, state_grad
-
-    @sampler_keyword
-    def backward(
-        self, model: torch.nn.Module, sampler: AffineSampler, objective: Objective, **inputs: Any
-    ) -> GradientEstimate:
-        """Deprecated: use ``est.surrogate(model, sampler, objective, ...).loss.backward()``.
-
-        :meth:`estimate` (same arguments), then add the gradients into ``p.grad`` (the
-        surrogate's backward writes the same gradients, through autograd, which DDP/FSDP,
-        GradScaler and accelerate understand). Existing ``.grad`` values are accumulated
-        into; with ``on_nonfinite="skip"`` an unusable estimate leaves ``.grad`` untouched
-        (check ``result.usable``). The accumulation holds the model's gradient lock
-        (:func:`gradest.model_lock.grad_lock_for`), so threads calling ``backward()`` on
-        one model add every estimate (autograd's own accumulation is atomic already).
-        """
-        warn_deprecated(
-            f"{type(self).__name__}.backward() is deprecated; use "
-            f"est.surrogate(model, sampler, objective, ...).loss.backward()",
-            stacklevel=3,  # past the sampler_keyword wrapper, to the caller
-        )
-        result = self.estimate(model, sampler, objective, **inputs)
-        if not result.usable:
-            return result
-        parameters = dict(model.named_parameters())
-        with grad_lock_for(model), torch.no_grad():
-            for name, grad in result.grads.items():
-                param = parameters[name]
-                if param.grad is None:
-                    param.grad = grad.to(param.dtype).clone()
-                else:
-                    param.grad.add_(grad.to(param.grad.dtype))
-        return result
 
     # -- the estimator's contract ----------------------------------------------------------
 

@@ -27,8 +27,6 @@ not strings, and a per-sample tensor inside a value the rule does not take apart
 an attrs or dataclass instance), which would reach a stacked call unrepeated (exact
 works, ``sdo:samples=2`` fails deep inside the model). Every place that repeats, moves or
 inspects ``cond`` goes through :func:`map_leaves`, the one walk over it.
-
-(``Shared`` is the deprecated old name of :class:`SharedCondition`.)
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
 
 
@@ -256,9 +253,3 @@ def _refuse_per_sample_inside(
         return v
 
     map_leaves(value, leaf, path)
-
-
-# Deprecated names, served with a warning that names the replacement.
-__getattr__ = module_aliases(
-    __name__, {"Shared": (lambda: SharedCondition, "gradest.SharedCondition")}
-)

@@ -28,8 +28,7 @@ rather than a function of its time. How a discrete-time model is called at ``t``
 recorded with the sampler (``timestep = t * num_train_timesteps + timestep_shift``) for
 adapters such as :meth:`gradest.integrations.diffusers.DiffusersVelocity.for_sampler`;
 it does not enter the step's math. Build one from a diffusers scheduler with
-:meth:`DDIM.from_scheduler`. (``DDIMSampler`` and
-``gradest.integrations.diffusers.ddim_from_scheduler`` are the deprecated old names.)
+:meth:`DDIM.from_scheduler`.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ import torch
 from torch import Tensor
 
 from gradest._checks import require
-from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
 from gradest.samplers import TimeGrid, as_float64_cpu
 
@@ -134,7 +132,7 @@ class DDIM(TimeGrid):  # type: ignore[override]  # attrs' generated init gains f
     Constructed like every gradest sampler: ``DDIM(steps=N, alphas_cumprod=...)`` (a
     uniform grid) or ``DDIM(times=..., alphas_cumprod=...)``, plus the keyword options
     below; :meth:`from_scheduler` builds it from a diffusers ``DDIMScheduler`` /
-    ``DDPMScheduler``. (Formerly ``DDIMSampler``, a deprecated alias.)
+    ``DDPMScheduler``.
 
     Args:
         steps: ``N``, a uniform grid from 1 to 0 (exclusive with ``times``).
@@ -306,7 +304,3 @@ class DDIM(TimeGrid):  # type: ignore[override]  # attrs' generated init gains f
 
     def _options(self) -> str:
         return f", prediction={self.prediction!r}, eta={self.eta:g}"
-
-
-# Deprecated names, served with a warning that names the replacement.
-__getattr__ = module_aliases(__name__, {"DDIMSampler": (lambda: DDIM, "DDIM")})

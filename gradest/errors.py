@@ -42,12 +42,3 @@ class SurrogateOutdated(GradestError, RuntimeError):
     between train and eval mode, since ``est.surrogate(...)`` built the loss
     (:mod:`gradest.model_state`). A ``RuntimeError``: torch's own errors in a backward are.
     """
-
-
-class GradestDeprecationWarning(DeprecationWarning, FutureWarning):
-    """A deprecated gradest name or argument was used; the message shows the replacement.
-
-    Both a ``DeprecationWarning`` (``pytest.deprecated_call`` catches it) and a
-    ``FutureWarning`` (shown to end users by default); ``import gradest`` shows it once
-    per calling location.
-    """

@@ -1,8 +1,5 @@
 """``functional_call`` without side effects: one lock per model, and tensors put back.
 
-(Also here: :func:`grad_lock_for`, the per-model lock around ``.grad`` writes that
-happen outside autograd, such as the deprecated ``EstimatorBase.backward()``.)
-
 ``torch.func.functional_call`` puts the tensors it is given into the module's attributes
 for the duration of the call and puts the originals back afterwards. Two threads doing
 that on one module interleave: the second saves the first one's (detached) tensors as
@@ -100,7 +97,6 @@ class _SharedExclusiveLock:
 
 
 _locks: weakref.WeakKeyDictionary[nn.Module, _SharedExclusiveLock] = weakref.WeakKeyDictionary()
-_grad_locks: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
@@ -110,17 +106,6 @@ def lock_for(model: nn.Module) -> _SharedExclusiveLock:
         lock = _locks.get(model)
         if lock is None:
             lock = _locks[model] = _SharedExclusiveLock()
-        return lock
-
-
-def grad_lock_for(model: nn.Module) -> threading.Lock:
-    """The lock around writes of ``model``'s ``.grad`` outside autograd (created on first
-    use, forgotten with the model): the deprecated ``backward()`` reads ``p.grad``, then
-    assigns or adds to it, which loses updates when two threads interleave."""
-    with _registry_lock:
-        lock = _grad_locks.get(model)
-        if lock is None:
-            lock = _grad_locks[model] = threading.Lock()
         return lock
 
 

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_scalar_loss
-from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
 from gradest.nonfinite import NonFiniteError, defer_finite
 from gradest.samplers import AffineSampler
@@ -171,13 +170,11 @@ def _check_pair(data: Tensor, noise: Tensor) -> None:
         )
 
 
-@sampler_keyword
 def flow_matching_trajectory(sampler: AffineSampler, data: Tensor, noise: Tensor) -> Trajectory:
     """States ``z_{t_k} = (1 - t_k) x + t_k eps`` on the sampler's grid, for flow matching.
 
     The velocities are the target ``eps - x`` (no model is evaluated); stepwise
-    estimators evaluate the model themselves. (``flow=`` is a deprecated spelling of the
-    ``sampler`` keyword.)
+    estimators evaluate the model themselves.
     """
     flow = sampler
     _check_pair(data, noise)

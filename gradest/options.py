@@ -8,15 +8,13 @@ the value and the valid range.
 
 from __future__ import annotations
 
-import functools
 import numbers
-import warnings
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
-from gradest.errors import GradestDeprecationWarning, InvalidType, InvalidValue
+from gradest.errors import InvalidType, InvalidValue
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -243,55 +241,3 @@ def describe_options(cls: type) -> list[tuple[str, Any, str]]:
     return [
         (field.name, field.default, field.metadata.get("doc", "")) for field in attrs.fields(cls)
     ]
-
-
-def deprecated_options(cls: Any) -> Mapping[str, str]:
-    """Old option name -> new name, as an estimator class declares in its
-    ``deprecated_options`` class attribute (empty when it declares none)."""
-    renames = getattr(cls, "deprecated_options", None)
-    return renames if isinstance(renames, Mapping) else {}
-
-
-def rename_deprecated(
-    cls: Any, options: Mapping[str, Any], *, stacklevel: int = 2
-) -> dict[str, Any]:
-    """``options`` with every deprecated name of ``cls`` replaced by its new name, warning
-    (:class:`~gradest.errors.GradestDeprecationWarning`) once per old name used.
-
-    Raises:
-        InvalidType: an old name and its new name are both given.
-    """
-    renames = deprecated_options(cls)
-    renamed = dict(options)
-    for old in [key for key in options if key in renames]:
-        new = renames[old]
-        owner = getattr(cls, "name", getattr(cls, "__name__", repr(cls)))
-        if new in options:
-            raise InvalidType(
-                f"estimator {owner!r}: options {old!r} and {new!r} are the same option "
-                f"({old!r} is its deprecated name); give {new!r} only"
-            )
-        warnings.warn(
-            f"estimator {owner!r}: option {old!r} is deprecated, use {new!r} (same meaning)",
-            GradestDeprecationWarning,
-            stacklevel=stacklevel + 1,
-        )
-        renamed[new] = renamed.pop(old)
-    return renamed
-
-
-_Class = TypeVar("_Class", bound=type)
-
-
-def accept_deprecated_options(cls: _Class) -> _Class:
-    """Class decorator (above ``@attrs.frozen``): the constructor also takes the old names
-    in ``cls.deprecated_options``, warning and passing them on under their new names, so
-    ``Jagg(low_memory=True) == Jagg(checkpoint=True)``."""
-    init = cls.__init__  # type: ignore[misc]
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **rename_deprecated(type(self), kwargs, stacklevel=2))
-
-    cls.__init__ = __init__  # type: ignore[misc]
-    return cls

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_surrogate as check_surrogate  # public here, for callers
-from gradest._deprecation import warn_deprecated
 from gradest.objectives import Objective
 from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory
@@ -188,11 +187,6 @@ class Surrogate:
     def usable(self) -> bool:
         """False when ``info["nonfinite"]`` is set, as on :class:`GradientEstimate`."""
         return "nonfinite" not in self.info
-
-    def backward(self, **kwargs: Any) -> None:
-        """Deprecated: use ``sur.loss.backward()`` (``self.loss.backward(**kwargs)``)."""
-        warn_deprecated("Surrogate.backward() is deprecated; use sur.loss.backward()", stacklevel=2)
-        self.loss.backward(**kwargs)
 
 
 class SamplingInputs(TypedDict, total=False):

@@ -20,7 +20,7 @@ import attrs
 
 from gradest import entry_points
 from gradest.errors import GradestError, InvalidType, InvalidValue
-from gradest.options import describe_options, parse_bool, parse_option_text, rename_deprecated
+from gradest.options import describe_options, parse_bool, parse_option_text
 from gradest.protocol import TrajectoryGradientEstimator, is_estimator
 from gradest.specs import split_options, strip_group, top_level_pieces
 
@@ -177,9 +177,7 @@ def estimator(spec: Any, **options: Any) -> TrajectoryGradientEstimator:
     ``gradest.estimator("jagg", window=4)`` and ``gradest.estimator("jagg:window=4")``
     are the same; keyword options override options in the string. An estimator instance
     is returned as it is (with ``options``, an ``attrs.evolve``-d copy); an estimator
-    class is refused with a message saying to pass an instance or its name. An option's old name,
-    which its class lists in ``deprecated_options`` (``jagg:low_memory``), still works and
-    warns (:class:`~gradest.errors.GradestDeprecationWarning`).
+    class is refused with a message saying to pass an instance or its name.
 
     Raises:
         UnknownEstimatorError: the name is not registered (the message lists valid names).
@@ -208,9 +206,6 @@ def estimator(spec: Any, **options: Any) -> TrajectoryGradientEstimator:
             f"(plugins register under the {GROUP!r} entry-point group)"
         )
     cls = registry[name]
-    # Old option names a class declares in ``deprecated_options`` warn and become the new.
-    text_options = rename_deprecated(cls, text_options, stacklevel=2)
-    options = rename_deprecated(cls, options, stacklevel=2)
     valid = option_names(cls)
     values: dict[str, Any] = {}
     for key, text in text_options.items():
@@ -237,7 +232,6 @@ def _with_options(est: Any, options: dict[str, Any]) -> Any:
             f"estimator {name!r} was given as an instance, which takes no options "
             f"({', '.join(sorted(options))}); construct it with them instead"
         )
-    options = rename_deprecated(type(est), options, stacklevel=3)
     valid = option_names(type(est))
     for key in options:
         _check_option_name(str(name), key, valid)

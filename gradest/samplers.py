@@ -22,7 +22,6 @@ One naming and construction style for every sampler (here and
 ``Sampler`` suffix; ``Cls(steps=N)`` or ``Cls(times=...)`` plus the sampler's own keyword
 options; and where a diffusers scheduler takes the same steps, the classmethod
 ``Cls.from_scheduler(scheduler, num_inference_steps, ...)``.
-(``StochasticFlowMatchSampler`` is the deprecated old name of :class:`StochasticFlowMatch`.)
 
 All three share the rectified-flow interpolant ``z_t = t eps + (1 - t) x`` (``t = 1``
 noise, ``t = 0`` data), which :meth:`TimeGrid.noised` and :meth:`TimeGrid.jump_to_end`
@@ -44,7 +43,6 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_allocation, is_symbolic, outside_fake_mode, require
-from gradest._deprecation import module_aliases
 from gradest.errors import InvalidType, InvalidValue
 
 if TYPE_CHECKING:  # an annotation only, never imported at run time
@@ -437,7 +435,6 @@ class StochasticFlowMatch(TimeGrid):
     from the scheduler with :meth:`from_scheduler` (or
     :func:`gradest.integrations.diffusers.flow_from_scheduler`). Not exported at the top
     level of ``gradest``: it exists to reproduce that one diffusers scheduler.
-    (Formerly ``StochasticFlowMatchSampler``, a deprecated alias.)
     """
 
     def __init__(self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None):
@@ -498,10 +495,3 @@ def require_interpolant(flow: Any, estimator: str) -> TimeGrid:
         f"(rectified-flow interpolant z_t = t eps + (1 - t) x) or gradest.DDIM, or "
         f"add the two methods to your sampler"
     )
-
-
-# Deprecated names, served with a warning that names the replacement.
-__getattr__ = module_aliases(
-    __name__,
-    {"StochasticFlowMatchSampler": (lambda: StochasticFlowMatch, "StochasticFlowMatch")},
-)

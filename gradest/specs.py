@@ -30,9 +30,7 @@ commas stay inside it; ``/`` inside a value keeps its meaning there (tuples of n
 
 Errors (:class:`~gradest.errors.InvalidValue`, one line naming the input, the position
 and the fix): unbalanced parentheses, an option before any name, an empty item
-(``exact,,sdo``), and the old ``;`` (``gradest check``) and ``/`` (``auto:candidates``)
-separators. For a transition period the two commands that used them still accept them
-with a :class:`~gradest.errors.GradestDeprecationWarning` (``legacy_separator=``).
+(``exact,,sdo``), and ``;`` or ``/`` between estimators.
 
 Where a Python API takes a list, a sequence of spec strings and estimator objects is
 accepted too (:func:`as_spec_list`).
@@ -43,7 +41,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gradest._deprecation import warn_deprecated
 from gradest.errors import InvalidType, InvalidValue
 
 __all__ = [
@@ -68,12 +65,12 @@ def _fail(what: str, text: str, position: int, problem: str, fix: str) -> Invali
     return InvalidValue(f"{what} {text!r}: {problem} at position {position}; {fix}")
 
 
-def top_level_pieces(text: str, what: str, separators: str = ",") -> list[tuple[int, str, str]]:
-    """``(position, piece, separator before it)`` for the pieces separated by one of
-    ``separators`` outside parentheses; balanced parentheses are checked here."""
-    pieces: list[tuple[int, str, str]] = []
+def top_level_pieces(text: str, what: str, separators: str = ",") -> list[tuple[int, str]]:
+    """``(position, piece)`` for the pieces separated by one of ``separators`` outside
+    parentheses; balanced parentheses are checked here."""
+    pieces: list[tuple[int, str]] = []
     opened: list[int] = []
-    start, before = 0, ""
+    start = 0
     for position, char in enumerate(text):
         if char == "(":
             opened.append(position)
@@ -84,11 +81,11 @@ def top_level_pieces(text: str, what: str, separators: str = ",") -> list[tuple[
                 )
             opened.pop()
         elif char in separators and not opened:
-            pieces.append((start, text[start:position], before))
-            start, before = position + 1, char
+            pieces.append((start, text[start:position]))
+            start = position + 1
     if opened:
         raise _fail(what, text, opened[-1], "unclosed '('", "close the nested list with ')'")
-    pieces.append((start, text[start:], before))
+    pieces.append((start, text[start:]))
     return pieces
 
 
@@ -98,9 +95,7 @@ def _is_option(piece: str) -> bool:
     return bool(sep) and ":" not in key and "(" not in key
 
 
-def split_spec_list(
-    text: str, *, what: str = "estimator list", legacy_separator: str | None = None
-) -> list[str]:
+def split_spec_list(text: str, *, what: str = "estimator list") -> list[str]:
     """``"exact,jagg:window=4,tau=0.9,sdo"`` -> ``["exact", "jagg:window=4,tau=0.9", "sdo"]``.
 
     Each item's spec text, whitespace around the pieces removed and nested parenthesised
@@ -110,8 +105,6 @@ def split_spec_list(
     Args:
         text: the list.
         what: how errors name the input (e.g. ``"--estimators"``).
-        legacy_separator: ``";"`` or ``"/"``: accept that old separator with a
-            :class:`~gradest.errors.GradestDeprecationWarning` (transition only).
 
     Raises:
         InvalidValue: unbalanced parentheses, an option before any name, an empty item,
@@ -123,7 +116,7 @@ def split_spec_list(
         )
     if not text.strip():
         return []
-    if ";" in text and legacy_separator != ";":
+    if ";" in text:
         raise _fail(
             what,
             text,
@@ -131,19 +124,10 @@ def split_spec_list(
             "';' between estimators",
             f"{_REPLACED} (write {text.replace(';', ',')!r})",
         )
-    separators = "," + (";" if legacy_separator == ";" else "")
     items: list[str] = []
-    warned = False
-    for start, raw, before in top_level_pieces(text, what, separators):
+    for start, raw in top_level_pieces(text, what):
         piece = raw.strip()
         position = start + len(raw) - len(raw.lstrip())
-        if before == ";" and not warned:
-            warn_deprecated(
-                f"{what} {text!r}: ';' between estimators is deprecated; {_REPLACED}: "
-                f"{text.replace(';', ',')!r}",
-                stacklevel=3,
-            )
-            warned = True
         if not piece:
             raise _fail(
                 what,
@@ -164,40 +148,25 @@ def split_spec_list(
             items[-1] += "," + piece
             continue
         name, colon, rest = piece.partition(":")
-        names = [name]
-        if "/" in name and legacy_separator == "/":
-            names = [part.strip() for part in name.split("/")]
-            if not warned:
-                fixed = ",".join(names)
-                warn_deprecated(
-                    f"{what} {text!r}: '/' between estimators is deprecated; {_REPLACED}: "
-                    f"{fixed!r}",
-                    stacklevel=3,
-                )
-                warned = True
-        for offset, part in enumerate(names):
-            bad = next((c for c in part if c in _FORBIDDEN_IN_NAME), None)
-            if bad in (";", "/"):
-                where = position + piece.index(bad)
-                fixed = text.replace(bad, ",") if bad == ";" else name.replace("/", ",")
-                raise _fail(
-                    what,
-                    text,
-                    where,
-                    f"'{bad}' between estimators",
-                    f"{_REPLACED} (write {fixed!r})",
-                )
-            if not part or bad is not None:
-                raise _fail(
-                    what,
-                    text,
-                    position,
-                    f"expected an estimator name, got {piece!r}",
-                    "an item is name or name:key=value,... and a list-valued option is "
-                    "wrapped in parentheses, e.g. 'auto:candidates=(exact,sdo)'",
-                )
-            last = offset == len(names) - 1
-            items.append(part + (colon + rest.strip() if last else ""))
+        bad = next((c for c in name if c in _FORBIDDEN_IN_NAME), None)
+        if bad == "/":
+            raise _fail(
+                what,
+                text,
+                position + piece.index(bad),
+                "'/' between estimators",
+                f"{_REPLACED} (write {name.replace('/', ',')!r})",
+            )
+        if not name or bad is not None:
+            raise _fail(
+                what,
+                text,
+                position,
+                f"expected an estimator name, got {piece!r}",
+                "an item is name or name:key=value,... and a list-valued option is "
+                "wrapped in parentheses, e.g. 'auto:candidates=(exact,sdo)'",
+            )
+        items.append(name + colon + rest.strip())
     return items
 
 
@@ -205,7 +174,7 @@ def split_options(text: str, *, what: str = "estimator spec") -> list[str]:
     """The ``key=value`` pieces of one spec's option text (after its ``:``), split on the
     commas outside parentheses: ``"candidates=(exact,sdo),draws=2"`` ->
     ``["candidates=(exact,sdo)", "draws=2"]``. Empty pieces are dropped."""
-    return [piece.strip() for _, piece, _ in top_level_pieces(text, what) if piece.strip()]
+    return [piece.strip() for _, piece in top_level_pieces(text, what) if piece.strip()]
 
 
 def strip_group(value: str) -> str:
@@ -274,9 +243,7 @@ def _one_spec_text(spec: Any) -> str:
     return spec.strip() if isinstance(spec, str) else _spec_of(spec)
 
 
-def as_spec_list(
-    specs: str | Sequence[Any], *, what: str = "estimator list", legacy_separator: str | None = None
-) -> list[Any]:
+def as_spec_list(specs: str | Sequence[Any], *, what: str = "estimator list") -> list[Any]:
     """A list given as one string in the list syntax or as a Python sequence of spec
     strings and estimator objects -> a list of spec strings and estimator objects.
 
@@ -284,7 +251,7 @@ def as_spec_list(
     one; ``"exact,sdo"`` is two and is refused: give them as two elements).
     """
     if isinstance(specs, str):
-        return split_spec_list(specs, what=what, legacy_separator=legacy_separator)
+        return split_spec_list(specs, what=what)
     if not isinstance(specs, Sequence):
         raise InvalidType(
             f"{what} must be a spec list string like {SPEC_LIST_EXAMPLE!r} or a sequence of "

@@ -22,7 +22,6 @@ from gradest._checks import (
     is_symbolic,
     outside_fake_mode,
 )
-from gradest._deprecation import sampler_keyword
 from gradest.conditioning import check_cond, model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.mixed_dtypes import first_call
@@ -250,7 +249,6 @@ def integrate(
     return states, velocities
 
 
-@sampler_keyword
 def rollout(
     model: torch.nn.Module,
     sampler: AffineSampler,
@@ -263,8 +261,7 @@ def rollout(
 
     Args:
         model: called as ``model(z, t, **cond)`` with ``t`` of shape ``[B]``.
-        sampler: the sampler (e.g. :class:`RectifiedFlow`; ``flow=`` is a deprecated
-            spelling of this keyword).
+        sampler: the sampler (e.g. :class:`RectifiedFlow`).
         noise: ``[B, ...]`` initial state at ``sampler.times[0]``.
         cond: keyword arguments passed to every model call (class labels, text embeddings).
         generator: source of the step noise for stochastic samplers.

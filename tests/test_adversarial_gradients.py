@@ -1,7 +1,5 @@
 """No silent wrong gradient (issue 24, item 3): the attacks that once passed unnoticed.
 
-* The deprecated ``backward()`` from 8 threads on one model adds every estimate into
-  ``.grad`` (it read, then assigned or added, without a lock, and lost updates).
 * Dropout replay is switched on by what the model does at *any* step (dropout active only
   for ``t < 0.6``, so its first call at ``t = 1`` draws nothing): exact (checkpointed
   too, estimate and surrogate), jagg with every step a node and sdo equal the autograd
@@ -20,10 +18,8 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -45,47 +41,6 @@ OBJECTIVE = gradest.TerminalObjective(lambda z: torch.sin(z).pow(2).sum())
 
 def flat(grads) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for g in grads])
-
-
-# -- a: the deprecated backward() from threads ----------------------------------------------
-
-
-def test_backward_from_8_threads_on_one_model_adds_every_estimate(monkeypatch):
-    model = tiny_mlp(DIM, hidden=16, num_classes=2, seed=0)
-    objective = smooth_terminal_objective(DIM)
-    est = gradest.estimator("exact")
-    cond = {"y": torch.tensor([0, 1])}
-    noises = [seeded_normal((BATCH, DIM), 100 + i) for i in range(8)]
-    serial = [est.estimate(model, FLOW, objective, noise=n, cond=cond).flat() for n in noises]
-    want = torch.stack(serial).sum(0)
-    # Every thread finishes its estimate, then all add into .grad at once (the window in
-    # which the unlocked check-then-assign lost updates), switching threads often.
-    barrier = threading.Barrier(8)
-    estimate = type(est).estimate
-
-    def estimate_then_wait(self, *args, **kwargs):
-        result = estimate(self, *args, **kwargs)
-        barrier.wait()
-        return result
-
-    monkeypatch.setattr(type(est), "estimate", estimate_then_wait)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-
-            def run(noise):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    est.backward(model, FLOW, objective, noise=noise, cond=cond)
-
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(run, noises))
-            got = flat(p.grad for p in model.parameters())
-            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
-    finally:
-        sys.setswitchinterval(interval)
 
 
 # -- b: dropout replay ------------------------------------------------------------------------

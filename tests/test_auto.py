@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradest
-from gradest.errors import InvalidValue
+from gradest.errors import InvalidType, InvalidValue
 from gradest.harness.auto import Auto, AutoDecisions, clear_cache
 from gradest.reference import relative_error
 from gradest.testing.problems import (
@@ -349,10 +349,9 @@ def test_candidates_in_a_spec_string_use_the_one_list_syntax():
     assert gradest.estimator("auto:candidates=exact").candidates == ("exact",)
 
 
-def test_old_slash_separated_candidates_warn_and_still_work():
-    with pytest.warns(gradest.errors.GradestDeprecationWarning, match="separate estimators"):
-        est = gradest.estimator("auto:candidates=exact/sdo,max_bias=0.1")
-    assert est.candidates == ("exact", "sdo") and est.max_bias == 0.1
+def test_slash_separated_candidates_are_refused_with_the_fix():
+    with pytest.raises(InvalidType, match=r"'/' between estimators.*write 'exact,sdo'"):
+        gradest.estimator("auto:candidates=exact/sdo,max_bias=0.1")
 
 
 def test_an_unparenthesised_candidate_list_is_refused_with_the_fix():

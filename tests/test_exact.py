@@ -186,30 +186,6 @@ def test_cost_counts_of_exact():
     assert cost.model_units() == 3 * STEPS
 
 
-def test_deprecated_backward_accumulates_into_grad_and_optimizer_steps():
-    model, noise, cond = _setup(True, True)
-    flow = gradest.RectifiedFlow(steps=STEPS)
-    objective = smooth_terminal_objective(DIM)
-    est = gradest.estimator("exact")
-    with pytest.deprecated_call(match=r"\.surrogate\(model, sampler, objective, \.\.\.\)"):
-        first = est.backward(model, flow, objective, noise=noise, cond=cond)
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            assert torch.equal(param.grad, first.grads[name])
-        else:
-            assert param.grad is None
-    with pytest.deprecated_call():
-        est.backward(model, flow, objective, noise=noise, cond=cond)
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            torch.testing.assert_close(param.grad, 2 * first.grads[name], rtol=0, atol=0)
-    before = objective.loss_fn(gradest.rollout(model, flow, noise, cond=cond).states[-1])
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    optimizer.step()
-    after = objective.loss_fn(gradest.rollout(model, flow, noise, cond=cond).states[-1])
-    assert after < before
-
-
 def test_same_generator_state_gives_bitwise_identical_results():
     model, noise, cond = _setup(True, False)
     flow = NoisyAffineSampler()

@@ -1,10 +1,9 @@
 """Each estimator's axes and memory policy (``axes``), ``gradest list --verbose``, and the
-one name of the memory option (``checkpoint``; jagg's old ``low_memory`` warns)."""
+one name of the memory option (``checkpoint``)."""
 
 from __future__ import annotations
 
 import re
-import warnings
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from gradest import registry
 from gradest.axes import COST_FORMULAS, NOT_DECLARED, EstimatorAxes, axes_of
 from gradest.base import EstimatorBase
 from gradest.cli import main
-from gradest.errors import GradestDeprecationWarning, InvalidType
 from gradest.options import bool_option
 from gradest.strategies.jagg import Jagg
 
@@ -117,7 +115,6 @@ def test_checkpoint_is_the_memory_option_of_exact_and_jagg():
     assert "checkpoint" in registry.option_names(registry.available_estimators()["exact"])
     assert "checkpoint" in registry.option_names(Jagg)
     assert "low_memory" not in registry.option_names(Jagg)
-    assert Jagg.deprecated_options == {"low_memory": "checkpoint"}
 
 
 @pytest.mark.parametrize("flag", [(), ("--verbose",)])
@@ -125,71 +122,3 @@ def test_list_shows_checkpoint_for_jagg_not_low_memory(capsys, flag):
     block = _blocks(_run_list(capsys, *flag))["jagg"]
     assert "    checkpoint=False" in block
     assert "low_memory" not in block
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: gradest.estimator("jagg:low_memory=true,window=3"),
-        lambda: gradest.estimator("jagg:window=3", low_memory=True),
-        lambda: Jagg(window=3, low_memory=True),
-    ],
-    ids=["spec", "keyword", "constructor"],
-)
-def test_low_memory_warns_and_equals_checkpoint(make):
-    with pytest.warns(
-        GradestDeprecationWarning, match="'low_memory' is deprecated, use 'checkpoint'"
-    ):
-        old = make()
-    assert (
-        old == Jagg(window=3, checkpoint=True) == gradest.estimator("jagg:window=3,checkpoint=true")
-    )
-    assert hash(old) == hash(Jagg(window=3, checkpoint=True))
-
-
-def test_the_deprecation_warning_points_at_the_caller():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        Jagg(low_memory=False)
-        gradest.estimator("jagg", low_memory=False)
-    assert [Path(w.filename).name for w in caught] == [Path(__file__).name] * 2
-    assert all(issubclass(w.category, DeprecationWarning) for w in caught)
-
-
-def test_the_new_name_does_not_warn():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert gradest.estimator("jagg:checkpoint=true") == Jagg(checkpoint=True)
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: Jagg(low_memory=True, checkpoint=False),
-        lambda: gradest.estimator("jagg:low_memory=true,checkpoint=false"),
-        lambda: gradest.estimator("jagg", low_memory=True, checkpoint=True),
-    ],
-)
-def test_old_and_new_name_together_are_refused(make):
-    with pytest.raises(InvalidType, match="same option"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        make()
-
-
-def test_the_spec_string_old_name_and_a_keyword_new_name():
-    # Keyword options override the string's, under the option's one (new) name.
-    with pytest.warns(GradestDeprecationWarning):
-        est = gradest.estimator("jagg:low_memory=true", checkpoint=False)
-    assert est.checkpoint is False
-
-
-def test_a_plugins_deprecated_options_are_honoured_by_the_registry(monkeypatch):
-    @attrs.frozen
-    class Renamed(EstimatorBase):
-        name = "renamed"
-        deprecated_options = {"old": "checkpoint"}
-        checkpoint: bool = bool_option(False, doc="recompute")
-
-    monkeypatch.setattr(registry, "available_estimators", lambda: {"renamed": Renamed})
-    with pytest.warns(GradestDeprecationWarning, match="'old' is deprecated"):
-        assert gradest.estimator("renamed:old=true") == Renamed(checkpoint=True)

@@ -89,16 +89,15 @@ def test_a_nan_state_gradient_is_detected_in_the_adjoint_sweep():
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_deprecated_backward_skip_returns_an_unusable_estimate_and_leaves_grad_untouched(spec):
+def test_skip_returns_an_unusable_estimate_and_leaves_grad_untouched(spec):
     flow = gradest.RectifiedFlow(steps=STEPS)
     model = NaNBelow(threshold=0.6)
     noise = seeded_normal((BATCH, DIM), 0)
     for p in model.parameters():
         p.grad = torch.full_like(p, 7.0)
-    with pytest.deprecated_call():
-        result = gradest.estimator(spec).backward(
-            model, flow, _objective("terminal"), noise=noise, on_nonfinite="skip"
-        )
+    result = gradest.estimator(spec).estimate(
+        model, flow, _objective("terminal"), noise=noise, on_nonfinite="skip"
+    )
     assert not result.usable and result.grads == {}
     assert "velocity at step 3" in result.info["nonfinite"]
     assert all(bool((p.grad == 7.0).all()) for p in model.parameters())

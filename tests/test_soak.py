@@ -1,10 +1,9 @@
 """Soak: hundreds of consecutive estimates leak neither memory nor autograd graphs.
 
-A training loop calls ``estimate``/``backward`` once per step for days, so a few bytes
-kept per call, or a graph that outlives its call, eventually matters. On a perturbed
-micro DiT in float32 this runs 500 calls cycling over the estimators (terminal from
-noise and stepwise on a recorded trajectory, ``estimate`` and ``backward`` alternately)
-and checks:
+A training loop calls ``estimate`` once per step for days, so a few bytes kept per call,
+or a graph that outlives its call, eventually matters. On a perturbed micro DiT in
+float32 this runs 500 calls cycling over the estimators (terminal from noise and stepwise
+on a recorded trajectory) and checks:
 
 * **No graph survives a call.** While a call runs, every storage created by an
   operator that records an autograd graph is tracked (the dispatch-mode tracker behind
@@ -31,7 +30,6 @@ import contextlib
 import gc
 import mmap
 import os
-import warnings
 
 import pytest
 import torch
@@ -86,20 +84,15 @@ def soak():
     def call(index: int) -> gradest.GradientEstimate:
         spec, kind = PAIRS[index % len(PAIRS)]
         inputs = {"noise": noise} if kind == "terminal" else {"trajectory": trajectory}
-        # backward on odd cycles: .grad accumulates in place, which must not grow either
-        # (deprecated, but while the door exists it must not leak)
-        method = "backward" if (index // len(PAIRS)) % 2 else "estimate"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", gradest.GradestDeprecationWarning)
-            return getattr(estimators[spec], method)(
-                model,
-                flow,
-                objectives[kind],
-                cond=cond,
-                generator=torch.Generator().manual_seed(index),
-                noise_grad=kind == "terminal",
-                **inputs,
-            )
+        return estimators[spec].estimate(
+            model,
+            flow,
+            objectives[kind],
+            cond=cond,
+            generator=torch.Generator().manual_seed(index),
+            noise_grad=kind == "terminal",
+            **inputs,
+        )
 
     return call
 

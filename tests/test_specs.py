@@ -10,7 +10,7 @@ from check_table import check_rows
 
 import gradest
 from gradest.cli import build_parser, main
-from gradest.errors import GradestDeprecationWarning, InvalidType, InvalidValue
+from gradest.errors import InvalidType, InvalidValue
 from gradest.registry import parse_spec
 from gradest.specs import as_spec_list, format_spec_list, split_spec_list
 
@@ -71,20 +71,6 @@ def test_errors_are_one_line_naming_the_input_the_position_and_the_fix(text, pos
     assert f"at position {position};" in text_of_error
 
 
-def test_the_old_separators_warn_where_they_were_accepted():
-    with pytest.warns(GradestDeprecationWarning, match="separate estimators with ','"):
-        assert split_spec_list("jagg:window=4;sdo", legacy_separator=";") == [
-            "jagg:window=4",
-            "sdo",
-        ]
-    with pytest.warns(GradestDeprecationWarning, match="separate estimators with ','"):
-        assert split_spec_list("exact/sdo/truncated", legacy_separator="/") == [
-            "exact",
-            "sdo",
-            "truncated",
-        ]
-
-
 def test_parse_spec_keeps_parenthesised_lists_in_one_option():
     assert parse_spec("auto:candidates=(exact,sdo:samples=4)") == (
         "auto",
@@ -143,16 +129,11 @@ def test_one_list_gives_the_same_estimators_in_compare_and_check(tmp_path, capsy
     assert checked == compared == expected
 
 
-def test_check_still_reads_the_old_semicolon_list_with_a_warning(capsys):
-    with pytest.warns(GradestDeprecationWarning, match="separate estimators with ','"):
-        code = main(["check", "--estimators", "exact;sdo", "--steps", "4", "--quiet"])
-    captured = capsys.readouterr()
-    assert code == 0
-    assert _check_rows(captured.out) == [repr(gradest.estimator(s)) for s in ("exact", "sdo")]
-
-
-def test_compare_refuses_the_old_semicolon_list_in_one_line(tmp_path, capsys):
-    argv = ["compare", "--estimators", "exact;sdo", "--quiet", "--out", str(tmp_path / "x")]
+@pytest.mark.parametrize("command", ["check", "compare"])
+def test_both_commands_refuse_a_semicolon_list_in_one_line(tmp_path, capsys, command):
+    argv = [command, "--estimators", "exact;sdo", "--quiet"]
+    if command == "compare":
+        argv += ["--out", str(tmp_path / "x")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "separate estimators with ','" in err and len(err.strip().splitlines()) == 1

@@ -70,7 +70,6 @@ from gradest._checks import (
     is_symbolic,
     trainable_parameters,
 )
-from gradest._deprecation import sampler_keyword
 from gradest.axes import EstimatorAxes
 from gradest.base import DEFAULT_ENGINE, EstimatorBase
 from gradest.errors import InvalidValue
@@ -107,11 +106,10 @@ METRICS = ("adam_cosine", "cosine")
 def _parse_candidates(text: str) -> tuple[str, ...]:
     """``exact,jagg:window=4,tau=0.9,sdo``: a spec list in the one list syntax
     (:mod:`gradest.specs`), inside a spec wrapped in parentheses:
-    ``auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)``. The old ``exact/jagg/sdo``
-    still works with a deprecation warning."""
+    ``auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)``."""
     from gradest.specs import split_spec_list
 
-    return tuple(split_spec_list(text, what="auto option candidates", legacy_separator="/"))
+    return tuple(split_spec_list(text, what="auto option candidates"))
 
 
 @attrs.frozen
@@ -408,7 +406,6 @@ class Auto(EstimatorBase):
 
     # -- the two entry points delegate ----------------------------------------------------
 
-    @sampler_keyword
     def estimate(
         self,
         model: torch.nn.Module,
@@ -421,7 +418,6 @@ class Auto(EstimatorBase):
         """As :meth:`EstimatorBase.estimate`; a probe call returns the exact gradient."""
         return self._call(model, sampler, objective, dict(options), engine=engine, surrogate=False)
 
-    @sampler_keyword
     def surrogate(
         self,
         model: torch.nn.Module,

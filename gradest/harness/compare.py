@@ -21,7 +21,6 @@ from torch import Tensor
 from tqdm import tqdm
 
 from gradest._checks import check_estimate_grads, trainable_parameters
-from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
 from gradest.harness.cost import (
     COST_DRAWS,
@@ -106,7 +105,6 @@ def is_stochastic(est: Any, run: Callable[[Any, torch.Generator], Tensor]) -> bo
     return not torch.equal(run(est, draw_generator(0, 0)), run(est, draw_generator(0, 1)))
 
 
-@sampler_keyword
 def compare(
     model: torch.nn.Module,
     sampler: AffineSampler,
@@ -126,8 +124,7 @@ def compare(
 
     Args:
         model: the velocity model (``model(z, t, **cond)``).
-        sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)`` (``flow=`` is a
-            deprecated spelling of this keyword).
+        sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)``.
         objective: ``TerminalObjective`` or ``StepwiseObjective`` (evaluated on each
             seed's rollout).
         estimators: spec strings (``"jagg:window=4"``) or estimator instances.

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from gradest._deprecation import sampler_keyword
 from gradest.harness.statistics import trajectory_stats
 from gradest.objectives import Objective
 from gradest.registry import estimator
@@ -94,7 +93,6 @@ def jagg_span_sweep(
     return out
 
 
-@sampler_keyword
 def jagg_tau_sweep(
     model: torch.nn.Module,
     sampler: AffineSampler,
@@ -106,7 +104,7 @@ def jagg_tau_sweep(
     taus: Sequence[float] = (0.0, 0.9, 0.99, 0.995, 0.999, 0.9999, 1.0),
 ) -> list[dict[str, float]]:
     """Agreement with exact and cost of jagg(window) as the gate threshold varies, on a
-    ``trajectory`` recorded on ``sampler`` (``flow=``: its deprecated keyword)."""
+    ``trajectory`` recorded on ``sampler``."""
     flow = sampler
     exact_result = estimator("exact").estimate(
         model, flow, objective, trajectory=trajectory, cond=cond
@@ -131,7 +129,6 @@ def jagg_tau_sweep(
     return rows
 
 
-@sampler_keyword
 def jagg_debias_sweep(
     model: torch.nn.Module,
     sampler: AffineSampler,
@@ -148,7 +145,7 @@ def jagg_debias_sweep(
 
     ``m = 0`` is plain jagg (deterministic: its squared bias is the interpolation error).
     Values of ``m`` above the chain's steps are skipped. ``trajectory`` was recorded on
-    ``sampler`` (``flow=``: its deprecated keyword).
+    ``sampler``.
     """
     flow = sampler
     exact = (

@@ -38,15 +38,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradest._deprecation import module_aliases, warn_deprecated
 from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidType, InvalidValue
 from gradest.integrations.diffusers_schedulers import flow_schedule
 from gradest.samplers import RectifiedFlow, StochasticFlowMatch, flow_sampler
 
 # DDIM and StochasticFlowMatch are re-exported for convenience (their home is gradest's
-# sampler modules); ddim_from_scheduler, DDIMSampler and StochasticFlowMatchSampler are
-# deprecated names, served with a warning.
+# sampler modules).
 __all__ = [
     "DDIM",
     "DiffusersVelocity",
@@ -82,22 +80,6 @@ def flow_from_scheduler(
             sigmas, timesteps that are not ``sigma * num_train_timesteps``).
     """
     return flow_sampler(flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs))
-
-
-def ddim_from_scheduler(
-    scheduler: Any,
-    num_inference_steps: int,
-    *,
-    eta: float | None = None,
-    **set_timesteps_kwargs: Any,
-) -> DDIM:
-    """Deprecated: use ``gradest.DDIM.from_scheduler(scheduler, num_inference_steps, ...)``
-    (same arguments, same result)."""
-    warn_deprecated(
-        "gradest.integrations.diffusers.ddim_from_scheduler is deprecated; use "
-        "gradest.DDIM.from_scheduler(scheduler, num_inference_steps, ...)"
-    )
-    return DDIM.from_scheduler(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
 
 
 class DiffusersVelocity(nn.Module):
@@ -356,13 +338,3 @@ def _required_conditioning(
     ):
         required.append("class_labels")
     return tuple(dict.fromkeys(required))
-
-
-# Deprecated names, served with a warning that names the replacement.
-__getattr__ = module_aliases(
-    __name__,
-    {
-        "DDIMSampler": (lambda: DDIM, "gradest.DDIM"),
-        "StochasticFlowMatchSampler": (lambda: StochasticFlowMatch, "StochasticFlowMatch"),
-    },
-)

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jacrev
 
-from gradest._deprecation import sampler_keyword
 from gradest.conditioning import model_kwargs
 from gradest.model_lock import compiled_code_eager, tensors_restored
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
@@ -79,7 +78,6 @@ class DenseChain:
         return total
 
 
-@sampler_keyword
 def dense_chain(
     model: torch.nn.Module,
     sampler: AffineSampler,
@@ -88,8 +86,7 @@ def dense_chain(
 ) -> DenseChain:
     """Materialise ``J_k`` and ``A_k`` at every recorded state with ``jacrev`` (float64).
 
-    ``trajectory`` was recorded on ``sampler`` (``flow=`` is a deprecated spelling of
-    that keyword; the chain keeps it as ``chain.flow``).
+    ``trajectory`` was recorded on ``sampler`` (the chain keeps it as ``chain.sampler``).
     """
     flow = sampler
     cond = dict(cond or {})
@@ -179,7 +176,6 @@ def exact_cotangents(chain: DenseChain, objective: Objective) -> Tensor:
     return torch.stack(cotangents)
 
 
-@sampler_keyword
 def exact_gradient(
     model: torch.nn.Module,
     sampler: AffineSampler,

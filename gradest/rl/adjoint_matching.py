@@ -88,7 +88,6 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_model
-from gradest._deprecation import sampler_keyword
 from gradest.conditioning import check_cond, model_kwargs
 from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import StepwiseObjective
@@ -236,7 +235,6 @@ def _shape_of(value: Any) -> Any:
     return tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
 
 
-@sampler_keyword
 def lean_adjoint(
     base_model: torch.nn.Module,
     sampler: AffineSampler,
@@ -249,8 +247,7 @@ def lean_adjoint(
     Args:
         base_model: the frozen pretrained model, called as ``base_model(z, t, **cond)``;
             only state VJPs are taken (no parameter gradient).
-        sampler: the sampler ``trajectory`` was recorded on (its ``alpha``, ``beta``;
-            ``flow=`` is a deprecated spelling of this keyword).
+        sampler: the sampler ``trajectory`` was recorded on (its ``alpha``, ``beta``).
         trajectory: a rollout of the *current* model (``gradest.rollout``).
         loss: ``loss(z_final) -> [B]`` per-sample losses (e.g. ``lambda z: -reward(z)``),
             ``a_N = d sum_b loss_b / d z_N``; or ``a_N`` itself as a ``[B, ...]`` tensor.
@@ -293,13 +290,12 @@ def lean_adjoint(
     )
 
 
-@sampler_keyword
 def regression_objective(
     sampler: AffineSampler, trajectory: Trajectory, targets: LeanAdjoint
 ) -> StepwiseObjective:
     """The adjoint-matching regression ``sum_k l_k(v_k)`` on precomputed :class:`LeanAdjoint`
     targets: ``l_k = mean_b 1/2 ||(beta_k / s_k)(v_k - v_base,k) + s_k a_{k+1}||^2``, on a
-    ``trajectory`` recorded on ``sampler`` (``flow=`` is a deprecated spelling of it)."""
+    ``trajectory`` recorded on ``sampler``."""
     flow = sampler
     checked_path(flow, trajectory)
     if not isinstance(targets, LeanAdjoint):
@@ -341,7 +337,6 @@ def regression_objective(
     return StepwiseObjective(loss_fn)
 
 
-@sampler_keyword
 def adjoint_matching_objective(
     base_model: torch.nn.Module,
     sampler: AffineSampler,
@@ -364,8 +359,7 @@ def adjoint_matching_objective(
 
     Args:
         base_model: the frozen pretrained model (a copy of the model before fine-tuning).
-        sampler: the stochastic sampler of the rollout (:func:`memoryless_flow`; ``flow=``
-            is a deprecated spelling of this keyword).
+        sampler: the stochastic sampler of the rollout (:func:`memoryless_flow`).
         trajectory: the rollout of the model being fine-tuned.
         loss: per-sample terminal losses ``loss(z_final) -> [B]`` (the tilt is
             ``exp(-loss)``; scale it to weight the reward against the KL), or the

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradest._deprecation import sampler_keyword
 from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import StepwiseObjective
 from gradest.rl._common import check_recorded, model_velocities
@@ -92,7 +91,6 @@ def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return ((groups - mean) / (std + ADVANTAGE_EPS)).reshape(-1)
 
 
-@sampler_keyword
 def reference_velocities(
     reference: torch.nn.Module,
     sampler: AffineSampler,
@@ -107,18 +105,16 @@ def reference_velocities(
     adapters disabled, as in Flow-GRPO, without a copy:
     ``with gradest.integrations.adapters_disabled(model): reference_velocities(model, ...)``
     (a diffusers model, a peft ``PeftModel``, or either inside ``DiffusersVelocity``).
-    ``sampler`` is the sampler the trajectory was recorded on (``flow=`` is a deprecated
-    spelling of this keyword).
+    ``sampler`` is the sampler the trajectory was recorded on.
     """
     return model_velocities(reference, sampler, trajectory, cond, what="reference model")
 
 
-@sampler_keyword
 def step_kl(
     sampler: AffineSampler, k: int, velocity: Tensor, reference: Tensor, *, reduction: str = "sum"
 ) -> Tensor:
     """``[B]``: ``KL(N(m_theta, s_k^2 I) || N(m_ref, s_k^2 I))`` of step ``k`` of ``sampler``,
-    per sample (``flow=`` is a deprecated spelling of the ``sampler`` keyword).
+    per sample.
 
     ``m = alpha_k z_k + beta_k v``, so the KL is ``beta_k^2 ||velocity - reference||^2 /
     (2 s_k^2)`` (``reduction="sum"``) or that divided by the element count (``"mean"``, as
@@ -165,7 +161,6 @@ def _kl_weights(kl_weight: Any, steps: int) -> Tensor | None:
     return weights if bool((weights > 0).any()) else None
 
 
-@sampler_keyword
 def grpo_objective(
     sampler: FlowSDE,
     trajectory: Trajectory,
@@ -180,8 +175,7 @@ def grpo_objective(
     """The Flow-GRPO clipped surrogate (plus its KL penalty) on ``trajectory``.
 
     Args:
-        sampler: the :class:`FlowSDE` the trajectory was sampled with (``flow=`` is a
-            deprecated spelling of this keyword).
+        sampler: the :class:`FlowSDE` the trajectory was sampled with.
         trajectory: the recorded rollout (states are data).
         old_log_probs: ``[N, B]`` step log-probabilities under the sampling policy,
             e.g. ``sampler.trajectory_log_probs(trajectory)`` right after the rollout.

@@ -68,7 +68,6 @@ from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective
 from gradest.options import (
-    accept_deprecated_options,
     at_most_steps,
     bool_option,
     choice_option,
@@ -198,7 +197,6 @@ class _Plan:
         return totals.reshape(len(terms), *cotangents.shape[1:])
 
 
-@accept_deprecated_options
 @attrs.frozen
 class Jagg(EstimatorBase):
     """Endpoint-Jacobian aggregation: parameter VJPs at a few nodes per group of steps.
@@ -218,7 +216,6 @@ class Jagg(EstimatorBase):
             scaled by ``N/m``: unbiased for the exact gradient (0: off).
         checkpoint: terminal objectives recompute each step in the adjoint sweep instead
             of keeping every step's graph from sampling (more forwards, one step's graph).
-            Formerly ``low_memory`` (still accepted, with a deprecation warning).
     """
 
     name: ClassVar[str] = "jagg"
@@ -231,7 +228,6 @@ class Jagg(EstimatorBase):
         "each step in the sweep, one step's graph, then the node graphs); stepwise: the "
         "node graphs",
     )
-    deprecated_options: ClassVar[dict[str, str]] = {"low_memory": "checkpoint"}
 
     window: int = int_option(
         4, minimum=2, doc="steps per group; Jacobians in a group are interpolated from its nodes"

@@ -13,6 +13,13 @@ Built in (no downloads; ``reward = "name"`` or ``"name:key=value,..."``):
 * ``color:r=1,g=0,b=0``: ``-mean((pixel - target)^2)`` towards the target colour
   (defaults red).
 
+Learned (:mod:`gradest_recipes.learned_rewards`; transformers / open_clip, the extra
+``learned-rewards``; the weights from a local path or the hub cache, never downloaded
+unless ``download=1``): ``aesthetic:model=CLIP,head=MLP.pth`` (LAION's aesthetic
+predictor), ``pickscore:model=PATH``, ``hpsv2:model=PATH`` and ``imagereward:model=PATH``
+(text-image: they score each image against its prompt). Option values are text (paths,
+hub names); a comma ends one.
+
 Your own reward model: ``reward = "package.module:function"`` (or ``"path/to/file.py:
 function"``) names a callable ``function(images) -> [B]`` (differentiable in ``images``;
 load your model once at import). If it takes a ``prompts`` parameter, it also gets the
@@ -35,6 +42,7 @@ from torch import Tensor, nn
 from gradest.errors import InvalidValue
 from gradest.objectives import TerminalObjective
 from gradest_recipes.errors import RecipeConfigError
+from gradest_recipes.learned_rewards import LEARNED_OPTIONS, LEARNED_REWARDS
 
 __all__ = ["BUILTIN_REWARDS", "Reward", "decode_images", "reward_objective", "resolve_reward"]
 
@@ -59,12 +67,27 @@ def color(r: float = 1.0, g: float = 0.0, b: float = 0.0) -> Reward:
     return reward
 
 
+def _number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError("not a number") from None
+
+
+#: Every reward a ``reward`` setting names without code: the simple ones and the learned.
 BUILTIN_REWARDS: dict[str, Callable[..., Reward]] = {
     "brightness": lambda: brightness,
     "contrast": lambda: contrast,
     "color": color,
+    **LEARNED_REWARDS,
 }
-_OPTIONS = {"brightness": (), "contrast": (), "color": ("r", "g", "b")}
+# Each reward's options and the reader of their text.
+_OPTIONS: dict[str, dict[str, Callable[[str], Any]]] = {
+    "brightness": {},
+    "contrast": {},
+    "color": {"r": _number, "g": _number, "b": _number},
+    **LEARNED_OPTIONS,
+}
 
 
 def _bad(spec: str, why: str) -> RecipeConfigError:
@@ -79,7 +102,7 @@ def resolve_reward(spec: str) -> Reward:
     """The reward callable for a ``reward`` setting (built-in name or ``module:function``)."""
     name, _, options = spec.strip().partition(":")
     if name in BUILTIN_REWARDS:
-        kwargs: dict[str, float] = {}
+        kwargs: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in options.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip()
@@ -87,10 +110,15 @@ def resolve_reward(spec: str) -> Reward:
                 allowed = ", ".join(_OPTIONS[name]) or "none"
                 raise _bad(spec, f"{name!r} takes options {allowed}, got {item!r}")
             try:
-                kwargs[key] = float(value)
-            except ValueError:
-                raise _bad(spec, f"option {key}={value!r} is not a number") from None
-        return BUILTIN_REWARDS[name](**kwargs)
+                kwargs[key] = _OPTIONS[name][key](value.strip())
+            except ValueError as err:
+                raise _bad(spec, f"option {key}={value!r} is {err}") from None
+        if name not in LEARNED_REWARDS:
+            return BUILTIN_REWARDS[name](**kwargs)
+        try:  # loads the weights: a missing file is one line naming it
+            return BUILTIN_REWARDS[name](**kwargs)
+        except RecipeConfigError as err:
+            raise RecipeConfigError(f"setting reward={spec!r}: {err}") from None
     if not options:
         raise _bad(spec, "not a built-in reward and not of the form module:function")
     module_name, attribute = name, options

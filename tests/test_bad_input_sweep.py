@@ -1178,6 +1178,12 @@ CASES: list[Case] = [
     ),
     command("compare --seeds x", "--seeds", "'x'"),
     command(
+        "compare --draws 99999999999",
+        "draws",
+        "99999999999",
+        elide=(r"\d+(\.\d+)?(e\+\d+)? [KMGT]iB", r"(?<=draws <= )\d+"),
+    ),
+    command(
         "compare --out <a folder of another tool's files>",
         "--out",
         "not a gradest run's",
@@ -1392,8 +1398,7 @@ Errors that come from the caller's backward of a surrogate loss, not from the ca
 - `NonFiniteError.steps` is filled whenever its message names a step (also for a stepwise
   loss's "loss at step 2").
 
-Concurrency, which raises nothing but used to give wrong numbers: the deprecated
-`est.backward(...)` adds into `.grad` under a per-model lock; a model with dropout (any
+Concurrency, which raises nothing but used to give wrong numbers: a model with dropout (any
 module in training mode that draws from torch's default generator) gets the same masks at
 every evaluation of a step, whichever step first draws, and with a `generator=` its masks
 come from a stream seeded from that generator (the same in any thread; see

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from gradest._checks import check_estimate_grads, trainable_parameters
+from gradest._checks import check_allocation, check_estimate_grads, trainable_parameters
 from gradest.errors import InvalidType, InvalidValue
 from gradest.harness.cost import (
     COST_DRAWS,
@@ -90,11 +90,11 @@ def draw_generator(seed: int, draw: int) -> torch.Generator:
 
 
 def _plugin_estimate(
-    est: Any, model: torch.nn.Module, flow: AffineSampler, objective: Objective, **inputs: Any
+    est: Any, model: torch.nn.Module, sampler: AffineSampler, objective: Objective, **inputs: Any
 ) -> Any:
-    """``est.estimate(model, flow, objective, **inputs)``, with an exception raised inside a
+    """``est.estimate(model, sampler, objective, **inputs)``, with an exception raised inside a
     plugin's estimate() labelled with the plugin (:func:`gradest.registry.call_plugin`)."""
-    return call_plugin(est, "estimate()", est.estimate, model, flow, objective, **inputs)
+    return call_plugin(est, "estimate()", est.estimate, model, sampler, objective, **inputs)
 
 
 def is_stochastic(est: Any, run: Callable[[Any, torch.Generator], Tensor]) -> bool:
@@ -140,7 +140,6 @@ def compare(
     Returns:
         A :class:`~gradest.harness.report.Report`.
     """
-    flow = sampler
     # Everything is validated before any work starts.
     if not isinstance(objective, TerminalObjective | StepwiseObjective):
         raise InvalidType(
@@ -182,17 +181,26 @@ def compare(
 
     def trajectory_of(seed: int) -> Trajectory:
         if seed not in trajectories:
-            trajectories[seed] = rollout(model, flow, noise_fn(seed), cond=cond_of(seed))
+            trajectories[seed] = rollout(model, sampler, noise_fn(seed), cond=cond_of(seed))
         return trajectories[seed]
 
     params = trainable_parameters(model)
+    # Every draw's flattened gradient is kept for the statistics (seeds x draws of them):
+    # a count that cannot fit is refused now, not by the allocator after hours of work.
+    check_allocation(
+        f"draws={draws}",
+        draws,
+        len(seed_list) * sum(p.numel() * p.element_size() for p in params.values()),
+        name="draws",
+        detail=f"one flattened gradient per draw for each of {len(seed_list)} seeds",
+    )
 
     def run(est: Any, seed: int, generator: torch.Generator) -> Any:
         trajectory = trajectory_of(seed)
         result = _plugin_estimate(
             est,
             model,
-            flow,
+            sampler,
             objective,
             trajectory=trajectory,
             cond=cond_of(seed),
@@ -272,7 +280,7 @@ def compare(
     if measure_cost:
         costs = _measure_costs(
             model,
-            flow,
+            sampler,
             objective,
             [reference_est, *resolved],
             {row.spec for row in rows if row.stochastic},
@@ -289,7 +297,7 @@ def compare(
     config = {
         "model": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "steps": flow.num_steps,
+        "steps": sampler.num_steps,
         "objective": "terminal" if isinstance(objective, TerminalObjective) else "stepwise",
         "batch_shape": list(first_noise.shape),
         "dtype": str(first_noise.dtype).replace("torch.", ""),
@@ -306,7 +314,7 @@ def compare(
 
 def _measure_costs(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     objective: Objective,
     estimators: Sequence[Any],
     stochastic: set[str],
@@ -336,7 +344,7 @@ def _measure_costs(
 
         def call(est: Any = est, inputs: dict = inputs, cycle: Any = cycle) -> Any:
             result = _plugin_estimate(
-                est, model, flow, objective, cond=cond, generator=draw_generator(0, next(cycle)),
+                est, model, sampler, objective, cond=cond, generator=draw_generator(0, next(cycle)),
                 **inputs,
             )  # fmt: skip
             if noise.is_cuda:  # time the work, not the kernel launches

@@ -110,7 +110,7 @@ def _guard_backward(
     parameters = list(field.trainable.values())
     watch = field.watch
     if watch is not None:
-        watch.flow_times = ctx.times
+        watch.sampler_times = ctx.times
         watch.estimator = estimator
 
     def on_backward(grad: Tensor) -> None:
@@ -207,14 +207,13 @@ class EstimatorBase:
         if on_nonfinite not in ON_NONFINITE:
             raise InvalidValue(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         _check_engine(engine)
-        flow = sampler
         ctx = EstimationContext(
-            model, flow, objective, noise_grad=noise_grad, engine=engine, **inputs
+            model, sampler, objective, noise_grad=noise_grad, engine=engine, **inputs
         )
         try:
             grads, state_grad = self._run(ctx)
         except NonFiniteError as err:
-            err.locate(flow.times, repr(self))
+            err.locate(sampler.times, repr(self))
             if on_nonfinite == "raise":
                 raise
             return GradientEstimate(
@@ -284,9 +283,8 @@ class EstimatorBase:
         _check_inputs("surrogate", inputs, more=("engine",))
         warn_if_lone_rank()
         _check_engine(engine)
-        flow = sampler
         ctx = EstimationContext(
-            model, flow, objective, noise_grad=False, engine=engine, surrogate=True, **inputs
+            model, sampler, objective, noise_grad=False, engine=engine, surrogate=True, **inputs
         )
         # What the model is before the call's own forwards (its loss's backward refuses a
         # model changed since, except where those forwards changed it themselves).
@@ -297,7 +295,7 @@ class EstimatorBase:
                 terms, _ = self._run(ctx)
                 loss = terms.loss() if isinstance(terms, SurrogateTerms) else None
         except NonFiniteError as err:
-            err.locate(flow.times, repr(self))
+            err.locate(sampler.times, repr(self))
             raise
         if loss is not None:
             _guard_backward(loss, ctx, repr(self), start)

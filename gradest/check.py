@@ -149,12 +149,12 @@ def run_check(
     labels = {id(est): spec_label(spec, est) for spec, est in labelled}
     dim, batch, classes = 4, 4, 3
     model = tiny_mlp(dim, hidden=12, num_classes=classes, seed=seed)
-    flow = RectifiedFlow(steps=steps)
+    sampler = RectifiedFlow(steps=steps)
     noise = seeded_normal((batch, dim), seed + 100)
     cond = {"y": torch.arange(batch) % (classes + 1)}
-    trajectory = rollout(model, flow, noise, cond=cond)
+    trajectory = rollout(model, sampler, noise, cond=cond)
     params = trainable_parameters(model)
-    chain = dense_chain(model, flow, trajectory, cond)
+    chain = dense_chain(model, sampler, trajectory, cond)
     objectives: dict[str, Objective] = {
         "terminal": smooth_terminal_objective(dim, seed=seed + 1),
         "stepwise": random_stepwise_objective(steps, (batch, dim), seed=seed + 2),
@@ -186,7 +186,7 @@ def run_check(
             for offset in range(1, DRAW_SEEDS):
                 again = est.estimate(
                     model,
-                    flow,
+                    sampler,
                     objective,
                     trajectory=trajectory,
                     cond=cond,
@@ -198,7 +198,7 @@ def run_check(
                     problems = (problems or []) + seen
                 if definition is not None:
                     later_errors.append(relative_error(again.flat(), definition.grad))
-            result = est.estimate(model, flow, objective, trajectory=trajectory, **inputs)
+            result = est.estimate(model, sampler, objective, trajectory=trajectory, **inputs)
             check_estimate_grads(est, result, params)
             flat = result.flat()
             seen, definition = _verified(est, chain, objective, result, seed)
@@ -209,7 +209,7 @@ def run_check(
             terminal = isinstance(objective, TerminalObjective)
             sampled = est.estimate(
                 model,
-                flow,
+                sampler,
                 objective,
                 noise=noise,
                 noise_grad=terminal,
@@ -226,7 +226,9 @@ def run_check(
                     and sampled.noise_grad is not None
                 ):
                     noise_grad = noise_grad_error(sampled.noise_grad, definition.noise_grad)
-            surrogate = _surrogate_error(est, model, flow, objective, trajectory, cond, seed, flat)
+            surrogate = _surrogate_error(
+                est, model, sampler, objective, trajectory, cond, seed, flat
+            )
             exact = truth[kind]
             cosine = float(flat @ exact / (flat.norm() * exact.norm()).clamp_min(1e-300))
             cost = result.cost
@@ -267,11 +269,11 @@ def _verified(
 
 
 def _surrogate_error(
-    est, model, flow, objective, trajectory, cond, seed: int, estimate: torch.Tensor
+    est, model, sampler, objective, trajectory, cond, seed: int, estimate: torch.Tensor
 ) -> float | None:
     """Relative error of ``autograd.grad(est.surrogate(...).loss)`` to the estimate."""
     flat = surrogate_gradient(
-        est, model, flow, objective, trajectory=trajectory, cond=cond,
+        est, model, sampler, objective, trajectory=trajectory, cond=cond,
         generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
     return None if flat is None else relative_error(flat, estimate)

@@ -165,7 +165,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         )
         report = compare(
             problem.model,
-            problem.flow,
+            problem.sampler,
             problem.objective,
             specs,
             noise_fn=problem.noise_fn,
@@ -179,7 +179,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             from gradest.trajectory import rollout
 
             cond = problem.cond_fn(0)
-            trajectory = rollout(problem.model, problem.flow, problem.noise_fn(0), cond=cond)
+            trajectory = rollout(problem.model, problem.sampler, problem.noise_fn(0), cond=cond)
             report.config["sweeps"] = {
                 # one group of at most 8 steps (a stepwise objective knows only N steps)
                 "span": jagg_span_sweep(
@@ -190,10 +190,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                     steps=min(8, args.steps),
                 ),
                 "tau": jagg_tau_sweep(
-                    problem.model, problem.flow, problem.objective, trajectory, cond
+                    problem.model, problem.sampler, problem.objective, trajectory, cond
                 ),
                 "debias": jagg_debias_sweep(
-                    problem.model, problem.flow, problem.objective, trajectory, cond
+                    problem.model, problem.sampler, problem.objective, trajectory, cond
                 ),
             }
         plots = not args.no_plots and missing is None

@@ -96,7 +96,7 @@ class EstimationContext:
 
     Attributes:
         field: the model as a :class:`~gradest.vjp.VelocityField`.
-        flow: the sampler; ``coefficients`` its ``(alpha, beta, sigma)``.
+        sampler: the sampler; ``coefficients`` its ``(alpha, beta, sigma)``.
         objective: terminal or stepwise.
         generator: the only source of randomness.
         want_noise_grad: whether the caller asked for the initial-noise gradient.
@@ -108,7 +108,7 @@ class EstimationContext:
     def __init__(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
         *,
         noise: Tensor | None = None,
@@ -125,7 +125,7 @@ class EstimationContext:
                 "there never record a graph; call the estimator outside it (torch.no_grad() "
                 "around the call is fine)"
             )
-        check_sampler(flow)
+        check_sampler(sampler)
         if not isinstance(objective, TerminalObjective | StepwiseObjective):
             raise InvalidType(
                 "objective must be gradest.TerminalObjective(loss_fn) or "
@@ -153,7 +153,7 @@ class EstimationContext:
             batch = noise.shape[0]
         else:
             assert trajectory is not None
-            check_trajectory_matches(flow, trajectory)
+            check_trajectory_matches(sampler, trajectory)
             check_noise(model, trajectory.states[0], name="trajectory.states[0]")
             batch = trajectory.batch_size
             # Recorded tensors are data: never let a graph they carry reach the estimate
@@ -181,13 +181,13 @@ class EstimationContext:
         self.surrogate = surrogate
         # Data-parallel ranks must decide alike (gradest.ranks): draws and gates go through it.
         self.ranks = RankAgreement(model)
-        self.flow = flow
+        self.sampler = sampler
         # Host copies of the grid and coefficients (one transfer each per call): the step
         # loops read floats from these, never float(times[k]) (a host sync per step).
         # The schedule is a host object: real values even under FakeTensorMode.
         with outside_fake_mode():
-            self.coefficients = flow.coefficients()
-            self.host_times: list[float] = flow.times.tolist()
+            self.coefficients = sampler.coefficients()
+            self.host_times: list[float] = sampler.times.tolist()
             self.host_coefficients = host_coefficients(self.coefficients)
         self.objective = objective
         self.noise = noise
@@ -214,17 +214,17 @@ class EstimationContext:
 
     @property
     def num_steps(self) -> int:
-        return self.flow.num_steps
+        return self.sampler.num_steps
 
     @property
     def times(self) -> Tensor:
-        return self.flow.times
+        return self.sampler.times
 
     def times_at(self, index: int | slice | Sequence[int]) -> Tensor:
         """``times[index]`` of the sampler's grid, a real tensor even under FakeTensorMode
         (the schedule is a host object)."""
         with outside_fake_mode():
-            return self.flow.times[index]
+            return self.sampler.times[index]
 
     @property
     def is_terminal(self) -> bool:

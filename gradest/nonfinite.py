@@ -48,7 +48,7 @@ class NonFiniteError(GradestError, ValueError):
     Attributes:
         tensor: what was non-finite ("velocity", "adjoint", "parameter gradient", ...).
         steps: the sampling steps it was computed at (empty if not step-specific).
-        times: the flow times of those steps.
+        times: the sampler's times of those steps.
         estimator: the estimator that was running (filled in by ``estimate``).
     """
 
@@ -65,10 +65,10 @@ class NonFiniteError(GradestError, ValueError):
         self.estimator = ""
         super().__init__(self._message())
 
-    def locate(self, flow_times: Tensor, estimator: str) -> NonFiniteError:
-        """Translate times to step indices on ``flow_times`` and record the estimator."""
+    def locate(self, sampler_times: Tensor, estimator: str) -> NonFiniteError:
+        """Translate times to step indices on ``sampler_times`` and record the estimator."""
         if self.times and not self.steps:
-            grid = flow_times.tolist()
+            grid = sampler_times.tolist()
             self.steps = tuple(
                 min(range(len(grid) - 1), key=lambda k: abs(grid[k] - t)) for t in self.times
             )
@@ -375,7 +375,7 @@ class BackwardWatch:
         self._links: list[tuple[tuple[float, ...], tuple[float, ...]]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._loss_grad: Tensor | None = None
-        self.flow_times: Tensor | None = None
+        self.sampler_times: Tensor | None = None
         self.estimator = ""
 
     def observe(self, z: Tensor, v: Tensor, times: Sequence[float]) -> None:
@@ -512,6 +512,6 @@ class BackwardWatch:
         error = NonFiniteError(
             "gradient in the backward of the surrogate loss", times=sorted(origins, reverse=True)
         )
-        if self.flow_times is not None:
-            error.locate(self.flow_times, self.estimator)
+        if self.sampler_times is not None:
+            error.locate(self.sampler_times, self.estimator)
         return error

@@ -176,15 +176,14 @@ def flow_matching_trajectory(sampler: AffineSampler, data: Tensor, noise: Tensor
     The velocities are the target ``eps - x`` (no model is evaluated); stepwise
     estimators evaluate the model themselves.
     """
-    flow = sampler
     _check_pair(data, noise)
-    t = flow.times.to(dtype=data.dtype, device=data.device).reshape(-1, *([1] * data.ndim))
+    t = sampler.times.to(dtype=data.dtype, device=data.device).reshape(-1, *([1] * data.ndim))
     states = (1 - t) * data.detach() + t * noise.detach()
     target = (noise - data).detach()
     return Trajectory(
-        times=flow.times.clone(),
+        times=sampler.times.clone(),
         states=states,
-        velocities=target.expand(flow.num_steps, *target.shape).clone(),
+        velocities=target.expand(sampler.num_steps, *target.shape).clone(),
     )
 
 

@@ -150,9 +150,9 @@ def option(
 
 
 def too_many_steps(estimator: str, what: str, num_steps: int, fix: str) -> InvalidValue:
-    """The error for options that need more sampler steps than the flow has (check_steps)."""
+    """The error for options that need more steps than the sampler has (check_steps)."""
     return InvalidValue(
-        f"estimator {estimator!r}: option {what} exceeds the flow's N={num_steps} steps; {fix}"
+        f"estimator {estimator!r}: option {what} exceeds the sampler's N={num_steps} steps; {fix}"
     )
 
 

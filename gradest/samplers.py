@@ -46,7 +46,7 @@ from gradest._checks import check_allocation, is_symbolic, outside_fake_mode, re
 from gradest.errors import InvalidType, InvalidValue
 
 if TYPE_CHECKING:  # an annotation only, never imported at run time
-    from gradest.integrations.diffusers_schedulers import FlowSchedule
+    from gradest.integrations.diffusers_schedulers import FlowMatchSchedule
 
 LOG_PROB_REDUCTIONS = ("sum", "mean")
 
@@ -318,15 +318,15 @@ class RectifiedFlow(TimeGrid):
         **set_timesteps_kwargs)`` (on a copy; ``shift``, ``mu=``, custom ``sigmas=`` are
         honoured). A scheduler with ``stochastic_sampling=True`` is refused (use
         :meth:`StochasticFlowMatch.from_scheduler`, or
-        :func:`gradest.integrations.diffusers.flow_from_scheduler`, which picks the
+        :func:`gradest.integrations.diffusers.sampler_from_scheduler`, which picks the
         class). Needs ``diffusers``.
         """
         # Reading the scheduler is the diffusers integration's; it imports no sampler, so
         # this import (when called, diffusers being optional) is no cycle.
-        from gradest.integrations.diffusers_schedulers import flow_schedule
+        from gradest.integrations.diffusers_schedulers import flow_match_schedule
 
-        schedule = flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
-        return flow_sampler(schedule, cls)
+        schedule = flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
+        return flow_match_sampler(schedule, cls)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         h = self.step_sizes
@@ -401,9 +401,11 @@ class FlowSDE(TimeGrid):  # type: ignore[override]  # attrs' generated init gain
         Call the model with ``DiffusersVelocity(transformer)`` (``timestep = sigma *
         1000``, as the pipeline does).
         """
-        from gradest.integrations.diffusers_schedulers import flow_schedule
+        from gradest.integrations.diffusers_schedulers import flow_match_schedule
 
-        grid = flow_sampler(flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs))
+        grid = flow_match_sampler(
+            flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
+        )
         return cls(times=grid.times, noise_level=noise_level)
 
     def diffusion(self) -> Tensor:
@@ -433,7 +435,7 @@ class StochasticFlowMatch(TimeGrid):
     ``alpha = 1 - sigma_next``, ``beta = -(1 - sigma_next) sigma``, ``sigma_k = sigma_next``.
     Give ``steps`` or ``times`` (the sigma grid) as for :class:`RectifiedFlow`, or build it
     from the scheduler with :meth:`from_scheduler` (or
-    :func:`gradest.integrations.diffusers.flow_from_scheduler`). Not exported at the top
+    :func:`gradest.integrations.diffusers.sampler_from_scheduler`). Not exported at the top
     level of ``gradest``: it exists to reproduce that one diffusers scheduler.
     """
 
@@ -447,50 +449,52 @@ class StochasticFlowMatch(TimeGrid):
         """The steps of a diffusers ``FlowMatchEulerDiscreteScheduler`` built with
         ``stochastic_sampling=True`` (others are refused; see
         :meth:`RectifiedFlow.from_scheduler`). Needs ``diffusers``."""
-        from gradest.integrations.diffusers_schedulers import flow_schedule
+        from gradest.integrations.diffusers_schedulers import flow_match_schedule
 
-        schedule = flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
-        return flow_sampler(schedule, cls)
+        schedule = flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
+        return flow_match_sampler(schedule, cls)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         sigma, sigma_next = self.times[:-1], self.times[1:]
         return 1.0 - sigma_next, -(1.0 - sigma_next) * sigma, sigma_next.clone()
 
 
-def flow_sampler(schedule: FlowSchedule, cls: type | None = None) -> Any:
+def flow_match_sampler(schedule: FlowMatchSchedule, cls: type | None = None) -> Any:
     """The sampler that takes a flow-matching scheduler's steps, from its grid as
-    :func:`gradest.integrations.diffusers_schedulers.flow_schedule` read it.
+    :func:`gradest.integrations.diffusers_schedulers.flow_match_schedule` read it.
 
     :class:`StochasticFlowMatch` when the scheduler samples stochastically, else
     :class:`RectifiedFlow`; with ``cls``, refused unless it is of that class (the
     ``from_scheduler`` classmethods). What
-    :func:`gradest.integrations.diffusers.flow_from_scheduler` returns.
+    :func:`gradest.integrations.diffusers.sampler_from_scheduler` returns.
     """
     try:
-        flow = RectifiedFlow(times=schedule.sigmas)
+        euler = RectifiedFlow(times=schedule.sigmas)
     except ValueError as err:
         raise InvalidValue(
             f"the sigmas of {schedule.scheduler} with num_inference_steps="
             f"{schedule.num_inference_steps} are not a gradest time grid: {err}"
         ) from err
-    sampler = StochasticFlowMatch(times=flow.times) if schedule.stochastic else flow
+    sampler = StochasticFlowMatch(times=euler.times) if schedule.stochastic else euler
     if cls is not None and not isinstance(sampler, cls):
         raise InvalidValue(
             f"{cls.__name__}.from_scheduler: {schedule.scheduler} has "
             f"config.stochastic_sampling={schedule.stochastic}, so its steps are a "
             f"{type(sampler).__name__}; use {type(sampler).__name__}.from_scheduler, or "
-            f"gradest.integrations.diffusers.flow_from_scheduler, which picks the sampler"
+            f"gradest.integrations.diffusers.sampler_from_scheduler, which picks the sampler"
         )
     return sampler
 
 
-def require_interpolant(flow: Any, estimator: str) -> TimeGrid:
-    """``flow`` if it knows its interpolant (``noised``/``jump_to_end``), else a clear error."""
-    if callable(getattr(flow, "noised", None)) and callable(getattr(flow, "jump_to_end", None)):
-        return flow
+def require_interpolant(sampler: Any, estimator: str) -> TimeGrid:
+    """``sampler`` if it knows its interpolant (``noised``/``jump_to_end``), else a clear error."""
+    if callable(getattr(sampler, "noised", None)) and callable(
+        getattr(sampler, "jump_to_end", None)
+    ):
+        return sampler
     raise InvalidType(
         f"estimator {estimator!r} needs the sampler's interpolant (methods noised(data, k, "
-        f"noise) and jump_to_end(k) -> (a, b)), which {type(flow).__name__} does not "
+        f"noise) and jump_to_end(k) -> (a, b)), which {type(sampler).__name__} does not "
         f"define; use gradest.RectifiedFlow / FlowSDE / StochasticFlowMatch "
         f"(rectified-flow interpolant z_t = t eps + (1 - t) x) or gradest.DDIM, or "
         f"add the two methods to your sampler"

@@ -53,27 +53,27 @@ class Trajectory:
         return self.states.shape[1]
 
 
-def check_sampler(flow: Any) -> None:
-    if isinstance(flow, type) and callable(getattr(flow, "coefficients", None)):
+def check_sampler(sampler: Any) -> None:
+    if isinstance(sampler, type) and callable(getattr(sampler, "coefficients", None)):
         raise InvalidType(
             f"sampler must be a sampler instance such as gradest.RectifiedFlow(steps=50), got "
-            f"the class {flow.__name__}; construct it first, e.g. {flow.__name__}(steps=50)"
+            f"the class {sampler.__name__}; construct it first, e.g. {sampler.__name__}(steps=50)"
         )
-    if not isinstance(flow, AffineSampler) and _is_diffusers_scheduler(flow):
-        name = type(flow).__name__
+    if not isinstance(sampler, AffineSampler) and _is_diffusers_scheduler(sampler):
+        name = type(sampler).__name__
         fix = (
             "gradest.DDIM.from_scheduler(scheduler, num_inference_steps)"
             if "DDIM" in name or "DDPM" in name
-            else "gradest.integrations.flow_from_scheduler(scheduler, num_inference_steps)"
+            else "gradest.integrations.sampler_from_scheduler(scheduler, num_inference_steps)"
         )
         raise InvalidType(
             f"sampler must be a gradest sampler, got the diffusers scheduler {name}; "
             f"use {fix}, which takes exactly the steps its step() takes"
         )
-    if not isinstance(flow, AffineSampler):
+    if not isinstance(sampler, AffineSampler):
         raise InvalidType(
             f"sampler must be a sampler such as gradest.RectifiedFlow(steps=50), "
-            f"got {type(flow).__name__} {flow!r}"
+            f"got {type(sampler).__name__} {sampler!r}"
         )
 
 
@@ -82,7 +82,7 @@ def _is_diffusers_scheduler(value: Any) -> bool:
     return hasattr(value, "config") and callable(getattr(value, "set_timesteps", None))
 
 
-def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> None:
+def check_trajectory_matches(sampler: AffineSampler, trajectory: Trajectory) -> None:
     """A trajectory is differentiated on the grid it was recorded on, and must be whole.
 
     Checks the type, that ``times`` is the sampler's grid, that ``states`` is ``[N+1, B, ...]``
@@ -105,21 +105,21 @@ def check_trajectory_matches(flow: AffineSampler, trajectory: Trajectory) -> Non
                 f"trajectories with gradest.rollout(model, sampler, noise)"
             )
     times = trajectory.times
-    if not same_grid(times, flow.times):
+    if not same_grid(times, sampler.times):
         recorded = f"{times.numel() - 1} steps" if isinstance(times, Tensor) else "no grid"
         raise InvalidValue(
             f"trajectory was recorded on a different time grid ({recorded}) "
-            f"than sampler={flow!r} ({flow.num_steps} steps); record it with "
+            f"than sampler={sampler!r} ({sampler.num_steps} steps); record it with "
             f"gradest.rollout(model, sampler, noise) using the same sampler"
         )
-    steps = flow.num_steps
+    steps = sampler.num_steps
     states = trajectory.states
     # The messages are formatted only when raised (repr(sampler) alone costs ~50 us, and
     # this check runs at every call on a recorded path).
     if not (states.ndim >= 3 and states.shape[0] == steps + 1):
         raise InvalidValue(
             f"trajectory.states must be [N+1, B, ...] = [{steps + 1}, B, ...] for "
-            f"sampler={flow!r}, got shape {tuple(states.shape)}"
+            f"sampler={sampler!r}, got shape {tuple(states.shape)}"
         )
     for name, value in fields.items():
         if name == "states":
@@ -223,7 +223,7 @@ def integrate(
         velocity: ``velocity(k, z_k) -> v_k``.
         coefficients: the sampler's ``(alpha, beta, sigma)``.
         z: the state at ``steps.start``.
-        step_noise: recorded ``xi`` for every step of the flow, or None.
+        step_noise: recorded ``xi`` for every step of the sampler, or None.
         steps: consecutive step indices.
         pin: ``pin(k, z_k) -> z_k`` applied to every state after the first (and to the
             last), e.g. to hold a chain's values to a recorded path.
@@ -271,13 +271,12 @@ def rollout(
     """
     from gradest._checks import check_allocation, check_generator, check_noise
 
-    flow = sampler
-    check_sampler(flow)
+    check_sampler(sampler)
     check_noise(model, noise)
     # The recording holds N+1 states and N velocities of the noise's size.
     check_allocation(
-        f"sampler={flow!r} on noise of shape {tuple(noise.shape)}",
-        2 * flow.num_steps + 1,
+        f"sampler={sampler!r} on noise of shape {tuple(noise.shape)}",
+        2 * sampler.num_steps + 1,
         noise.numel() * noise.element_size(),
         name="2 * steps + 1",
         device=noise.device,
@@ -286,8 +285,8 @@ def rollout(
     cond = check_cond(cond, noise.shape[0])
     check_generator(generator)
     with outside_fake_mode():  # the schedule is a host object, real under FakeTensorMode
-        coefficients = flow.coefficients()
-        times = flow.times.tolist()  # host floats: no sync per step
+        coefficients = sampler.coefficients()
+        times = sampler.times.tolist()  # host floats: no sync per step
     step_noise = draw_step_noise(coefficients[2], noise, generator)
 
     kwargs = model_kwargs(cond, noise.shape[0])
@@ -298,10 +297,10 @@ def rollout(
 
     with torch.no_grad():
         states, velocities = integrate(
-            velocity, coefficients, noise.detach(), step_noise, range(flow.num_steps)
+            velocity, coefficients, noise.detach(), step_noise, range(sampler.num_steps)
         )
     return Trajectory(
-        times=flow.times.clone(),
+        times=sampler.times.clone(),
         states=torch.stack(states),
         velocities=torch.stack(velocities),
         step_noise=step_noise,

@@ -384,9 +384,9 @@ def test_alignprop_options_and_spec_strings():
         AlignProp(min=4, max=3)
     with pytest.raises(ValueError, match="min=-1"):
         AlignProp(min=-1)
-    with pytest.raises(ValueError, match=r"max=7 exceeds the flow's N=6"):
+    with pytest.raises(ValueError, match=r"max=7 exceeds the sampler's N=6"):
         run(AlignProp(max=7), problem(), objective_of("terminal"), "noise")
-    with pytest.raises(ValueError, match=r"min=7 exceeds the flow's N=6"):
+    with pytest.raises(ValueError, match=r"min=7 exceeds the sampler's N=6"):
         run(AlignProp(min=7), problem(), objective_of("terminal"), "noise")
 
 

@@ -79,8 +79,8 @@ def test_the_definition_re_evaluates_the_reported_decisions(problem):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("sdo:samples=7", r"samples=7 exceeds the flow's N=6 steps"),
-        ("truncated:k=7", r"k=7 exceeds the flow's N=6 steps"),
+        ("sdo:samples=7", r"samples=7 exceeds the sampler's N=6 steps"),
+        ("truncated:k=7", r"k=7 exceeds the sampler's N=6 steps"),
         ("truncated:random=0.5/0.1/0.1/0.1/0.1/0.05/0.05", r"random has 7 probabilities"),
     ],
 )

@@ -485,7 +485,7 @@ def test_unsupported_scheduler_configurations_are_refused_with_the_fix():
     ):
         DDIM.from_scheduler(make_scheduler("ddpm"), 4, eta=0.5)
     with pytest.raises(
-        TypeError, match="needs a diffusers DDIMScheduler or DDPMScheduler.*flow_from_scheduler"
+        TypeError, match="needs a diffusers DDIMScheduler or DDPMScheduler.*sampler_from_scheduler"
     ):
         DDIM.from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(), 4)
     # trailing spacing with 3 steps: DDIM steps 666 -> 333 but calls the model at 332

@@ -4,7 +4,7 @@ Tiny randomly initialised transformers are built here (no hub access): diffusers
 ``DiTTransformer2DModel``, ``SD3Transformer2DModel`` and ``FluxTransformer2DModel``.
 Checked:
 
-* ``flow_from_scheduler`` takes exactly the scheduler's sigma grid (with ``shift``,
+* ``sampler_from_scheduler`` takes exactly the scheduler's sigma grid (with ``shift``,
   dynamic shifting, stochastic sampling) and refuses non-flow-matching schedulers.
 * The scheduler's own ``step()`` loop, called the way diffusers pipelines call it,
   reproduces ``gradest.rollout`` of ``DiffusersVelocity`` bit for bit in float32.
@@ -37,7 +37,7 @@ import gradest  # noqa: E402
 from gradest.integrations.diffusers import (  # noqa: E402
     DiffusersVelocity,
     StochasticFlowMatch,
-    flow_from_scheduler,
+    sampler_from_scheduler,
 )
 from gradest.objectives import TerminalObjective  # noqa: E402
 from gradest.reference import exact_gradient, relative_error  # noqa: E402
@@ -100,7 +100,7 @@ def terminal_objective(shape) -> TerminalObjective:
 def test_flow_takes_the_schedulers_sigma_grid(options, kwargs):
     sched = scheduler(**options)
     timesteps_before = sched.timesteps.clone()
-    flow = flow_from_scheduler(sched, 7, **kwargs)
+    flow = sampler_from_scheduler(sched, 7, **kwargs)
     assert isinstance(flow, gradest.RectifiedFlow)
     assert torch.equal(sched.timesteps, timesteps_before)  # the caller's scheduler untouched
     sched.set_timesteps(7, **kwargs)
@@ -113,7 +113,7 @@ def test_flow_takes_the_schedulers_sigma_grid(options, kwargs):
 
 
 def test_stochastic_sampling_becomes_an_affine_sampler_with_noise():
-    flow = flow_from_scheduler(scheduler(stochastic_sampling=True), 4)
+    flow = sampler_from_scheduler(scheduler(stochastic_sampling=True), 4)
     assert isinstance(flow, StochasticFlowMatch)
     alpha, beta, noise_scale = flow.coefficients()
     sigma, sigma_next = flow.times[:-1], flow.times[1:]
@@ -127,11 +127,11 @@ def test_non_flow_matching_schedulers_are_refused_with_the_fix():
         match="needs a diffusers FlowMatchEulerDiscreteScheduler.*got DDIMScheduler"
         ".*DDIM.from_scheduler",
     ):
-        flow_from_scheduler(diffusers.DDIMScheduler(), 10)
+        sampler_from_scheduler(diffusers.DDIMScheduler(), 10)
     with pytest.raises(ValueError, match="invert_sigmas=True"):
-        flow_from_scheduler(scheduler(invert_sigmas=True), 4)
+        sampler_from_scheduler(scheduler(invert_sigmas=True), 4)
     with pytest.raises(ValueError, match="num_inference_steps must be >= 1"):
-        flow_from_scheduler(scheduler(), 0)
+        sampler_from_scheduler(scheduler(), 0)
 
 
 # -- 2. the scheduler's own loop == gradest.rollout ----------------------------------------
@@ -166,7 +166,7 @@ def test_scheduler_step_loop_reproduces_gradest_rollout(kind):
             transformer, scheduler(), noise, cond, fixed, STEPS, kind == "flux"
         )
     velocity = DiffusersVelocity(transformer, fixed_kwargs=fixed)
-    trajectory = gradest.rollout(velocity, flow_from_scheduler(scheduler(), STEPS), noise, cond)
+    trajectory = gradest.rollout(velocity, sampler_from_scheduler(scheduler(), STEPS), noise, cond)
     # Bit for bit: the model sees the same timesteps (float32 sigma * 1000 both ways), and
     # both steps compute z + round32(sigma_next - sigma) * v, since the float64 difference
     # of two float32 numbers rounds to the float32 difference.
@@ -182,7 +182,7 @@ def test_in_float64_the_scheduler_loop_is_only_float32_accurate():
     with torch.no_grad():
         reference = scheduler_loop(transformer, scheduler(), noise, cond, {}, STEPS)
     trajectory = gradest.rollout(
-        DiffusersVelocity(transformer), flow_from_scheduler(scheduler(), STEPS), noise, cond
+        DiffusersVelocity(transformer), sampler_from_scheduler(scheduler(), STEPS), noise, cond
     )
     difference = float((trajectory.states - reference).abs().max())
     assert 0 < difference <= float32_tolerance(reference)
@@ -191,7 +191,7 @@ def test_in_float64_the_scheduler_loop_is_only_float32_accurate():
 def test_stochastic_scheduler_loop_reproduces_gradest_rollout(monkeypatch):
     transformer = tiny_transformer("sd3", dtype=torch.float32)
     noise, cond, _ = latents_and_cond("sd3", dtype=torch.float32)
-    flow = flow_from_scheduler(scheduler(stochastic_sampling=True), STEPS)
+    flow = sampler_from_scheduler(scheduler(stochastic_sampling=True), STEPS)
     trajectory = gradest.rollout(
         DiffusersVelocity(transformer),
         flow,
@@ -227,7 +227,7 @@ def test_exact_matches_the_dense_reference(kind):
         trainable_subset(transformer, ("transformer_blocks.0.attn.to_q", "proj_out"))
     noise, cond, fixed = latents_and_cond(kind)
     velocity = DiffusersVelocity(transformer, fixed_kwargs=fixed)
-    flow = flow_from_scheduler(scheduler(), STEPS)
+    flow = sampler_from_scheduler(scheduler(), STEPS)
     objective = terminal_objective(tuple(noise.shape))
     trajectory = gradest.rollout(velocity, flow, noise, cond)
     truth, truth_noise = exact_gradient(velocity, flow, objective, trajectory, cond)
@@ -246,7 +246,7 @@ def test_truncated_full_depth_equals_exact_on_all_of_flux():
     transformer = tiny_transformer("flux")
     noise, cond, fixed = latents_and_cond("flux")
     velocity = DiffusersVelocity(transformer, fixed_kwargs=fixed)
-    flow = flow_from_scheduler(scheduler(), STEPS)
+    flow = sampler_from_scheduler(scheduler(), STEPS)
     objective = terminal_objective(tuple(noise.shape))
     trajectory = gradest.rollout(velocity, flow, noise, cond)
     exact = gradest.estimator("exact").estimate(
@@ -268,7 +268,7 @@ def test_truncated_full_depth_equals_exact_on_all_of_flux():
 
 
 def test_latents_that_do_not_fit_the_config_name_the_field():
-    flow = flow_from_scheduler(scheduler(), 2)
+    flow = sampler_from_scheduler(scheduler(), 2)
     dit = DiffusersVelocity(tiny_transformer("dit"))
     three_channels = seeded_normal((BATCH, 3, 4, 4), 0)
     with pytest.raises(ValueError, match=r"in_channels=2 but the latents of shape \(2, 3, 4, 4\)"):
@@ -304,7 +304,7 @@ def test_label_dropout_in_training_mode_is_replayed_consistently():
     transformer = tiny_transformer("dit").train()
     velocity = DiffusersVelocity(transformer)
     noise, cond, _ = latents_and_cond("dit")
-    flow = flow_from_scheduler(scheduler(), 3)
+    flow = sampler_from_scheduler(scheduler(), 3)
     objective = terminal_objective(noise.shape)
 
     def estimate(spec: str, seed: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 * forgetting ``cond`` for a text-conditioned SD3 / Flux transformer, or the labels of a
   class-conditional DiT: the missing keys are named;
-* a diffusers scheduler passed as the sampler: ``flow_from_scheduler`` (flow matching) or
+* a diffusers scheduler passed as the sampler: ``sampler_from_scheduler`` (flow matching) or
   ``gradest.DDIM.from_scheduler`` (DDIM / DDPM) is named;
 * the bare transformer passed as the model (also inside DDP): ``DiffusersVelocity`` is named.
 """
@@ -21,7 +21,7 @@ from diffusers_support import tiny_transformer  # noqa: E402
 
 import gradest  # noqa: E402
 from gradest.errors import InvalidType, InvalidValue  # noqa: E402
-from gradest.integrations import DiffusersVelocity, flow_from_scheduler  # noqa: E402
+from gradest.integrations import DiffusersVelocity, sampler_from_scheduler  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:There are modules:UserWarning")
 
@@ -29,7 +29,7 @@ OBJECTIVE = gradest.TerminalObjective(lambda z: z.pow(2).mean())
 
 
 def flow():
-    return flow_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), 2)
+    return sampler_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), 2)
 
 
 def one_line(err: pytest.ExceptionInfo) -> str:
@@ -78,7 +78,7 @@ def test_full_cond_passes_the_check():
     [
         (
             lambda: diffusers.FlowMatchEulerDiscreteScheduler(),
-            "gradest.integrations.flow_from_scheduler(scheduler, num_inference_steps)",
+            "gradest.integrations.sampler_from_scheduler(scheduler, num_inference_steps)",
         ),
         (lambda: diffusers.DDIMScheduler(), "gradest.DDIM.from_scheduler(scheduler"),
     ],
@@ -95,7 +95,7 @@ def test_scheduler_as_sampler_names_the_fix(scheduler, fix):
         )
     message = one_line(err)
     assert fix in message and "{" not in message  # no JSON dump of the config
-    with pytest.raises(InvalidType, match="flow_from_scheduler|DDIM.from_scheduler"):
+    with pytest.raises(InvalidType, match="sampler_from_scheduler|DDIM.from_scheduler"):
         gradest.rollout(
             model, scheduler(), torch.randn(2, 2, 4, 4), cond={"class_labels": torch.tensor([0, 1])}
         )

@@ -395,7 +395,7 @@ def test_more_samples_than_steps_is_refused_at_estimate_time_naming_the_option()
     with pytest.raises(ValueError) as info:
         run(DRTune(samples=7), p, objective_of("terminal"), "trajectory")
     message = str(info.value)
-    assert "'drtune'" in message and f"samples=7 exceeds the flow's N={STEPS}" in message
+    assert "'drtune'" in message and f"samples=7 exceeds the sampler's N={STEPS}" in message
     assert f"use samples <= {STEPS}" in message and "\n" not in message
     with pytest.raises(ValueError, match="samples=7"):
         DRTune(samples=7).check_steps(STEPS)

@@ -96,12 +96,12 @@ WRAPPED = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import gradest
-    from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler
+    from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers_support import tiny_transformer
 
     dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
-    flow = flow_from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 3)
+    flow = sampler_from_scheduler(FlowMatchEulerDiscreteScheduler(shift=3.0), 3)
     objective = gradest.TerminalObjective(lambda z: z.pow(2).mean())
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(2, 2, 4, 4, dtype=torch.float64, generator=g)

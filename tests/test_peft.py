@@ -198,7 +198,7 @@ def test_add_lora_rejects_bad_settings():
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 def test_lora_on_a_diffusers_transformer():
     diffusers = pytest.importorskip("diffusers")
-    from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler
+    from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -226,7 +226,7 @@ def test_lora_on_a_diffusers_transformer():
             if ".lora_B." in name:
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen, dtype=torch.float64))
     velocity = DiffusersVelocity(transformer)
-    flow = flow_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), STEPS)
+    flow = sampler_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), STEPS)
     noise = seeded_normal((BATCH, 2, 4, 4), 11)
     cond = {
         "encoder_hidden_states": seeded_normal((BATCH, 3, 6), 12),

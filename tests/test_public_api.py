@@ -131,11 +131,11 @@ def test_samplers_share_one_construction_style():
 
 def test_flow_samplers_from_a_flow_matching_scheduler():
     diffusers = pytest.importorskip("diffusers")
-    from gradest.integrations.diffusers import flow_from_scheduler
+    from gradest.integrations.diffusers import sampler_from_scheduler
     from gradest.samplers import StochasticFlowMatch
 
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
-    flow = gradest.RectifiedFlow.from_scheduler(scheduler, 6)
-    assert torch.equal(flow.times, flow_from_scheduler(scheduler, 6).times)
+    sampler = gradest.RectifiedFlow.from_scheduler(scheduler, 6)
+    assert torch.equal(sampler.times, sampler_from_scheduler(scheduler, 6).times)
     with pytest.raises(ValueError, match=r"use RectifiedFlow\.from_scheduler"):
         StochasticFlowMatch.from_scheduler(scheduler, 6)

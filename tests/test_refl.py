@@ -81,5 +81,5 @@ def test_refusals_name_the_problem():
         run(Refl(), p, objective_of("terminal"), "trajectory")
     with pytest.raises(InvalidValue, match="terminal objectives only, got a stepwise"):
         run(Refl(), problem(), objective_of("stepwise"), "trajectory")
-    with pytest.raises(InvalidValue, match=r"last_steps=7 exceeds the flow's N=6"):
+    with pytest.raises(InvalidValue, match=r"last_steps=7 exceeds the sampler's N=6"):
         run(Refl(last_steps=7), problem(), objective_of("terminal"), "trajectory")

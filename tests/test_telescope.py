@@ -132,7 +132,7 @@ def test_cost_follows_the_drawn_depth():
 def test_bad_options_name_the_fix():
     with pytest.raises(InvalidValue, match="min_depth=3 exceeds mean_depth=2"):
         Telescope(mean_depth=2.0, min_depth=3)
-    with pytest.raises(InvalidValue, match=r"mean_depth=9 exceeds the flow's N=6"):
+    with pytest.raises(InvalidValue, match=r"mean_depth=9 exceeds the sampler's N=6"):
         run(Telescope(mean_depth=9.0), problem(), objective_of("terminal"), "noise")
     with pytest.raises(InvalidValue, match="mean_depth"):
         gradest.estimator("telescope:mean_depth=0.5")

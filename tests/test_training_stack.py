@@ -274,7 +274,7 @@ def test_diffusers_enable_gradient_checkpointing(spec):
     and estimate() both run through it and give the gradient of the plain model."""
     from diffusers_support import tiny_transformer
 
-    from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler
+    from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler
 
     def sd3(gradient_checkpointing: bool) -> DiffusersVelocity:
         transformer = tiny_transformer("sd3", num_layers=2)
@@ -282,7 +282,7 @@ def test_diffusers_enable_gradient_checkpointing(spec):
             transformer.enable_gradient_checkpointing()
         return DiffusersVelocity(transformer.train())
 
-    flow = flow_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), 3)
+    flow = sampler_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), 3)
     noise = seeded_normal((2, 2, 4, 4), 11)
     cond = {
         "encoder_hidden_states": seeded_normal((2, 3, 6), 12),

@@ -257,7 +257,7 @@ def test_truncated_rejects_bad_options_naming_them(options, name, error):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"k": 7}, "k=7 exceeds the flow's N=6"),
+        ({"k": 7}, "k=7 exceeds the sampler's N=6"),
         ({"random": "uniform", "k": 7}, "k=7 \\(the largest k drawn"),
         ({"random": (0.0,) * 6 + (1.0,)}, "random has 7 probabilities"),
     ],
@@ -287,7 +287,7 @@ def test_k_min_is_checked_against_the_other_options():
         Truncated(k=3, k_min=2)
     with pytest.raises(InvalidValue, match="k_min=4 exceeds k=3"):
         Truncated(random="uniform", k=3, k_min=4)
-    with pytest.raises(InvalidValue, match=r"k_min=7 exceeds the flow's N=6"):
+    with pytest.raises(InvalidValue, match=r"k_min=7 exceeds the sampler's N=6"):
         run(Truncated(random="uniform", k_min=7), problem(), objective_of("terminal"), "noise")
     assert gradest.estimator("truncated:random=uniform,k_min=2,k=4") == Truncated(
         random="uniform", k_min=2, k=4

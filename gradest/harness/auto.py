@@ -446,7 +446,7 @@ class Auto(EstimatorBase):
     def _call(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
         inputs: dict[str, Any],
         *,
@@ -457,7 +457,7 @@ class Auto(EstimatorBase):
 
         self._refuse_symbolic(model, inputs)
         kind = "terminal" if isinstance(objective, TerminalObjective) else "stepwise"
-        key = (repr(self), *_signature(model, flow, kind, inputs))
+        key = (repr(self), *_signature(model, sampler, kind, inputs))
         with _LOCK:
             schedule = _schedules_of(model).setdefault(key, _Schedule())
             schedule.calls += 1
@@ -470,21 +470,21 @@ class Auto(EstimatorBase):
         if probing:
             # Said before any of the probe's work (the path's sampling included), so that a
             # training script shows what the call will cost before it spends it.
-            self._announce(flow, kind, probe_number, sampled=inputs.get("noise") is not None)
+            self._announce(sampler, kind, probe_number, sampled=inputs.get("noise") is not None)
             # The probe's path: the given recording, or sampled once here from the noise
             # (with the caller's generator, as exact would), shared by every candidate.
             trajectory = inputs.get("trajectory")
             if trajectory is None:
                 trajectory = rollout(
                     model,
-                    flow,
+                    sampler,
                     inputs["noise"],
                     cond=inputs.get("cond"),
                     generator=inputs.get("generator"),
                 )
             on_path = {k: v for k, v in inputs.items() if k != "noise"} | {"trajectory": trajectory}
             exact, probe_cost, probe_info = self._probe(
-                model, flow, objective, kind, on_path, inputs.get("noise"), schedule
+                model, sampler, objective, kind, on_path, inputs.get("noise"), schedule
             )
             choice = "exact"
             result: Any
@@ -492,7 +492,7 @@ class Auto(EstimatorBase):
                 # The loss to train on: exact's, on the probed path (its work is on top of
                 # the probe's, which result.cost includes).
                 result = estimator(choice).surrogate(
-                    model, flow, objective, engine=engine, **on_path
+                    model, sampler, objective, engine=engine, **on_path
                 )
                 result = attrs.evolve(result, cost=result.cost + probe_cost)
             else:
@@ -504,11 +504,11 @@ class Auto(EstimatorBase):
             probe_info = _no_probe()
             chosen: Any = estimator(choice)
             if surrogate:
-                result = chosen.surrogate(model, flow, objective, engine=engine, **inputs)
+                result = chosen.surrogate(model, sampler, objective, engine=engine, **inputs)
                 if not is_builtin(chosen):  # built-ins build their own losses
                     check_surrogate(chosen, result)
             else:
-                result = chosen.estimate(model, flow, objective, engine=engine, **inputs)
+                result = chosen.estimate(model, sampler, objective, engine=engine, **inputs)
                 if not is_builtin(chosen):  # built-ins check their own results
                     check_estimate_grads(chosen, result, trainable_parameters(model))
         info = {
@@ -529,7 +529,7 @@ class Auto(EstimatorBase):
 
     # -- probing and choosing ---------------------------------------------------------------
 
-    def _eligible(self, flow: AffineSampler, kind: str) -> list[str]:
+    def _eligible(self, sampler: AffineSampler, kind: str) -> list[str]:
         from gradest.registry import estimator
 
         eligible = []
@@ -538,7 +538,7 @@ class Auto(EstimatorBase):
             if not supports(est, kind):
                 continue
             try:
-                check_steps(est, flow.num_steps)
+                check_steps(est, sampler.num_steps)
             except InvalidValue:
                 continue
             eligible.append(spec)
@@ -547,7 +547,7 @@ class Auto(EstimatorBase):
     def _probe(
         self,
         model: torch.nn.Module,
-        flow: AffineSampler,
+        sampler: AffineSampler,
         objective: Objective,
         kind: str,
         inputs: Mapping[str, Any],
@@ -575,7 +575,7 @@ class Auto(EstimatorBase):
 
         common = {k: v for k, v in inputs.items() if k != "generator"}
         exact_est = estimator("exact")
-        exact = exact_est.estimate(model, flow, objective, **common)
+        exact = exact_est.estimate(model, sampler, objective, **common)
         reference = exact.flat()
         sampled = (
             None
@@ -597,13 +597,13 @@ class Auto(EstimatorBase):
         if sampled is not None:
             # Exact's cost from the noise: the baseline of the candidates' cost ratios.
             from_noise = exact_est.estimate(
-                model, flow, objective, generator=generator(0), **sampled
+                model, sampler, objective, generator=generator(0), **sampled
             )
             spent.append(from_noise.cost)
             noise_units = float(from_noise.cost.model_units())
         exact_units = noise_units if sampled is not None else path_units
 
-        eligible = self._eligible(flow, kind)
+        eligible = self._eligible(sampler, kind)
         reused = [spec for spec in eligible if estimator(spec) == exact_est]
         drawn = [spec for spec in eligible if spec not in reused]
         draws, kept = self._plan(units_spent(), path_units + noise_units, drawn)
@@ -640,7 +640,9 @@ class Auto(EstimatorBase):
                 )
                 if self.probe_budget is not None and units_spent() + predicted > self.probe_budget:
                     break
-                result = est.estimate(model, flow, objective, generator=generator(draw), **common)
+                result = est.estimate(
+                    model, sampler, objective, generator=generator(draw), **common
+                )
                 # A candidate's (a plugin's) gradients cover every trainable parameter.
                 check_estimate_grads(est, result, trainable_parameters(model))
                 spent.append(result.cost)
@@ -649,7 +651,7 @@ class Auto(EstimatorBase):
                 if sampled is not None:
                     # Model units of one estimate sampling from the noise itself.
                     again = est.estimate(
-                        model, flow, objective, generator=generator(draw), **sampled
+                        model, sampler, objective, generator=generator(draw), **sampled
                     )
                     spent.append(again.cost)
                     from_noise_units.append(float(again.cost.model_units()))
@@ -689,7 +691,7 @@ class Auto(EstimatorBase):
         }
         return exact, total, info
 
-    def _announce(self, flow: AffineSampler, kind: str, probe: int, *, sampled: bool) -> None:
+    def _announce(self, sampler: AffineSampler, kind: str, probe: int, *, sampled: bool) -> None:
         """Log (INFO, ``"gradest.auto"``) what this probing call is expected to cost, before
         it runs: in exact calls and in model units at the cost model's ``3N`` per exact
         call. A prediction; the plan from exact's measured cost on this call follows the
@@ -699,9 +701,9 @@ class Auto(EstimatorBase):
         from gradest.registry import estimator
 
         exact_est = estimator("exact")
-        drawn = [spec for spec in self._eligible(flow, kind) if estimator(spec) != exact_est]
+        drawn = [spec for spec in self._eligible(sampler, kind) if estimator(spec) != exact_est]
         sources = 2 if sampled else 1  # on the path, and from the noise when sampling
-        unit = 3.0 * flow.num_steps
+        unit = 3.0 * sampler.num_steps
         budget = "no probe_budget"
         draws, kept = self.draws, drawn
         if self.probe_budget is not None:
@@ -807,7 +809,7 @@ def _no_probe() -> dict[str, Any]:
 
 
 def _signature(
-    model: torch.nn.Module, flow: AffineSampler, kind: str, inputs: Mapping[str, Any]
+    model: torch.nn.Module, sampler: AffineSampler, kind: str, inputs: Mapping[str, Any]
 ) -> tuple[Any, ...]:
     """What the choice is cached by within one model instance: the trainable parameters'
     identity (names, object ids, shapes, dtypes: replaced parameters probe again), the
@@ -821,8 +823,8 @@ def _signature(
     if source is None and isinstance(inputs.get("trajectory"), Trajectory):
         source = inputs["trajectory"].states[0]
     shape = tuple(source.shape[1:]) if isinstance(source, torch.Tensor) else None
-    grid = tuple(flow.times.tolist())  # one transfer, not a host sync per step
-    return (type(model).__name__, params, type(flow).__name__, grid, kind, shape)
+    grid = tuple(sampler.times.tolist())  # one transfer, not a host sync per step
+    return (type(model).__name__, params, type(sampler).__name__, grid, kind, shape)
 
 
 __all__ = ["Auto", "AutoDecisions", "clear_cache"]

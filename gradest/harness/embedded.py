@@ -42,7 +42,7 @@ class Problem:
     """A model, its sampler, an objective and how to draw each seed's noise and labels."""
 
     model: nn.Module
-    flow: RectifiedFlow
+    sampler: RectifiedFlow
     objective: Objective
     noise_fn: Callable[[int], Tensor]
     cond_fn: Callable[[int], dict[str, Any]]

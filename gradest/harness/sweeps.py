@@ -74,13 +74,15 @@ def jagg_span_sweep(
         jagg = estimator("jagg", window=steps, order=order, gate="off")
         errors = []
         for span in spans:
-            flow = RectifiedFlow(
+            sampler = RectifiedFlow(
                 times=torch.linspace(start, start - span, steps + 1, dtype=torch.float64)
             )
-            trajectory = rollout(model, flow, state, cond=cond)
-            truth = exact.estimate(model, flow, objective, trajectory=trajectory, cond=cond).flat()
+            trajectory = rollout(model, sampler, state, cond=cond)
+            truth = exact.estimate(
+                model, sampler, objective, trajectory=trajectory, cond=cond
+            ).flat()
             error, _ = _flat_error(
-                jagg.estimate(model, flow, objective, trajectory=trajectory, cond=cond), truth
+                jagg.estimate(model, sampler, objective, trajectory=trajectory, cond=cond), truth
             )
             errors.append(error)
         fitted = [(s, e) for s, e in zip(spans, errors, strict=True) if s <= fit_below]
@@ -105,15 +107,14 @@ def jagg_tau_sweep(
 ) -> list[dict[str, float]]:
     """Agreement with exact and cost of jagg(window) as the gate threshold varies, on a
     ``trajectory`` recorded on ``sampler``."""
-    flow = sampler
     exact_result = estimator("exact").estimate(
-        model, flow, objective, trajectory=trajectory, cond=cond
+        model, sampler, objective, trajectory=trajectory, cond=cond
     )
     exact = exact_result.flat()
     rows = []
     for tau in taus:
         result = estimator("jagg", window=window, tau=tau).estimate(
-            model, flow, objective, trajectory=trajectory, cond=cond
+            model, sampler, objective, trajectory=trajectory, cond=cond
         )
         error, cosine = _flat_error(result, exact)
         rows.append(
@@ -147,17 +148,18 @@ def jagg_debias_sweep(
     Values of ``m`` above the chain's steps are skipped. ``trajectory`` was recorded on
     ``sampler``.
     """
-    flow = sampler
     exact = (
-        estimator("exact").estimate(model, flow, objective, trajectory=trajectory, cond=cond).flat()
+        estimator("exact")
+        .estimate(model, sampler, objective, trajectory=trajectory, cond=cond)
+        .flat()
     )
     rows = []
-    for m in (m for m in debias if m <= flow.num_steps):
+    for m in (m for m in debias if m <= sampler.num_steps):
         est = estimator("jagg", window=window, gate="off", debias=m)
         results = [
             est.estimate(
                 model,
-                flow,
+                sampler,
                 objective,
                 trajectory=trajectory,
                 cond=cond,

@@ -8,24 +8,24 @@ dependency it does not need:
 * :mod:`gradest.integrations.peft`: LoRA adapters through ``peft`` (``add_lora``,
   ``adapters_disabled``: the base model as a frozen reference without a copy).
 * :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching and DDIM / DDPM
-  schedulers, transformers and UNets (``flow_from_scheduler``, ``DiffusersVelocity``).
+  schedulers, transformers and UNets (``sampler_from_scheduler``, ``DiffusersVelocity``).
 * :mod:`gradest.integrations.diffusers_schedulers`: a diffusers scheduler's grid, read
-  for ``flow_from_scheduler`` and the samplers' own ``RectifiedFlow.from_scheduler`` and
+  for ``sampler_from_scheduler`` and the samplers' own ``RectifiedFlow.from_scheduler`` and
   ``DDIM.from_scheduler`` (it imports no sampler, so the samplers may import it).
 
 Served from here too, imported on first use: ``DiffusersVelocity``,
-``flow_from_scheduler`` and ``adapters_disabled``.
+``sampler_from_scheduler`` and ``adapters_disabled``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DiffusersVelocity", "adapters_disabled", "flow_from_scheduler"]
+__all__ = ["DiffusersVelocity", "adapters_disabled", "sampler_from_scheduler"]
 
 _HOMES = {
     "DiffusersVelocity": "gradest.integrations.diffusers",
-    "flow_from_scheduler": "gradest.integrations.diffusers",
+    "sampler_from_scheduler": "gradest.integrations.diffusers",
     "adapters_disabled": "gradest.integrations.peft",
 }
 

@@ -7,7 +7,7 @@ predicts the velocity ``v = eps - x``, and ``step()`` takes the Euler step
 ``z_next = z + (sigma_next - sigma) v`` on the grid ``scheduler.sigmas`` (1 -> 0, after
 any ``shift``; see ``FlowMatchEulerDiscreteScheduler.step``). So:
 
-* :func:`flow_from_scheduler` turns a scheduler's sigma grid into a gradest sampler
+* :func:`sampler_from_scheduler` turns a scheduler's sigma grid into a gradest sampler
   (a ``RectifiedFlow`` on ``times = sigmas``, or, with ``stochastic_sampling=True``, the
   equivalent affine sampler with noise, ``StochasticFlowMatch``); when you know which,
   ``RectifiedFlow.from_scheduler`` / ``StochasticFlowMatch.from_scheduler`` do the same.
@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidType, InvalidValue
-from gradest.integrations.diffusers_schedulers import flow_schedule
-from gradest.samplers import RectifiedFlow, StochasticFlowMatch, flow_sampler
+from gradest.integrations.diffusers_schedulers import flow_match_schedule
+from gradest.samplers import RectifiedFlow, StochasticFlowMatch, flow_match_sampler
 
 # DDIM and StochasticFlowMatch are re-exported for convenience (their home is gradest's
 # sampler modules).
@@ -49,14 +49,14 @@ __all__ = [
     "DDIM",
     "DiffusersVelocity",
     "StochasticFlowMatch",
-    "flow_from_scheduler",
+    "sampler_from_scheduler",
     "unwrap_model",
 ]
 
 NUM_TRAIN_TIMESTEPS = 1000
 
 
-def flow_from_scheduler(
+def sampler_from_scheduler(
     scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
 ) -> RectifiedFlow | StochasticFlowMatch:
     """The gradest sampler that takes exactly the steps ``scheduler.step()`` takes.
@@ -79,7 +79,9 @@ def flow_from_scheduler(
         ValueError: the schedule cannot be expressed on gradest's time grid (inverted
             sigmas, timesteps that are not ``sigma * num_train_timesteps``).
     """
-    return flow_sampler(flow_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs))
+    return flow_match_sampler(
+        flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
+    )
 
 
 class DiffusersVelocity(nn.Module):

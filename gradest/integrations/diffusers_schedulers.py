@@ -4,8 +4,8 @@ The diffusers side of :meth:`gradest.RectifiedFlow.from_scheduler`,
 :meth:`gradest.FlowSDE.from_scheduler`,
 :meth:`gradest.samplers.StochasticFlowMatch.from_scheduler`,
 :meth:`gradest.DDIM.from_scheduler` and
-:func:`gradest.integrations.diffusers.flow_from_scheduler`: it checks the scheduler and
-returns its grid (:func:`flow_schedule`, :func:`ddim_schedule`), and the samplers build
+:func:`gradest.integrations.diffusers.sampler_from_scheduler`: it checks the scheduler and
+returns its grid (:func:`flow_match_schedule`, :func:`ddim_schedule`), and the samplers build
 themselves from that. It imports no sampler and nothing of gradest but its errors,
 because the samplers' classmethods import it (when called): the samplers own their grids
 and coefficients, this module owns the reading of diffusers' configurations, and neither
@@ -27,7 +27,7 @@ from gradest.errors import InvalidType, InvalidValue, MissingDependency
 
 
 @attrs.frozen
-class FlowSchedule:
+class FlowMatchSchedule:
     """The steps of a ``FlowMatchEulerDiscreteScheduler`` after ``set_timesteps``.
 
     Attributes:
@@ -91,23 +91,23 @@ def _check_num_inference_steps(num_inference_steps: Any) -> None:
         raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
 
 
-def flow_schedule(
+def flow_match_schedule(
     scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
-) -> FlowSchedule:
+) -> FlowMatchSchedule:
     """The grid of a ``FlowMatchEulerDiscreteScheduler``: what
-    :func:`gradest.integrations.diffusers.flow_from_scheduler` builds its sampler on
+    :func:`gradest.integrations.diffusers.sampler_from_scheduler` builds its sampler on
     (documented there; the same arguments and refusals).
     """
     try:
         from diffusers import FlowMatchEulerDiscreteScheduler
     except ImportError as err:
         raise MissingDependency(
-            "flow_from_scheduler needs diffusers: pip install diffusers "
+            "sampler_from_scheduler needs diffusers: pip install diffusers "
             "(or gradest's integrations extra)"
         ) from err
     if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
         raise InvalidType(
-            f"flow_from_scheduler needs a diffusers FlowMatchEulerDiscreteScheduler (the Euler "
+            f"sampler_from_scheduler needs a diffusers FlowMatchEulerDiscreteScheduler (the Euler "
             f"sampler of rectified-flow models such as SD3 and Flux), got "
             f"{type(scheduler).__name__}, which samples a different process. If the model was "
             f"trained with flow matching, build FlowMatchEulerDiscreteScheduler(...) for it; "
@@ -138,7 +138,7 @@ def flow_schedule(
             "passed to set_timesteps?); DiffusersVelocity calls the model at "
             "timestep = sigma * num_train_timesteps, so pass sigmas= instead"
         )
-    return FlowSchedule(
+    return FlowMatchSchedule(
         sigmas=sigmas,
         # absent in older diffusers
         stochastic=bool(getattr(config, "stochastic_sampling", False)),
@@ -172,7 +172,7 @@ def ddim_schedule(
         raise InvalidType(
             f"DDIM.from_scheduler needs a diffusers DDIMScheduler or DDPMScheduler, got "
             f"{type(scheduler).__name__}; for FlowMatchEulerDiscreteScheduler use "
-            f"flow_from_scheduler, for another DDPM-family scheduler build "
+            f"sampler_from_scheduler, for another DDPM-family scheduler build "
             f"DDIMScheduler.from_config(scheduler.config)"
         )
     _check_num_inference_steps(num_inference_steps)

@@ -104,6 +104,22 @@ def add_lora(
             f"pass names of its layers (a full name or its last dotted parts), e.g. from: "
             f"{shown or 'none (the model has no linear, convolution or embedding layers)'}"
         )
+    # A rank at or past a layer's smaller side is not low-rank: B A could be the full
+    # update at more cost, and a typo (rank 16000 for 16) would silently price or train
+    # a model many times the size.
+    sides = {
+        name: min(weight.shape[0], weight[0].numel())
+        for name, module in model.named_modules()
+        if name in matched
+        and isinstance(weight := getattr(module, "weight", None), torch.Tensor)
+        and weight.dim() >= 2
+    }
+    if sides and rank >= min(sides.values()):
+        layer = min(sides, key=sides.__getitem__)
+        raise InvalidValue(
+            f"LoRA rank={rank} is not below the smaller side of the adapted layer {layer!r} "
+            f"({sides[layer]}); use rank <= {sides[layer] - 1} (typically 4 to 64)"
+        )
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
@@ -163,7 +179,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     model, as the frozen reference of :mod:`gradest.rl` objectives, without a copy::
 
         with adapters_disabled(model):
-            reference = gradest.rl.reference_velocities(model, flow, traj)
+            reference = gradest.rl.reference_velocities(model, sampler, traj)
 
     Works for a peft ``PeftModel`` (its ``disable_adapter()`` context), a diffusers model
     with adapters loaded (``load_lora_adapter`` / ``add_adapter``; what its

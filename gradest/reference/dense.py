@@ -41,7 +41,7 @@ class DenseChain:
         evaluate: ``evaluate(z, t) -> (v, J, A)`` flattened like the rows above, for any
             state ``z`` shaped like one recorded state (estimators that leave the recorded
             chain, ``draft_lv``, are defined at states of their own).
-        flow: the sampler the chain was built for (its interpolant, ``noised`` /
+        sampler: the sampler the chain was built for (its interpolant, ``noised`` /
             ``jump_to_end``, defines ``draft_lv`` and ``refl``); None if not given.
     """
 
@@ -54,7 +54,7 @@ class DenseChain:
     alpha: Tensor
     beta: Tensor
     evaluate: Callable[[Tensor, float], tuple[Tensor, Tensor, Tensor]]
-    flow: Any = None
+    sampler: Any = None
 
     @property
     def num_steps(self) -> int:
@@ -88,7 +88,6 @@ def dense_chain(
 
     ``trajectory`` was recorded on ``sampler`` (the chain keeps it as ``chain.sampler``).
     """
-    flow = sampler
     cond = dict(cond or {})
     named = dict(model.named_parameters())
     trainable = {n: p.detach().to(torch.float64) for n, p in named.items() if p.requires_grad}
@@ -128,8 +127,8 @@ def dense_chain(
             jacrev(velocity, argnums=1)(flat_params, z_flat, t64).detach(),
         )
 
-    rows = [evaluate(states[k], float(flow.times[k])) for k in range(flow.num_steps)]
-    alpha, beta, _ = flow.coefficients()
+    rows = [evaluate(states[k], float(sampler.times[k])) for k in range(sampler.num_steps)]
+    alpha, beta, _ = sampler.coefficients()
     return DenseChain(
         trajectory=trajectory,
         names=names,
@@ -140,7 +139,7 @@ def dense_chain(
         alpha=alpha,
         beta=beta,
         evaluate=evaluate,
-        flow=flow,
+        sampler=sampler,
     )
 
 

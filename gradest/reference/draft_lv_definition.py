@@ -28,7 +28,7 @@ def draft_lv_definition(
     """``(flat [P] gradient, zero noise gradient)`` of DRaFT-LV with copies' noise ``renoise``."""
     if not isinstance(objective, TerminalObjective):
         raise InvalidValue("draft_lv is defined for terminal objectives only")
-    flow = require_interpolant(chain.flow, "draft_lv")
+    sampler = require_interpolant(chain.sampler, "draft_lv")
     states = chain.trajectory.states.to(torch.float64)
     shape = states.shape[1:]
     last = chain.num_steps - 1
@@ -40,7 +40,7 @@ def draft_lv_definition(
     total = torch.zeros(chain.param_jacobians.shape[-1], dtype=torch.float64)
     copies = renoise.shape[0]
     for eps in renoise.to(torch.float64):
-        state = flow.noised(states[-1], last, eps)
+        state = sampler.noised(states[-1], last, eps)
         velocity, jacobian, _ = chain.evaluate(state, t)
         final = (alpha * state + beta * velocity.reshape(shape) + recorded_noise_term).detach()
         final.requires_grad_(True)

@@ -25,7 +25,7 @@ def refl_definition(chain: DenseChain, objective: Objective, step: int) -> tuple
         raise InvalidValue("refl is defined for terminal objectives only")
     if not 0 <= step < chain.num_steps:
         raise InvalidValue(f"step must be in 0..{chain.num_steps - 1}, got {step}")
-    scale, jump = require_interpolant(chain.flow, "refl").jump_to_end(step)
+    scale, jump = require_interpolant(chain.sampler, "refl").jump_to_end(step)
     shape = chain.trajectory.states.shape[1:]
     state = chain.trajectory.states[step].to(torch.float64)
     predicted = scale * state + jump * chain.velocities[step].reshape(shape)

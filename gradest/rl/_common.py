@@ -15,15 +15,15 @@ from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory, check_sampler, check_trajectory_matches, model_time
 
 
-def checked_path(flow: Any, trajectory: Any) -> None:
-    """``flow`` is a sampler and ``trajectory`` a whole path recorded on its grid."""
-    check_sampler(flow)
-    check_trajectory_matches(flow, trajectory)
+def checked_path(sampler: Any, trajectory: Any) -> None:
+    """``sampler`` is a sampler and ``trajectory`` a whole path recorded on its grid."""
+    check_sampler(sampler)
+    check_trajectory_matches(sampler, trajectory)
 
 
 def model_velocities(
     model: torch.nn.Module,
-    flow: AffineSampler,
+    sampler: AffineSampler,
     trajectory: Trajectory,
     cond: Mapping[str, Any] | None = None,
     *,
@@ -31,7 +31,7 @@ def model_velocities(
 ) -> Tensor:
     """``[N, B, ...]``: ``model(z_k, t_k, **cond)`` at every recorded state, without a graph."""
     check_model(model)
-    checked_path(flow, trajectory)
+    checked_path(sampler, trajectory)
     batch = trajectory.batch_size
     kwargs = model_kwargs(check_cond(cond, batch), batch)
     states = trajectory.states
@@ -39,7 +39,7 @@ def model_velocities(
     with torch.no_grad():
         for k in range(trajectory.num_steps):
             z = states[k]
-            v = model(z, model_time(flow.times[k], z.shape[0], z), **kwargs)
+            v = model(z, model_time(sampler.times[k], z.shape[0], z), **kwargs)
             _check_output(v, z, what, k)
             out.append(v.detach())
     return torch.stack(out)

@@ -253,20 +253,19 @@ def lean_adjoint(
             ``a_N = d sum_b loss_b / d z_N``; or ``a_N`` itself as a ``[B, ...]`` tensor.
         cond: the model's keyword arguments (class labels, ...), as for the rollout.
     """
-    flow = sampler
     check_model(base_model)
-    checked_path(flow, trajectory)
+    checked_path(sampler, trajectory)
     batch = trajectory.batch_size
     kwargs = model_kwargs(check_cond(cond, batch), batch)
     states = trajectory.states
     a_next, losses = _terminal_adjoint(loss, states[-1])
-    alpha, beta, _ = flow.coefficients()
+    alpha, beta, _ = sampler.coefficients()
     adjoints, velocities = [a_next], []
     for k in reversed(range(trajectory.num_steps)):
         z = states[k]
         with torch.enable_grad():
             leaf = z.detach().requires_grad_(True)
-            v = base_model(leaf, model_time(flow.times[k], z.shape[0], z), **kwargs)
+            v = base_model(leaf, model_time(sampler.times[k], z.shape[0], z), **kwargs)
             if not isinstance(v, Tensor) or v.shape != z.shape:
                 raise InvalidValue(
                     f"base_model returned {_shape_of(v)} at step {k} for states of shape "
@@ -296,8 +295,7 @@ def regression_objective(
     """The adjoint-matching regression ``sum_k l_k(v_k)`` on precomputed :class:`LeanAdjoint`
     targets: ``l_k = mean_b 1/2 ||(beta_k / s_k)(v_k - v_base,k) + s_k a_{k+1}||^2``, on a
     ``trajectory`` recorded on ``sampler``."""
-    flow = sampler
-    checked_path(flow, trajectory)
+    checked_path(sampler, trajectory)
     if not isinstance(targets, LeanAdjoint):
         raise InvalidType(
             f"targets must be a gradest.rl.LeanAdjoint (from lean_adjoint), got "
@@ -314,12 +312,12 @@ def regression_objective(
             f"{tuple(targets.base_velocities.shape)}, adjoints {tuple(targets.adjoints.shape)}; "
             f"expected {list(want)} and {[steps + 1, *want[1:]]}"
         )
-    _, beta, scale = flow.coefficients()
+    _, beta, scale = sampler.coefficients()
     if bool((scale <= 0).any()) or bool((beta == 0).any()):
         bad = int(torch.nonzero((scale <= 0) | (beta == 0))[0])
         raise InvalidValue(
             f"adjoint matching needs a stochastic sampler (noise scale > 0 at every step), "
-            f"but step {bad} of {flow!r} has noise scale {float(scale[bad]):g}; sample with "
+            f"but step {bad} of {sampler!r} has noise scale {float(scale[bad]):g}; sample with "
             f"gradest.rl.memoryless_flow(steps) (FlowSDE with noise_level=sqrt(2))"
         )
     ratio = (beta / scale).tolist()

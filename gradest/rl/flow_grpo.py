@@ -121,12 +121,11 @@ def step_kl(
     :meth:`~gradest.samplers.TimeGrid.step_log_prob` averages log-densities).
     Differentiable in ``velocity``.
     """
-    flow = sampler
     check_reduction(reduction)
-    _, beta, scale = (float(c[k]) for c in flow.coefficients())
+    _, beta, scale = (float(c[k]) for c in sampler.coefficients())
     if scale == 0.0:
         raise InvalidValue(
-            f"step {k} of {flow!r} is deterministic (noise scale 0): the KL of two "
+            f"step {k} of {sampler!r} is deterministic (noise scale 0): the KL of two "
             f"deterministic steps is infinite; use noise_level > 0"
         )
     squared = (velocity - reference.to(velocity)).pow(2)
@@ -193,13 +192,12 @@ def grpo_objective(
 
     Use it with ``trajectory=`` (the same one) in ``surrogate`` / ``estimate``.
     """
-    flow = sampler
-    if not isinstance(flow, FlowSDE):
+    if not isinstance(sampler, FlowSDE):
         raise InvalidType(
             f"sampler must be the gradest.FlowSDE the trajectory was sampled with, "
-            f"got {type(flow).__name__}"
+            f"got {type(sampler).__name__}"
         )
-    check_trajectory_matches(flow, trajectory)
+    check_trajectory_matches(sampler, trajectory)
     steps, batch = trajectory.num_steps, trajectory.batch_size
     if not isinstance(old_log_probs, Tensor) or tuple(old_log_probs.shape) != (steps, batch):
         raise InvalidValue(
@@ -231,7 +229,7 @@ def grpo_objective(
         # estimator that sampled a fresh path (noise= instead of trajectory=) would
         # silently optimise nonsense.
         check_recorded(given, trajectory, "GRPO")
-        log_prob = flow.step_log_prob(trajectory, k, velocity, reduction=reduction)
+        log_prob = sampler.step_log_prob(trajectory, k, velocity, reduction=reduction)
         ratio = torch.exp(log_prob - old_log_probs[k].to(log_prob))
         advantage = advantages.to(log_prob)
         surrogate = torch.minimum(ratio * advantage, torch.clamp(ratio, low, high) * advantage)
@@ -239,7 +237,7 @@ def grpo_objective(
         if weights is None or float(weights[k]) == 0.0:
             return loss
         assert reference is not None
-        kl = step_kl(flow, k, velocity, reference[k], reduction=reduction)
+        kl = step_kl(sampler, k, velocity, reference[k], reduction=reduction)
         return loss + float(weights[k]) * kl.mean() / steps
 
     return StepwiseObjective(loss_fn)

@@ -80,14 +80,14 @@ class DraftLV(EstimatorBase):
     copies: int = int_option(2, minimum=1, doc="re-noised copies of the final sample (n)")
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
-        flow = require_interpolant(ctx.flow, self.name)
+        sampler = require_interpolant(ctx.sampler, self.name)
         self._check_copies_fit(ctx)
         trajectory = ctx.trajectory()
         sample = trajectory.states[-1]
         last = ctx.num_steps - 1
         renoise = draw_normal((self.copies, *sample.shape), sample, ctx.generator)
         ctx.decide(DraftLvDecisions(renoise=renoise))
-        states = flow.noised(sample[None], last, renoise)
+        states = sampler.noised(sample[None], last, renoise)
         velocities, pull = ctx.field.param_pullback(states, [ctx.host_times[last]] * self.copies)
         alpha, beta, sigma = (c[last] for c in ctx.host_coefficients)
         finals = alpha * states + beta * velocities

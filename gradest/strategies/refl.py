@@ -98,14 +98,14 @@ class Refl(EstimatorBase):
         return default_window(num_steps) if self.last_steps is None else self.last_steps
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
-        flow = require_interpolant(ctx.flow, self.name)
+        sampler = require_interpolant(ctx.sampler, self.name)
         window = self._window(ctx.num_steps)
         step = draw_uniform_int(ctx.num_steps - window, ctx.num_steps - 1, ctx.generator)
         (step,) = ctx.ranks.same_ints([step])
         ctx.decide(ReflDecisions(step=step, window=window))
         state = ctx.state_at(step)
         velocity, pull = ctx.field.param_pullback(state[None], ctx.times_at(slice(step, step + 1)))
-        scale, jump = flow.jump_to_end(step)
+        scale, jump = sampler.jump_to_end(step)
         predicted = (state if scale == 1.0 else scale * state) + jump * velocity[0]
         assert isinstance(ctx.objective, TerminalObjective)
         loss, adjoint = ctx.objective.terminal_adjoint(predicted)

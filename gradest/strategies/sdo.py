@@ -135,7 +135,7 @@ class ShortcutDiffusion(EstimatorBase):
 
     Attributes:
         samples: ``m``, the number of steps drawn (without replacement, once per call);
-            at most the flow's ``N`` (checked when estimating, since ``N`` is only known
+            at most the sampler's ``N`` (checked when estimating, since ``N`` is only known
             then). Ignored when ``full_sum=True``.
         scale: ``"unbiased"`` multiplies the sampled sum by ``N/m`` (unbiased for the
             full one-step sum); ``"none"`` uses factor 1: the plain sampled sum, at

@@ -127,12 +127,12 @@ def random_stepwise_objective(
 
 
 def straight_trajectory(
-    flow: AffineSampler, batch: int, dim: int, seed: int = 3, dtype: torch.dtype = torch.float64
+    sampler: AffineSampler, batch: int, dim: int, seed: int = 3, dtype: torch.dtype = torch.float64
 ) -> Trajectory:
-    """Interpolants ``(1 - t) x + t eps`` on the flow grid: a straight recorded path."""
+    """Interpolants ``(1 - t) x + t eps`` on the sampler's grid: a straight recorded path."""
     data = seeded_normal((batch, dim), seed, dtype)
     noise = seeded_normal((batch, dim), seed + 1, dtype)
-    return flow_matching_trajectory(flow, data, noise)
+    return flow_matching_trajectory(sampler, data, noise)
 
 
 def perturb_parameters(model: nn.Module, scale: float = 0.05, seed: int = 3) -> nn.Module:

@@ -122,5 +122,5 @@ def test_estimator_options_beyond_the_sampler_are_refused_before_any_work(tmp_pa
     argv = ["finetune", "--estimator", "telescope:mean_depth=5", "--sampler-steps", "3"]
     code = main([*argv, "--out", str(out), "--quiet"])
     err = capsys.readouterr().err
-    assert code == 2 and "mean_depth=5 exceeds the flow's N=3 steps" in err
+    assert code == 2 and "mean_depth=5 exceeds the sampler's N=3 steps" in err
     assert "Traceback" not in err and not out.exists()

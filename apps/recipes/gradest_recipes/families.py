@@ -1,7 +1,7 @@
 """Model families: the denoiser, VAE, scheduler, sampler and conditioning of each recipe.
 
 * ``sd3``: ``SD3Transformer2DModel`` + ``FlowMatchEulerDiscreteScheduler`` (through
-  :func:`~gradest.integrations.diffusers.flow_from_scheduler`, dynamic shifting as the
+  :func:`~gradest.integrations.diffusers.sampler_from_scheduler`, dynamic shifting as the
   SD3 pipeline computes it), conditioning ``encoder_hidden_states`` +
   ``pooled_projections``, classifier-free guidance.
 * ``flux``: ``FluxTransformer2DModel`` on packed latents ``[B, (H/2)(W/2), 4C]`` with
@@ -30,7 +30,7 @@ from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidValue, MissingDependency
 from gradest.integrations.diffusers import (
     DiffusersVelocity,
-    flow_from_scheduler,
+    sampler_from_scheduler,
 )
 from gradest.integrations.peft import add_lora
 from gradest_recipes.config import RecipeConfig
@@ -337,7 +337,7 @@ def build_family(
             seq_len = (side // int(denoiser_config.patch_size)) ** 2
         if getattr(scheduler.config, "use_dynamic_shifting", False):
             options["mu"] = dynamic_shift_mu(scheduler, seq_len)
-        sampler = flow_from_scheduler(scheduler, config.num_inference_steps, **options)
+        sampler = sampler_from_scheduler(scheduler, config.num_inference_steps, **options)
         if family == "flux":
             fixed = {
                 "img_ids": flux_image_ids(side, side).to(device),

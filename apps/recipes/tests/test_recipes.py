@@ -64,7 +64,7 @@ from gradest_recipes.train import train  # noqa: E402
 
 import gradest  # noqa: E402
 from gradest.errors import InvalidValue  # noqa: E402
-from gradest.integrations.diffusers import DiffusersVelocity, flow_from_scheduler  # noqa: E402
+from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler  # noqa: E402
 
 # -- 1. each recipe end to end ---------------------------------------------------------------
 
@@ -269,7 +269,7 @@ def test_config_file_and_command_line_overrides_take_effect(tmp_path):
         (
             ["--estimator", "telescope:mean_depth=4"],
             r"setting estimator='telescope:mean_depth=4' is invalid: .*mean_depth=4 exceeds "
-            r"the flow's N=3 steps",
+            r"the sampler's N=3 steps",
         ),
         (["--reward", "sparkle"], r"setting reward='sparkle' is invalid.*module:function"),
         (["--reward", "color:q=1"], r"setting reward='color:q=1'.*takes options r, g, b"),
@@ -550,7 +550,7 @@ def test_exact_through_the_cfg_wrapper_equals_a_handwritten_autograd_loop():
     twice per step (float64; every transformer parameter trainable)."""
     model = tiny_sd3_float64()
     vae = tiny_vae().to(torch.float64).requires_grad_(False)
-    flow = flow_from_scheduler(tiny_scheduler("sd3"), 3)
+    flow = sampler_from_scheduler(tiny_scheduler("sd3"), 3)
     noise, cond = guided_inputs()
     reward = resolve_reward("contrast")
     objective = reward_objective(reward, vae, lambda z: z, ["a", "b"])

@@ -48,7 +48,7 @@ class MeanOfSdoDraws(EstimatorBase):
 
     Attributes:
         draws: ``K``, independent step subsets averaged (variance / K).
-        samples: ``m``, steps per subset (at most the flow's ``N``).
+        samples: ``m``, steps per subset (at most the sampler's ``N``).
 
     ``result.decisions`` holds the subsets (``draws``, each sorted, in draw order) and the
     ``scale`` ``N/m``; ``result.info`` also ``step_weights`` (``{step: w_k}``).

@@ -332,7 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``gradest cost``: trace, print the table, write ``--json``."""
     memories = [(text.strip(), parse_bytes(text)) for text in args.memory.split(",")]
-    specs = split_spec_list(args.estimators)
+    specs = split_spec_list(args.estimators, what="--estimators")
+    if not specs:
+        raise InvalidValue(f"--estimators is empty; e.g. --estimators {DEFAULT_ESTIMATORS}")
     if args.json is not None:
         check_output_file(args.json, what="--json")  # before minutes of tracing
     started = time.perf_counter()

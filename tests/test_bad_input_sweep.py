@@ -1198,6 +1198,18 @@ CASES: list[Case] = [
         argv=("race", "--model", "digits", "--budget", "1x", "--out", "{foreign}", "--quiet"),
     ),
     command("cost --model mlp --batch -1", "--batch", "-1"),
+    command(
+        "cost --model mlp --estimators ''",
+        "--estimators",
+        "empty",
+        argv=("cost", "--model", "mlp", "--estimators", ""),
+    ),
+    command(
+        "cost --model sd3-medium --lora-rank 99999999999999",
+        "rank",
+        "99999999999999",
+        argv=("cost", "--model", "sd3-medium", "--lora-rank", "99999999999999", "--quiet"),
+    ),
     command("cost --model mlp --steps 99999999999999999999", "--steps", "99999999999999999999"),
     command(
         "cost --model mlp --json <a FIFO>",

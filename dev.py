@@ -28,8 +28,9 @@ STAMP = VENV / ".gradest-installed"
 # The applications beside the library, each a distribution of its own (apps/*/pyproject.toml).
 APPS = ("apps/digits", "apps/recipes")
 APPS_PYPROJECTS = tuple(f"{app}/pyproject.toml" for app in APPS)
-# Their optional extras the tests exercise (TensorBoard logs, offline wandb runs).
-APP_EXTRAS = {"apps/digits": "[tensorboard]", "apps/recipes": "[wandb]"}
+# Their optional extras the tests exercise (TensorBoard logs, offline wandb runs, the
+# learned rewards on tiny random models).
+APP_EXTRAS = {"apps/digits": "[tensorboard]", "apps/recipes": "[wandb,learned-rewards]"}
 # The tests of the library and of each application.
 TEST_PATHS = ("tests", *(f"{app}/tests" for app in APPS))
 # What ruff checks and formats (tox's lint environment runs the same).

@@ -89,10 +89,12 @@ from gradest_digits.finetune_records import LOG_KEYS
 from gradest_digits.finetune_run import Run
 from gradest_digits.finetune_tensorboard import check_tensorboard_dir
 from gradest_digits.run_state import (
+    Checkpoint,
     check_lineage,
     check_same_run,
     earlier_run,
     newest_checkpoint,
+    read_log,
 )
 
 __all__ = [
@@ -217,11 +219,11 @@ def finetune(
     )
     _check_prior(config, prior_data, shape)
     if resumed is not None:
-        check_same_run(resumed["config"], record)
-        if resumed["step"] > config.steps:
+        check_same_run(resumed.config, record, source=resumed.path)
+        if resumed.step > config.steps:
             raise InvalidValue(
-                f"the checkpoint is at step {resumed['step']}, past steps={config.steps}; "
-                f"pass steps >= {resumed['step']} to continue the run"
+                f"the checkpoint is at step {resumed.step}, past steps={config.steps}; "
+                f"pass steps >= {resumed.step} to continue the run"
             )
         # Nothing of another run or branch is overwritten or cut (append-only folders).
         check_lineage(resumed, log_path, checkpoint_dir)
@@ -363,13 +365,31 @@ def _validated(
         )
     check_sizes(config, shape, trainable[0].device, flags=False)
     eval_cond = _cond(labels, config.batch_size, trainable[0].device, cond_key)
-    record = {
+    record = config_record(config, est, labels=labels, shape=shape, world=world)
+    return model, est, shape, eval_cond, record
+
+
+def config_record(
+    config: FinetuneConfig,
+    est: Any,
+    *,
+    labels: int | Tensor | None,
+    shape: tuple[int, ...],
+    world: int,
+) -> dict[str, Any]:
+    """The run's settings as its checkpoints record them (``config``): what a resume
+    compares (:func:`gradest_digits.run_state.check_same_run`)."""
+    return {
         **config.record(repr(est)),
         "labels": labels if labels is None or isinstance(labels, int) else labels.tolist(),
         "sample_shape": list(shape),
         "world_size": world,
     }
-    return model, est, shape, eval_cond, record
+
+
+def sample_shape_of(model: torch.nn.Module) -> tuple[int, ...]:
+    """One sample's shape, from a DiT's config (as :func:`finetune` infers it)."""
+    return _sample_shape(model, None)
 
 
 def start_run(
@@ -481,7 +501,7 @@ def resolve_estimator(estimator: Any) -> Any:
 
 def _resumed(
     resume: str | Path | None, log_path: Path | None, checkpoint_dir: Path | None
-) -> dict[str, Any] | None:
+) -> Checkpoint | None:
     """The checkpoint to continue from; without ``resume``, refuse a place a run used."""
     if resume is None:
         found = earlier_run(log_path, checkpoint_dir)
@@ -494,6 +514,8 @@ def _resumed(
         return None
     resumed = newest_checkpoint(resume)
     if resumed is None:
+        if log_path is not None:
+            read_log(log_path)  # the log it cuts is the run's: a foreign one is kept, refused
         warnings.warn(
             f"resume={str(resume)!r}: no checkpoint was written before the run stopped; "
             f"starting it over from step 0",

@@ -30,16 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from gradest.config_file import explicit_settings, track_explicit
 from gradest.errors import InvalidValue
 from gradest.files import (
-    JsonLog,
     atomic_write_text,
     check_output_dir,
     check_output_file,
     check_path_length,
+    read_text,
     refuse_symlinks,
     remove_stale_temporaries,
 )
@@ -54,10 +55,33 @@ from gradest.run_folder import (
     foreign_entries,
     read_run_record,
 )
-from gradest_digits.finetune import check_sizes, finetune, resolve_estimator
+from gradest_digits.file_schema import (
+    Refuse,
+    describe,
+    first_line,
+    is_int,
+    is_number,
+    require,
+    require_fields,
+)
+from gradest_digits.finetune import (
+    check_sizes,
+    config_record,
+    finetune,
+    resolve_estimator,
+    sample_shape_of,
+)
 from gradest_digits.finetune_config import FinetuneConfig, add_config_arguments, config_from_args
+from gradest_digits.finetune_run import make_optimizer
 from gradest_digits.finetune_tensorboard import use_tensorboard
-from gradest_digits.run_state import check_lineage, earlier_run, newest_checkpoint
+from gradest_digits.run_state import (
+    check_fits,
+    check_lineage,
+    check_same_run,
+    earlier_run,
+    newest_checkpoint,
+    read_log,
+)
 
 # The settings a run records (OUT/settings.json) and a bare --resume takes back: every
 # FinetuneConfig field (the estimator as its spec) and the command's own settings.
@@ -247,6 +271,39 @@ def _train(
     out = check_output_dir(out, what="--out")
     # finetune() checks the log and checkpoint folder; result.json is written here.
     check_output_file(out / "result.json", what="--out")
+    # Loaded lazily so that this module imports without the shipped checkpoints; read and
+    # checked before anything is written (a damaged one is one line naming it).
+    from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
+    from gradest_digits.rewards import ClassifierReward
+
+    model: torch.nn.Module = load_pretrained_dit(device=device)
+    check_lora_rank(model, args.lora_rank)
+    if args.lora_rank:
+        # After loading: peft renames the targeted weights to *.base_layer.weight.
+        from gradest.integrations.peft import add_lora
+
+        model = add_lora(model, args.lora_rank)
+    reward = ClassifierReward(load_digit_classifier(device=device), args.target)
+    if args.resume is not None:
+        # The checkpoint fits this model and its optimizer, before settings.json is
+        # rewritten (finetune() checks it again: the API's own rule).
+        resumed = newest_checkpoint(out)
+        if resumed is not None:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            check_fits(resumed, model, make_optimizer(config, trainable))
+            # The settings the run was resumed with (its settings.json, or its run.json)
+            # are the checkpoint's: a conflict names both files.
+            _, world = launched_world()
+            record = config_record(
+                config,
+                resolve_estimator(config.estimator),
+                labels=args.target if args.labels == "target" else None,
+                shape=sample_shape_of(model),
+                world=world,
+            )
+            settings_file = out / SETTINGS_FILE
+            source = settings_file if settings_file.is_file() else out / RUN_RECORD
+            check_same_run(resumed.config, record, source=resumed.path, settings=source)
     if rank == 0:  # another rank's cleanup could remove rank 0's file being written
         remove_stale_temporaries(out, names=OWN_FILES)
     # The settings are on disk before any work, except where finetune() still has to
@@ -258,17 +315,6 @@ def _train(
     )
     if rank == 0 and write_now:
         write_settings(out, settings)
-    # Loaded lazily so that this module imports without the shipped checkpoints.
-    from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
-    from gradest_digits.rewards import ClassifierReward
-
-    model: torch.nn.Module = load_pretrained_dit(device=device)
-    check_lora_rank(model, args.lora_rank)
-    if args.lora_rank:
-        # After loading: peft renames the targeted weights to *.base_layer.weight.
-        from gradest.integrations.peft import add_lora
-
-        model = add_lora(model, args.lora_rank)
     prior_data = None
     if config.prior_weight:
         # Prior preservation on the real digits the model was pretrained on (train split).
@@ -278,7 +324,7 @@ def _train(
         prior_data = prior_data.to(device)
     result = finetune(
         model,
-        ClassifierReward(load_digit_classifier(device=device), args.target),
+        reward,
         config,
         prior_data=prior_data,
         labels=args.target if args.labels == "target" else None,
@@ -356,7 +402,7 @@ def decide_folder(out: Path, *, resuming: bool) -> None:
     if state is not None:
         check_lineage(state, out / "log.jsonl", out / "checkpoints")
     else:
-        JsonLog(out / "log.jsonl").records()  # a damaged log is one line, before any write
+        read_log(out / "log.jsonl")  # a damaged log is one line, before any write
 
 
 def check_resumable(folder: Path) -> None:
@@ -443,20 +489,12 @@ def recorded_settings(resume: Any) -> dict[str, Any]:
             f"--resume {str(folder)!r}: the folder {what}; pass the --out folder of the run "
             f"to continue"
         )
-    path = folder / SETTINGS_FILE
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            settings = data["settings"] if data.get("format") == SETTINGS_FORMAT else None
-        except (ValueError, TypeError, AttributeError, KeyError):
-            settings = None
-        if not isinstance(settings, dict) or not set(RUN_SETTINGS) <= set(settings):
-            raise InvalidValue(
-                f"--resume {str(folder)!r}: {str(path)!r} is not a settings file of gradest "
-                f"finetune ({SETTINGS_FORMAT}); it cannot be resumed"
-            )
-        return {name: settings[name] for name in RUN_SETTINGS}
-    record = folder / RUN_RECORD
+    path, record = folder / SETTINGS_FILE, folder / RUN_RECORD
+    if path.is_symlink() or path.exists():
+        settings = read_settings(path).settings
+        if record.is_file():
+            _check_agrees(path, settings, record)
+        return settings
     if not record.is_file():
         raise InvalidValue(
             f"--resume {str(folder)!r}: the folder holds no run (no {RUN_RECORD}, no "
@@ -471,7 +509,191 @@ def recorded_settings(resume: Any) -> dict[str, Any]:
             f"--resume {str(folder)!r}: {str(record)!r} is not the record of a {COMMAND!r} "
             f"run (it {why}); it cannot be resumed"
         )
-    return {name: saved.settings[name] for name in wanted}
+    recorded = {name: saved.settings[name] for name in wanted}
+
+    def refuse(field: str, why: str) -> InvalidValue:
+        return InvalidValue(
+            f"--resume {str(folder)!r}: {str(record)!r}: {field} {why}; it is not the record of "
+            f"a {COMMAND!r} run and is kept as it is: start a new run with --out NEW"
+        )
+
+    check_settings(recorded, refuse)
+    return recorded
+
+
+def _check_agrees(path: Path, settings: dict[str, Any], record_path: Path) -> None:
+    """``settings.json`` and ``run.json`` were written by one run: the settings a resume may
+    not change are in both and the same (else one was changed, or copied from elsewhere)."""
+    record = read_run_record(record_path)
+    if record.command != COMMAND:
+        return  # another command's run: check_resumable names it
+    for name in RUN_SETTINGS:
+        if name in MAY_CHANGE:
+            continue
+        here = settings[name]
+        if name not in record.settings:
+            raise InvalidValue(
+                f"{str(record_path)!r}: settings.{name} is missing (it is {describe(here)} in "
+                f"{str(path)!r}): the record is not of this run; both files are kept as they "
+                f"are: start a new run with --out NEW"
+            )
+        there = record.settings[name]
+        if json.dumps(there, sort_keys=True) != json.dumps(here, sort_keys=True):
+            raise InvalidValue(
+                f"{str(path)!r}: settings.{name} is {describe(here)}, but {str(record_path)!r} "
+                f"records {describe(there)}: the two files are not of one run (one was "
+                f"changed); both are kept as they are: start a new run with --out NEW"
+            )
+
+
+# -- the files a run writes and commands read back: one reader each -----------------------
+
+
+@attrs.frozen
+class RunSettings:
+    """A run's ``settings.json`` read back (:func:`read_settings`).
+
+    Attributes:
+        path: the file.
+        settings: every one of :data:`RUN_SETTINGS`, each of its type.
+    """
+
+    path: Path
+    settings: dict[str, Any]
+
+
+# The command's own settings beside FinetuneConfig's: (check, what it must be).
+_COMMAND_SETTINGS: dict[str, tuple[Any, str]] = {
+    "target": (is_int, "an integer (a digit)"),
+    "labels": (lambda v: isinstance(v, str), "a string ('null' or 'target')"),
+    "lora_rank": (is_int, "an integer (a LoRA rank)"),
+    "device": (lambda v: isinstance(v, str), "a string (a device such as 'cpu')"),
+}
+
+
+def check_settings(settings: dict[str, Any], refuse: Refuse) -> None:
+    """Each of ``settings`` (some of :data:`RUN_SETTINGS`) of its type: an integer setting
+    an integer, a number a number (or null where the default is none), a string a string.
+
+    Only types: whatever the command wrote reads back as it was (a value it would refuse,
+    out of range or not a choice, is refused by the run's own checks, naming the flag).
+    """
+    fields = {field.name: field for field in attrs.fields(FinetuneConfig)}
+    for name, value in settings.items():
+        if name in _COMMAND_SETTINGS:
+            check, wanted = _COMMAND_SETTINGS[name]
+            ok = bool(check(value))
+        elif fields[name].metadata["kind"] is int:
+            ok, wanted = is_int(value), "an integer"
+        elif fields[name].metadata["kind"] is float:
+            nullable = fields[name].default is None
+            ok = is_number(value) or (nullable and value is None)
+            wanted = "a number" + (" or null" if nullable else "")
+        else:  # the estimator's spec, a choice
+            ok, wanted = isinstance(value, str), "a string"
+        require(ok, refuse, f"settings.{name}", value, wanted)
+
+
+def read_settings(path: str | Path) -> RunSettings:
+    """The ``settings.json`` a run wrote (:func:`write_settings`), every setting checked.
+
+    Raises:
+        InvalidValue: the file is a link or not a regular file, not UTF-8 JSON, not of
+            :data:`SETTINGS_FORMAT`, or a setting is missing or of another type or range:
+            one line naming the file and the field; the file is left as it is.
+    """
+    path = Path(path)
+
+    def refuse(field: str, why: str) -> InvalidValue:
+        return InvalidValue(
+            f"{str(path)!r}: {field} {why}; it is not the settings file of a gradest finetune "
+            f"run ({SETTINGS_FORMAT}), so the run cannot be resumed from it; it is kept as it "
+            f"is: start a new run with --out NEW"
+        )
+
+    if path.is_symlink():
+        raise refuse("the file", "is a symbolic link; a run reads only its own files")
+    data = _json_object(read_text(path, what="the settings file"), refuse)
+    if data.get("format") != SETTINGS_FORMAT:
+        raise refuse("format", f"is {describe(data.get('format'))}, not {SETTINGS_FORMAT!r}")
+    settings = data.get("settings")
+    if not isinstance(settings, dict):
+        raise refuse("settings", f"is {describe(settings)}, not an object of settings")
+    require_fields(settings, RUN_SETTINGS, refuse, "settings.")
+    recorded = {name: settings[name] for name in RUN_SETTINGS}
+    check_settings(recorded, refuse)
+    return RunSettings(path=path, settings=recorded)
+
+
+def _json_object(text: str, refuse: Refuse) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise refuse("the text", f"is not JSON ({first_line(err)})") from None
+    if not isinstance(data, dict):
+        raise refuse("the file", f"holds {describe(data)}, not an object")
+    return data
+
+
+@attrs.frozen
+class RunResult:
+    """A run's ``result.json`` read back (:func:`read_result`): what :func:`finetune`
+    returned, without the history, and the target digit."""
+
+    path: Path
+    initial_reward: float
+    final_reward: float
+    final_reward_std: float
+    checkpoints: list[str]
+    log_path: str
+    config: dict[str, Any]
+    world_size: int
+    ranks_in_sync: bool | None
+    target: int
+
+
+def read_result(path: str | Path) -> RunResult:
+    """The ``result.json`` a finished ``gradest finetune`` wrote, every field checked.
+
+    Raises:
+        InvalidValue: the file is a link, not UTF-8 JSON, or a field is missing or of
+            another type: one line naming the file and the field; it is left as it is.
+    """
+    path = Path(path)
+
+    def refuse(field: str, why: str) -> InvalidValue:
+        return InvalidValue(
+            f"{str(path)!r}: {field} {why}; it is not the result of a finished gradest "
+            f"finetune run and is kept as it is: rerun the run into a new --out"
+        )
+
+    if path.is_symlink():
+        raise refuse("the file", "is a symbolic link; a run reads only its own files")
+    data = _json_object(read_text(path, what="the result file"), refuse)
+    fields = [f.name for f in attrs.fields(RunResult) if f.name != "path"]
+    require_fields(data, fields, refuse)
+    for name in ("initial_reward", "final_reward", "final_reward_std"):
+        require(is_number(data[name]), refuse, name, data[name], "a number")
+    checkpoints, log_path = data["checkpoints"], data["log_path"]
+    require(
+        isinstance(checkpoints, list)
+        and bool(checkpoints)
+        and all(isinstance(c, str) for c in checkpoints),
+        refuse,
+        "checkpoints",
+        checkpoints,
+        "a list of checkpoint paths",
+    )
+    require(isinstance(log_path, str), refuse, "log_path", log_path, "a path")
+    require(isinstance(data["config"], dict), refuse, "config", data["config"], "an object")
+    world, in_sync, target = data["world_size"], data["ranks_in_sync"], data["target"]
+    require(is_int(world) and world >= 1, refuse, "world_size", world, "a rank count >= 1")
+    # None for one process, else whether the replicas ended equal.
+    ok = in_sync is None if world == 1 else isinstance(in_sync, bool)
+    wanted = "null (one process)" if world == 1 else "true or false"
+    require(ok, refuse, "ranks_in_sync", in_sync, wanted)
+    require(is_int(target) and 0 <= target <= 9, refuse, "target", target, "a digit 0..9")
+    return RunResult(path=path, **{name: data[name] for name in fields})
 
 
 def _same(name: str, recorded: Any, given: Any) -> bool:

@@ -28,11 +28,18 @@ from gradest.integrations.distributed import check_same_estimator, rank_generato
 from gradest.protocol import Cost, Surrogate, check_surrogate, is_stateful
 from gradest.samplers import RectifiedFlow
 from gradest.trajectory import rollout
+from gradest_digits.file_schema import first_line
 from gradest_digits.finetune_config import FinetuneConfig
 from gradest_digits.finetune_modes import Batch, mode_of, needs_base
 from gradest_digits.finetune_records import cost_record, mean_or_none, summarize_info
 from gradest_digits.finetune_tensorboard import TensorBoardLog
-from gradest_digits.run_state import checkpoint_path, checkpoints_in, save_checkpoint
+from gradest_digits.run_state import (
+    Checkpoint,
+    check_fits,
+    checkpoint_path,
+    checkpoints_in,
+    save_checkpoint,
+)
 
 Reward = Callable[[Tensor], Tensor]
 
@@ -78,6 +85,14 @@ def draw_stream_seed(seed: int, rank: int) -> int:
     """The seed of a rank's estimator-draw stream: fixed by ``(seed, rank)``, apart from
     the training stream's (a multiplicative hash, not Python's per-process ``hash``)."""
     return ((seed + 1) * 2_654_435_761 + 97 * rank + 12_345) % 2**63
+
+
+def make_optimizer(
+    config: FinetuneConfig, parameters: list[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The run's optimizer of ``parameters`` (``config.optimizer``, ``lr``, ``weight_decay``)."""
+    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+    return optimizer_class(parameters, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -165,19 +180,24 @@ class Run:
         eval_cond: dict[str, Tensor] | None,
         log_path: Path | None,
         checkpoint_dir: Path | None,
-        resumed: dict[str, Any] | None,
+        resumed: Checkpoint | None,
         prior_data: Tensor | None = None,
         tensorboard_dir: Path | None = None,
     ) -> Run:
         parameters = [p for p in model.parameters() if p.requires_grad]
         dtype, device = parameters[0].dtype, parameters[0].device
-        optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-        optimizer = optimizer_class(parameters, lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = make_optimizer(config, parameters)
         base = frozen_copy(model) if needs_base(config) else None
         if resumed is not None:
             # Before DDP's constructor, which broadcasts rank 0's weights: every rank loads.
-            model.load_state_dict(resumed["model"])
-            optimizer.load_state_dict(resumed["optimizer"])
+            # A state that does not fit is one line naming the checkpoint, before any load.
+            check_fits(resumed, model, optimizer)
+            try:
+                model.load_state_dict(resumed.model)
+                optimizer.load_state_dict(resumed.optimizer)
+            except (RuntimeError, KeyError, ValueError, TypeError) as err:
+                why = f"does not fit ({first_line(err)})"
+                raise resumed.refuse("model or optimizer", why) from None
         # DDP's constructor starts every replica from rank 0's weights and buffers; its
         # backward hooks average the surrogate losses' gradients.
         trained = (
@@ -199,11 +219,8 @@ class Run:
         generator = rank_generator(config.seed, rank=rank) if world > 1 else eval_generator
         local_batch = config.batch_size // world
         share = slice(rank * local_batch, (rank + 1) * local_batch)
-        start = 0 if resumed is None else int(resumed["step"])
+        start = 0 if resumed is None else resumed.step
         log = JsonLog(log_path) if log_path is not None and rank == 0 else None
-        if log is not None:
-            # A resumed run redoes the steps after its checkpoint; a new one starts empty.
-            log.keep(lambda entry: entry["step"] < start)
         if checkpoint_dir is not None and rank == 0:
             remove_stale_temporaries(checkpoint_dir)
         run = cls(
@@ -224,7 +241,7 @@ class Run:
             cond=None if eval_cond is None else {k: v[share] for k, v in eval_cond.items()},
             eval_cond=eval_cond,
             log=log,
-            history=[] if resumed is None else list(resumed["history"]),
+            history=[] if resumed is None else list(resumed.history),
             start=start,
             prior_data=None if prior_data is None else prior_data.to(device=device, dtype=dtype),
             base=base,
@@ -233,30 +250,41 @@ class Run:
         if resumed is None:
             run.initial = run.evaluate()
         else:
-            # Every stream continues where the checkpoint left it.
-            run.initial = torch.tensor(resumed["initial_reward"])
-            generator.set_state(resumed["generators"][rank])
-            torch.set_rng_state(resumed["torch_rng"][rank])
-            saved_draws = resumed.get("draw_generators")
-            if saved_draws is None:
-                run.draws = None  # an older checkpoint: draws came from the training stream
-            else:
-                run.draws.set_state(saved_draws[rank])
-            # The estimator's own state (auto's schedule: its picks, calls and probes), so
-            # that it probes at the same calls as the uninterrupted run.
-            saved_estimator = resumed.get("estimator_state")
-            if saved_estimator is not None and is_stateful(est):
-                est.load_state_dict(trained, saved_estimator)
-            # result.json names every checkpoint of the run, not only this process's.
-            earlier = resumed.get("checkpoints")
-            if earlier is None and checkpoint_dir is not None:
-                earlier = [str(p) for s, p in sorted(checkpoints_in(checkpoint_dir)) if s <= start]
-            run.checkpoints = list(earlier or [])
+            run.restore(resumed, checkpoint_dir)
+        if log is not None:
+            # Once everything of the checkpoint is in place: a resumed run redoes the steps
+            # after it (the log's records from `start` on are cut); a new one starts empty.
+            log.keep(lambda entry: entry["step"] < start)
         if tensorboard_dir is not None and rank == 0:
             # Opened last, so that nothing after it can fail before close() is due. The
             # steps from `start` on are redone: their earlier events are purged.
             run.board = TensorBoardLog(tensorboard_dir, purge_step=start)
         return run
+
+    def restore(self, resumed: Checkpoint, checkpoint_dir: Path | None) -> None:
+        """Every stream and the estimator's state continue where ``resumed`` left them."""
+        rank, start = self.rank, resumed.step
+        self.initial = torch.tensor(resumed.initial_reward)
+        self.generator.set_state(resumed.generators[rank])
+        torch.set_rng_state(resumed.torch_rng[rank])
+        if resumed.draw_generators is None:
+            self.draws = None  # an older checkpoint: draws came from the training stream
+        elif self.draws is not None:
+            self.draws.set_state(resumed.draw_generators[rank])
+        # The estimator's own state (auto's schedule: its picks, calls and probes), so
+        # that it probes at the same calls as the uninterrupted run.
+        saved_estimator = resumed.estimator_state
+        if saved_estimator is not None and is_stateful(self.est):
+            try:
+                self.est.load_state_dict(self.trained, saved_estimator)
+            except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as err:
+                why = f"is not this estimator's state ({first_line(err)})"
+                raise resumed.refuse("estimator_state", why) from None
+        # result.json names every checkpoint of the run, not only this process's.
+        earlier = resumed.checkpoints
+        if earlier is None and checkpoint_dir is not None:
+            earlier = [str(p) for s, p in sorted(checkpoints_in(checkpoint_dir)) if s <= start]
+        self.checkpoints = list(earlier or [])
 
     def close(self) -> None:
         """Flush and close the TensorBoard events (the JSON log needs nothing)."""

@@ -30,7 +30,12 @@ from torch_fidelity.feature_extractor_base import FeatureExtractorBase
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
 from gradest.errors import InvalidType, InvalidValue
-from gradest_digits.assets import classifier_from_checkpoint, load_digit_classifier
+from gradest_digits.assets import (
+    DIGIT_CLASSIFIER,
+    build_model,
+    load_digit_classifier,
+    read_model_checkpoint,
+)
 from gradest_digits.digits import IMAGE_SHAPE
 
 EXTRACTOR_NAME = "gradest-digit-classifier"
@@ -98,10 +103,9 @@ class DigitFeatureExtractor(FeatureExtractorBase):
         if digit_classifier is not None:
             classifier = copy.deepcopy(digit_classifier)
         elif feature_extractor_weights_path is not None:
-            checkpoint = torch.load(
-                feature_extractor_weights_path, map_location="cpu", weights_only=True
-            )
-            classifier = classifier_from_checkpoint(checkpoint)
+            # The format's one reader: a damaged file is one line naming it and the field.
+            checkpoint = read_model_checkpoint(feature_extractor_weights_path, DIGIT_CLASSIFIER)
+            classifier = build_model(checkpoint)
         else:
             classifier = load_digit_classifier()
         if not callable(getattr(classifier, "features", None)):

@@ -42,7 +42,7 @@ from gradest_digits.mnist_assets import (
     mnist_classifier_checkpoint,
     mnist_dit_checkpoint,
 )
-from gradest_digits.mnist_classifier import train_mnist_classifier
+from gradest_digits.mnist_classifier import MnistClassifier, train_mnist_classifier
 from gradest_digits.pretrain import claim_output_file, pretrain_dit, write_claimed
 
 DIT_CONFIG = "digits"
@@ -136,7 +136,8 @@ def mnist_pretrain(
     folder = Path(out_dir) if out_dir is not None else asset_path("")
     folder = check_output_dir(folder, what="--out-dir") if out_dir is not None else folder
     result: dict[str, Any] = {}
-    from gradest_digits.mnist_assets import mnist_classifier_from_checkpoint
+    from gradest_digits.assets import build_model
+    from gradest_digits.mnist_assets import read_mnist_asset
 
     written = {
         name: kind
@@ -162,7 +163,10 @@ def mnist_pretrain(
             path = folder / MNIST_CLASSIFIER_CHECKPOINT
             if not path.is_file():
                 raise InvalidValue(f"--what dit evaluates with {path}; train the classifier first")
-            classifier = mnist_classifier_from_checkpoint(torch.load(path, weights_only=True))
+            # The one reader of the format: a damaged file is one line naming it.
+            saved = build_model(read_mnist_asset(MNIST_CLASSIFIER_CHECKPOINT, folder))
+            assert isinstance(saved, MnistClassifier)
+            classifier = saved
         if what in ("all", "dit"):
             model, info = pretrain_mnist_dit(steps=dit_steps, seed=seed, progress=progress)
             info["evaluation"] = evaluate_mnist_dit(

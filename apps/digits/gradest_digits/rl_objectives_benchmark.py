@@ -35,7 +35,10 @@ import gradest
 from gradest.files import atomic_write_text
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.digits import load_digits_dataset
+from gradest_digits.file_schema import require_state_dict
+from gradest_digits.finetune_cli import read_result
 from gradest_digits.metrics import fid_kid
+from gradest_digits.run_state import load_checkpoint, read_log
 
 # The SDE whose path KL :func:`path_kl` reports: Flow-GRPO's sampler in ``gradest finetune``
 # (its default --noise-level), so GRPO's KL penalty acts on exactly this quantity.
@@ -114,17 +117,20 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
     out = folder / f"{re.sub(r'[^A-Za-z0-9.]+', '_', mode)}_seed{seed}"
     command = ["gradest", "finetune", *flags, "--out", str(out), "--quiet"]
     subprocess.run([sys.executable, "-m", "gradest.cli", *command[1:]], check=True)
-    result = json.loads((out / "result.json").read_text())
-    costs = [json.loads(line)["cost"] for line in (out / "log.jsonl").read_text().splitlines()]
+    # The run's files through their readers: a damaged one is one line naming it.
+    result = read_result(out / "result.json")
+    costs = [record["cost"] for record in read_log(out / "log.jsonl")]
     model = load_pretrained_dit()
-    model.load_state_dict(torch.load(result["checkpoints"][-1], weights_only=True)["model"])
+    final = load_checkpoint(result.checkpoints[-1])
+    require_state_dict(final.model, model.state_dict(), final.refuse, "model")
+    model.load_state_dict(final.model)
     shown = " ".join(shlex.quote(part) for part in [*command[:-3], "--out", "RUN_DIR", "--quiet"])
     return {
         "mode": mode,
         "seed": seed,
         "command": shown,
-        "initial_reward": result["initial_reward"],
-        "final_reward": result["final_reward"],
+        "initial_reward": result.initial_reward,
+        "final_reward": result.final_reward,
         # Model calls of the whole run in forward-equivalents (docs/design.md#cost-model):
         # the estimator's backward work, and the base model's work for the objective.
         "estimator_units": sum(cost["model_units"] for cost in costs),

@@ -239,7 +239,25 @@ def _budget_flag(text: str) -> float:
     return steps
 
 
+class _RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C in a command that keeps its progress: the message says how to continue."""
+
+
 def _cmd_race(args: argparse.Namespace) -> int:
+    try:
+        return _race_command(args)
+    except KeyboardInterrupt:
+        out = os.path.abspath(args.out)
+        if os.path.isfile(os.path.join(out, "run.json")):
+            # The race claimed its folder and keeps every finished evaluation point there.
+            raise _RunInterrupted(
+                f"its finished runs and evaluation points are kept in {args.out!r}; rerun the "
+                f"same command to continue it"
+            ) from None
+        raise
+
+
+def _race_command(args: argparse.Namespace) -> int:
     from gradest.harness.plots import plots_unavailable
     from gradest.harness.race import (
         DEFAULT_FRACTIONS,
@@ -606,6 +624,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except _RunInterrupted as err:
+        print(f"gradest {args.command}: interrupted; {err}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt as err:
         where = f" ({err})" if isinstance(err, registry.PluginInterrupt) else ""
         print(f"gradest {args.command}: interrupted{where}; nothing was written", file=sys.stderr)

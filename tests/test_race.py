@@ -571,3 +571,31 @@ def test_a_damaged_or_foreign_run_state_is_one_line_and_kept(tmp_path) -> None:
     elsewhere.rename(seed_folder)
     whole = race(QuadraticTask(), SPECS, out=tmp_path / "whole", **settings)
     assert _numbers(race(QuadraticTask(), SPECS, out=out, **settings)) == _numbers(whole)
+
+
+def test_ctrl_c_in_gradest_race_names_how_to_continue(tmp_path, monkeypatch, capsys) -> None:
+    pytest.importorskip("gradest_digits")
+    from gradest import cli
+    from gradest.harness import race as race_module
+    from gradest.run_folder import RunRecord, claim_run_folder
+
+    def interrupted_after_a_point(task, specs, *, out, **kwargs):
+        with claim_run_folder(out, RunRecord(command="gradest race")):
+            (out / "state").mkdir()
+            raise KeyboardInterrupt
+
+    def interrupted_at_once(task, specs, *, out, **kwargs):
+        with claim_run_folder(out, RunRecord(command="gradest race")):
+            raise KeyboardInterrupt
+
+    argv = ["race", "--model", "digits", "--budget", "1x", "--seeds", "1", "--quiet"]
+    monkeypatch.setattr(race_module, "race", interrupted_after_a_point)
+    assert cli.main([*argv, "--out", str(tmp_path / "kept")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gradest race: interrupted; its finished runs")
+    assert "rerun the same command" in err
+    assert len(err.splitlines()) == 1
+    monkeypatch.setattr(race_module, "race", interrupted_at_once)
+    assert cli.main([*argv, "--out", str(tmp_path / "none")]) == 130
+    assert capsys.readouterr().err.strip() == "gradest race: interrupted; nothing was written"
+    assert not (tmp_path / "none").exists()

@@ -49,6 +49,7 @@ __all__ = [
     "config_from_argv",
     "load_config",
     "run_settings",
+    "saved_setting_problem",
     "to_toml",
 ]
 
@@ -514,6 +515,42 @@ def _coerce(key: str, value: Any) -> Any:
     return value
 
 
+#: How a saved setting of each type is written in JSON (``recipe_state.json``).
+_SAVED_KINDS = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    tuple: "a list of strings",
+}
+
+
+def saved_setting_problem(key: str, value: Any) -> str | None:
+    """Why ``value``, read from a run's JSON record, cannot be the saved value of the
+    setting ``key`` (``"is 'x', not a number"``), or None. A saved setting has the JSON kind
+    :meth:`RecipeConfig.to_dict` writes for its type; strings are not parsed, as they are
+    on the command line and in TOML files."""
+    field = FIELDS.get(key)
+    if field is None:
+        return "is not a setting of this version of the recipes"
+    kind = _base_type(field.type)
+    wanted = _SAVED_KINDS.get(kind, kind.__name__)
+    if value is None:
+        return None if _optional(field.type) else f"is None, not {wanted}"
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    fits = {
+        bool: isinstance(value, bool),
+        int: number and isinstance(value, int),
+        float: number,
+        str: isinstance(value, str),
+        tuple: isinstance(value, list) and all(isinstance(item, str) for item in value),
+    }.get(kind, False)
+    if fits:
+        return None
+    shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+    return f"is {shown}, not {wanted}" + (" or None" if _optional(field.type) else "")
+
+
 def _canonical_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     """``values`` under the settings' own names (aliases and hyphens resolved); two names
     of one setting with different values are refused."""
@@ -545,20 +582,30 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """The settings of a TOML config file (top-level keys, or a ``[recipe]`` table).
 
     Read by gradest's one rule for files read back (:func:`gradest.files.read_text`): a
-    regular file of UTF-8 text, else one line naming it.
+    regular file of UTF-8 text, else one line naming it. Every key must be a setting and
+    every value of a kind its setting takes (checked here, so that the error names the
+    file and the setting); the values are returned as written.
     """
     file = Path(path)
+    source = f"config file {str(file)!r}"
     try:
         data = tomllib.loads(read_text(file, what="config file"))
     except MissingFile:
-        raise RecipeConfigError(f"config file {str(file)!r} does not exist") from None
+        raise RecipeConfigError(f"{source} does not exist") from None
     except InvalidValue as err:  # a folder, a pipe, a device, bytes that are not UTF-8
         raise RecipeConfigError(str(err)) from None
     except tomllib.TOMLDecodeError as err:
-        raise RecipeConfigError(f"config file {str(file)!r} is not valid TOML: {err}") from None
+        why = " ".join(str(err).split())
+        raise RecipeConfigError(f"{source} is not valid TOML: {why}") from None
     if set(data) == {"recipe"} and isinstance(data["recipe"], dict):
         data = data["recipe"]
-    return _canonical_keys(data, f"config file {str(file)!r}")
+    values = _canonical_keys(data, source)
+    for key, value in values.items():
+        try:
+            _coerce(key, value)
+        except RecipeConfigError as err:
+            raise RecipeConfigError(f"{source}: {err}") from None
+    return values
 
 
 def load_config(

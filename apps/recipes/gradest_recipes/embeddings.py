@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from gradest.errors import InvalidValue
+from gradest_recipes.file_schema import describe, file_bytes, load_torch_bytes
 
 __all__ = ["PromptEmbeddings", "load_embeddings", "required_keys", "tiny_embeddings"]
 
@@ -76,75 +77,104 @@ class PromptEmbeddings:
         )  # fmt: skip
 
 
+#: The tensors a file may hold, and how many dimensions each has.
+TENSOR_DIMS = {
+    "prompt_embeds": 3,
+    "pooled_prompt_embeds": 2,
+    "negative_prompt_embeds": 3,
+    "negative_pooled_prompt_embeds": 2,
+    "text_ids": 2,
+}
+
+
 def load_embeddings(path: str | Path, family: str, *, guided: bool) -> PromptEmbeddings:
     """Read and check a ``.pt`` embeddings file for ``family``.
 
+    Loaded with ``weights_only=True`` (a file that would run code when unpickled is
+    refused, its code never run) and checked field by field: ``format`` (when there) this
+    format, ``family`` (when there) this recipe's, ``prompts`` (when there) one string per
+    row, and each tensor of the table in the module docstring (those the family needs,
+    :func:`required_keys`, and any other one present) a floating-point tensor of its
+    number of dimensions whose sizes agree with ``prompt_embeds``.
+
     Raises:
-        ValueError: the file is missing, does not load, is for another family, or lacks a
-            key or has a shape that does not fit (the message names the key and the fix).
+        InvalidValue: one line naming the file and the key, and the fix; the file is left
+            as it is.
     """
     file = Path(path)
-    if not file.is_file():
-        raise InvalidValue(
-            f"setting embeddings={str(file)!r}: no such file; write one with "
-            f"python -m gradest_recipes.prompts (docs/recipes.md)"
+    shown = f"setting embeddings={str(file)!r}"
+
+    def refuse(field: str, why: str) -> InvalidValue:
+        return InvalidValue(
+            f"{shown}: {field} {why}; re-encode the prompts with python -m "
+            f"gradest_recipes.prompts (docs/recipes.md)"
         )
-    try:
-        data = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises many kinds for a damaged file
+
+    if not file.exists():
         raise InvalidValue(
-            f"setting embeddings={str(file)!r}: the file does not load: {err}"
-        ) from None
+            f"{shown}: no such file; write one with python -m gradest_recipes.prompts "
+            f"(docs/recipes.md)"
+        )
+    data = load_torch_bytes(file_bytes(file, refuse), refuse)
     if not isinstance(data, dict):
-        raise InvalidValue(
-            f"setting embeddings={str(file)!r}: expected a dict of tensors, got "
-            f"{type(data).__name__}"
-        )
+        raise refuse("the file", f"holds {describe(data)}, not a dict of tensors")
+    if "format" in data and data["format"] != FORMAT:
+        raise refuse("format", f"is {describe(data['format'])}, expected {FORMAT!r}")
     saved_family = data.get("family", family)
+    if not isinstance(saved_family, str):
+        raise refuse("family", f"is {describe(saved_family)}, not a family name")
     if saved_family != family:
         raise InvalidValue(
-            f"setting embeddings={str(file)!r} holds {saved_family!r} embeddings but this is "
-            f"the {family!r} recipe; encode the prompts with the {family} text encoders"
+            f"{shown}: family is {saved_family!r}: it holds {saved_family!r} embeddings but "
+            f"this is the {family!r} recipe; encode the prompts with the {family} text encoders"
         )
-    tensors = {k: v for k, v in data.items() if isinstance(v, Tensor)}
-    missing = [k for k in required_keys(family, guided) if k not in tensors]
+    missing = [k for k in required_keys(family, guided) if k not in data]
     if missing:
         why = " (classifier-free guidance needs the negative prompt's)" if guided else ""
         raise InvalidValue(
-            f"setting embeddings={str(file)!r} lacks {missing}{why}; it has "
-            f"{sorted(tensors)}. Re-encode with python -m gradest_recipes.prompts"
-            + (", or set guidance_scale = 1" if guided else "")
+            f"{shown} lacks {missing}{why}; it has {sorted(map(str, data))}. Re-encode with "
+            f"python -m gradest_recipes.prompts" + (", or set guidance_scale = 1" if guided else "")
         )
+    tensors: dict[str, Tensor] = {}
+    for key, dims in TENSOR_DIMS.items():
+        if key not in data:
+            continue
+        value = data[key]
+        if not isinstance(value, Tensor) or not value.is_floating_point() or value.ndim != dims:
+            wanted = f"a floating-point tensor of {dims} dimensions"
+            raise refuse(key, f"is {describe(value)}, not {wanted}")
+        tensors[key] = value
+    tensors.update({k: v for k, v in data.items() if isinstance(v, Tensor) and k not in tensors})
     prompt_embeds = tensors["prompt_embeds"]
-    if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] < 1:
-        raise InvalidValue(
-            f"setting embeddings={str(file)!r}: prompt_embeds must be [prompts, tokens, dim], "
-            f"got shape {tuple(prompt_embeds.shape)}"
-        )
-    count = prompt_embeds.shape[0]
-    prompts = data.get("prompts") or [f"prompt {i}" for i in range(count)]
+    count, tokens = prompt_embeds.shape[0], prompt_embeds.shape[1]
+    if count < 1:
+        raise refuse("prompt_embeds", f"has shape {tuple(prompt_embeds.shape)}: no prompts")
+    prompts = data.get("prompts", [f"prompt {i}" for i in range(count)])
+    if not isinstance(prompts, list | tuple) or not all(isinstance(p, str) for p in prompts):
+        raise refuse("prompts", f"is {describe(prompts)}, not a list of prompt strings")
     if len(prompts) != count:
-        raise InvalidValue(
-            f"setting embeddings={str(file)!r}: {len(prompts)} prompts but prompt_embeds has "
-            f"{count} rows"
-        )
+        raise refuse("prompts", f"has {len(prompts)} prompts but prompt_embeds has {count} rows")
     pooled = tensors.get("pooled_prompt_embeds")
-    if pooled is not None and (pooled.ndim != 2 or pooled.shape[0] != count):
-        raise InvalidValue(
-            f"setting embeddings={str(file)!r}: pooled_prompt_embeds must be [{count}, dim], "
-            f"got shape {tuple(pooled.shape)}"
-        )
+    if pooled is not None and pooled.shape[0] != count:
+        raise refuse("pooled_prompt_embeds", f"has shape {tuple(pooled.shape)}, not [{count}, dim]")
     for key in ("negative_prompt_embeds", "negative_pooled_prompt_embeds"):
         value = tensors.get(key)
         base = tensors.get(key[len("negative_") :])
-        if value is not None and base is not None and value.shape[1:] != base.shape[1:]:
-            raise InvalidValue(
-                f"setting embeddings={str(file)!r}: {key} has shape {tuple(value.shape)}, "
-                f"which does not match {key[len('negative_') :]} {tuple(base.shape)} past "
-                f"the first dimension (encode both with the same max_sequence_length)"
+        if value is None:
+            continue
+        if value.shape[0] < 1:
+            raise refuse(key, f"has shape {tuple(value.shape)}: no negative prompt")
+        if base is not None and value.shape[1:] != base.shape[1:]:
+            raise refuse(
+                key,
+                f"has shape {tuple(value.shape)}, which does not match "
+                f"{key[len('negative_') :]} {tuple(base.shape)} past the first dimension "
+                f"(encode both with the same max_sequence_length)",
             )
-    return PromptEmbeddings(family=family, prompts=tuple(str(p) for p in prompts),
-                            tensors=tensors)  # fmt: skip
+    text_ids = tensors.get("text_ids")
+    if text_ids is not None and tuple(text_ids.shape) != (tokens, 3):
+        raise refuse("text_ids", f"has shape {tuple(text_ids.shape)}, not [{tokens}, 3]")
+    return PromptEmbeddings(family=family, prompts=tuple(prompts), tensors=tensors)
 
 
 def check_fits(embeddings: PromptEmbeddings, config: Any, where: str) -> None:

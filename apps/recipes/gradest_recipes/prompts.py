@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from gradest.errors import GradestError, InvalidValue, MissingDependency
+from gradest.files import read_text
 from gradest_recipes.config import FAMILIES
 from gradest_recipes.embeddings import PromptEmbeddings
 
@@ -193,13 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="T5 tokens (sd3: 256, flux: 512 by default; at most 512)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    try:
-        lines = Path(args.prompts).read_text("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise InvalidValue(
-            f"--prompts {args.prompts!r}: cannot read it ({err}); give a UTF-8 text file "
-            f"with one prompt per line"
-        ) from None
+    # gradest's rule for a text file read back: a regular file of UTF-8 text, else one line.
+    lines = read_text(args.prompts, what="--prompts").splitlines()
     prompts = [line.strip() for line in lines if line.strip()]
     if not prompts:
         raise InvalidValue(f"--prompts {args.prompts!r} has no prompts; write one per line")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import json
 import logging
 import math
 import os
@@ -60,11 +59,11 @@ from gradest.run_folder import (
 from gradest_recipes.checkpoints import (
     FullStateAdamW,
     abandon_newer,
+    check_checkpoint_files,
     checkpoint_dirs,
-    checkpoint_lineage,
     export_lora,
-    find_checkpoint,
     holds_checkpoint,
+    load_checkpoint,
     lora_tensors,
     register_lora_hooks,
     save_checkpoint,
@@ -80,6 +79,16 @@ from gradest_recipes.config import (
 )
 from gradest_recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
 from gradest_recipes.families import Family, build_family, guided, shard_denoiser
+from gradest_recipes.records import (
+    DONE_FILE,
+    LOG_FILE,
+    DoneRecord,
+    RecipeState,
+    find_checkpoint,
+    log_step,
+    read_done,
+    read_log,
+)
 from gradest_recipes.rewards import Reward, decode_images, resolve_reward, reward_objective
 from gradest_recipes.rl_objectives import RLObjective, per_sample_reward, supports_stepwise
 
@@ -101,10 +110,10 @@ def generator_for(seed: int, *keys: int) -> torch.Generator:
 def saved_settings(resume: str) -> dict[str, Any]:
     """The settings a run saved in its newest checkpoint (for ``--resume``); ``out`` is
     the run folder that holds the checkpoint (where the run continues unless told)."""
-    folder, state = find_checkpoint(resume)
-    settings = {k: v for k, v in state["config"].items() if k not in NOT_SAVED}
-    if folder.parent.name == "checkpoints":
-        settings["out"] = str(folder.parent.parent)
+    state = find_checkpoint(resume)
+    settings = dict(state.config)
+    if state.folder.parent.name == "checkpoints":
+        settings["out"] = str(state.folder.parent.parent)
     return settings
 
 
@@ -285,14 +294,14 @@ def _parallel(model: torch.nn.Module) -> str:
     return "ddp" if isinstance(model, DistributedDataParallel) else "none"
 
 
-def _check_resume(family: str, config: RecipeConfig, state: dict[str, Any]) -> None:
-    if state.get("family") != family:
+def _check_resume(family: str, config: RecipeConfig, state: RecipeState) -> None:
+    if state.family != family:
         raise RecipeConfigError(
-            f"setting resume={config.resume!r}: that run is the {state.get('family')!r} "
+            f"setting resume={config.resume!r}: that run is the {state.family!r} "
             f"recipe, this is {family!r}"
         )
     now = config.to_dict()
-    for key, value in state["config"].items():
+    for key, value in state.config.items():
         if key in MAY_CHANGE_ON_RESUME:
             continue
         if now.get(key) != value:
@@ -324,25 +333,29 @@ class _Start:
 
     Attributes:
         record: the run's identity (``run.json``).
-        resume_from: the checkpoint resumed (its folder and its recipe state), or None.
+        resume_from: the recipe state of the checkpoint resumed, or None.
         in_place: the checkpoint lies in the run's own out folder (the run continues
             there); False for a new run and for a checkpoint of another folder (the run
             continues from it in a new or empty out folder).
+        done: the folder's ``done.json`` (a run continued in place), or None.
     """
 
     record: RunRecord
-    resume_from: tuple[Path, dict[str, Any]] | None
+    resume_from: RecipeState | None
     in_place: bool
+    done: DoneRecord | None = None
 
 
 def _start_of(family: str, config: RecipeConfig) -> _Start:
     """Where ``config``'s run starts, and its record: only reads (the resumed checkpoint's
-    state and settings are checked here, before the folder is claimed)."""
+    state and settings are checked here, before the folder is claimed; so are the
+    ``done.json`` and ``log.jsonl`` of a run continued in place)."""
     if not config.resume:
         return _Start(record=run_record(family, config), resume_from=None, in_place=False)
-    folder, state = find_checkpoint(config.resume)
+    state = find_checkpoint(config.resume)
+    folder = state.folder
     _check_resume(family, config, state)
-    lineage = checkpoint_lineage(folder, state)
+    lineage = state.lineage
     out = Path(config.out)
     in_place = holds_checkpoint(out, folder)
     if in_place and not (out / RUN_RECORD).is_file():
@@ -352,10 +365,17 @@ def _start_of(family: str, config: RecipeConfig) -> _Start:
             f"checkpoint in a new folder: --resume_from_checkpoint {shlex.quote(str(folder))} "
             f"--output_dir NEW"
         )
-    if not in_place:  # continued from another folder's checkpoint: part of this run's identity
+    done = None
+    if in_place:  # what the run wrote besides its checkpoints, read before anything is written
+        done = read_done(out / DONE_FILE)
+        read_log(out / LOG_FILE)
+    else:  # continued from another folder's checkpoint: part of this run's identity
         lineage = (*lineage, *lineage_of([folder]))
     return _Start(
-        record=run_record(family, config, lineage), resume_from=(folder, state), in_place=in_place
+        record=run_record(family, config, lineage),
+        resume_from=state,
+        in_place=in_place,
+        done=done,
     )
 
 
@@ -586,28 +606,7 @@ class _Run:
                 "setting mixed_precision='fp16' is invalid on a CPU (torch autocasts CPUs to "
                 "bf16 only); use 'bf16' or 'no' there, 'fp16' on a GPU"
             )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.out = Path(config.out)
-        self.start = start
-        self.resume_from = start.resume_from
-        resume_step = int(start.resume_from[1]["step"]) if start.resume_from else 0
-        self.accelerator = accelerator = Accelerator(
-            mixed_precision=config.mixed_precision,
-            gradient_accumulation_steps=config.gradient_accumulation,
-            cpu=_on_cpus(world),
-            log_with=_trackers(family_name, config, self.out, resume_step) or None,
-        )
-        _check_fsdp(config, accelerator, world)
-        if self.resume_from is not None and start.in_place:
-            # This run's own newer checkpoints: kept aside (never another folder's: a run
-            # resumed from another folder's checkpoint starts in a new or empty one).
-            folder, state = self.resume_from
-            if accelerator.is_main_process:
-                for moved in abandon_newer(self.out, int(state["step"]), resumed_from=folder):
-                    print(f"resuming from step {state['step']}: the newer checkpoint was "
-                          f"moved to {moved}", file=sys.stderr)  # fmt: skip
-            accelerator.wait_for_everyone()
-        set_seed(config.seed)  # LoRA's random init
+        # The prompt embeddings file is read before anything is written in the run folder.
         self.embeddings: PromptEmbeddings = (
             tiny_embeddings(family_name)
             if config.tiny
@@ -615,6 +614,19 @@ class _Run:
                 config.embeddings or "", family_name, guided=guided(family_name, config)
             )
         )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.out = Path(config.out)
+        self.start = start
+        self.resume_from = start.resume_from
+        resume_step = start.resume_from.step if start.resume_from else 0
+        self.accelerator = accelerator = Accelerator(
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_steps=config.gradient_accumulation,
+            cpu=_on_cpus(world),
+            log_with=_trackers(family_name, config, self.out, resume_step) or None,
+        )
+        _check_fsdp(config, accelerator, world)
+        set_seed(config.seed)  # LoRA's random init
         self.family: Family = build_family(
             family_name,
             config,
@@ -667,34 +679,69 @@ class _Run:
             num_cycles=config.lr_num_cycles,
             power=config.lr_power,
         )
-        accelerator.register_for_checkpointing(self.lr_scheduler)
+        # What accelerate checkpoints besides the model and the optimizer, in its order
+        # (custom_checkpoint_N.pkl), each with whether it checks its own saved state.
+        self.checkpointed: list[tuple[Any, bool]] = []
+        self._checkpoint_with(self.lr_scheduler)
         self.ema: Any = None
         if config.use_ema:
             from diffusers.training_utils import EMAModel
 
             self.ema = EMAModel(trainable, decay=config.ema_decay)
-            accelerator.register_for_checkpointing(self.ema)
+            self._checkpoint_with(self.ema)
         if is_stateful(self.estimator):
             # auto's schedule (its picks and probes so far) is part of the run: without it a
-            # resumed run would probe again at other steps.
-            accelerator.register_for_checkpointing(_EstimatorState(self.estimator, self.model))
-        self.log = JsonLog(self.out / "log.jsonl") if accelerator.is_main_process else None
-        if accelerator.is_main_process:
-            atomic_write_text(self.out / "config.toml", to_toml(config))
+            # resumed run would probe again at other steps. Its length varies: the
+            # estimator's own load_state_dict checks it.
+            self._checkpoint_with(_EstimatorState(self.estimator, self.model), checks_itself=True)
+        self.log = JsonLog(self.out / LOG_FILE) if accelerator.is_main_process else None
         self.step = 0
         if self.resume_from is not None:
-            folder, state = self.resume_from
-            accelerator.load_state(str(folder))
-            if self.ema is not None:
-                self.ema.to(accelerator.device)
-            # The schedule is a function of ``steps``, which a resume may change: the lr of
-            # the next step from the loaded position under this run's schedule.
-            self.lr_scheduler.last_epoch -= 1
-            self.lr_scheduler.step()
-            self.step = int(state["step"])
-            if self.log is not None:
-                self.log.keep(lambda record: record.get("step", 0) <= self.step)
+            self._resume(self.resume_from)
+        if accelerator.is_main_process:
+            atomic_write_text(self.out / "config.toml", to_toml(config))
         accelerator.init_trackers(f"gradest-recipes-{family_name}", config=_hparams(config))
+
+    def _checkpoint_with(self, obj: Any, *, checks_itself: bool = False) -> None:
+        self.accelerator.register_for_checkpointing(obj)
+        self.checkpointed.append((obj, checks_itself))
+
+    def _resume(self, resumed: RecipeState) -> None:
+        """Load the checkpoint ``resumed``: every file is read and checked first
+        (:func:`check_checkpoint_files`; a damaged or foreign one is one line, and nothing
+        in the run folder has changed), then accelerate loads them. A run continued in
+        its own folder then sets its newer checkpoints aside and cuts its log back."""
+        from accelerate.utils import DistributedType
+
+        accelerator = self.accelerator
+        # accelerate's own FSDP (GPUs) saves the sharded model and optimizer in its formats.
+        if accelerator.distributed_type != DistributedType.FSDP:
+            check_checkpoint_files(
+                resumed.folder,
+                optimizer=self.optimizer,
+                custom=self.checkpointed,
+                process_index=accelerator.process_index,
+                scaler=getattr(accelerator, "scaler", None),
+            )
+        load_checkpoint(accelerator, resumed.folder)
+        if self.ema is not None:
+            self.ema.to(accelerator.device)
+        # The schedule is a function of ``steps``, which a resume may change: the lr of
+        # the next step from the loaded position under this run's schedule.
+        self.lr_scheduler.last_epoch -= 1
+        self.lr_scheduler.step()
+        self.step = resumed.step
+        if self.start.in_place:
+            # This run's own newer checkpoints: kept aside (never another folder's: a run
+            # resumed from another folder's checkpoint starts in a new or empty one).
+            if accelerator.is_main_process:
+                for moved in abandon_newer(self.out, resumed.step, resumed_from=resumed.folder):
+                    print(f"resuming from step {resumed.step}: the newer checkpoint was "
+                          f"moved to {moved}", file=sys.stderr)  # fmt: skip
+            accelerator.wait_for_everyone()
+        log = self.log
+        if log is not None:
+            log.keep(lambda record: log_step(record, log.path) <= self.step)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -904,19 +951,17 @@ class _Run:
         accelerator.end_training()
 
 
-# Written last, after the final LoRA export: a run folder without it was stopped before
-# its export finished, and resuming it at its last step finishes the export.
-DONE_FILE = "done.json"
-
-
 def _write_done(run: _Run) -> None:
-    summary = {
-        "step": run.step,
-        "out": str(run.out),
-        "processes": run.accelerator.num_processes,
-        "parallel": run.parallel,
-    }
-    atomic_write_text(run.out / DONE_FILE, json.dumps(summary) + "\n")
+    """``done.json`` (:class:`DoneRecord`), written last, after the final LoRA export: a
+    run folder without it, or whose record is of an earlier step, was stopped before its
+    export finished, and resuming it at its last step finishes the export."""
+    record = DoneRecord(
+        step=run.step,
+        out=str(run.out),
+        processes=run.accelerator.num_processes,
+        parallel=run.parallel,
+    )
+    atomic_write_text(run.out / DONE_FILE, record.to_json())
 
 
 def train(family: str, config: RecipeConfig) -> _Run:
@@ -942,7 +987,8 @@ def train(family: str, config: RecipeConfig) -> _Run:
 def _train(family: str, run: _Run) -> _Run:
     """The loop of :func:`train`, in the claimed folder."""
     config = run.config
-    if run.step == config.steps and not (run.out / DONE_FILE).exists():
+    done = run.start.done
+    if run.step == config.steps and (done is None or done.step != run.step):
         # Killed after its last checkpoint but before the export: finish the export only.
         run.finish()
         if run.accelerator.is_main_process:
@@ -983,6 +1029,6 @@ def _train(family: str, run: _Run) -> _Run:
         _write_done(run)
         print(
             f"{family}: {run.step} steps done, last reward {values['reward']:.4g}; "
-            f"LoRA weights {run.out / 'lora' / LORA_FILE}, log {run.out / 'log.jsonl'}"
+            f"LoRA weights {run.out / 'lora' / LORA_FILE}, log {run.out / LOG_FILE}"
         )
     return run

@@ -1,4 +1,7 @@
-"""The ``auto`` estimator: probes, picks within a budget, caches, rechecks, explains."""
+"""The ``auto`` estimator: probes, picks within a budget, caches, rechecks, explains.
+
+Each test builds its own ``Auto`` instances, which own their schedules: no cache to clear
+between tests (tests/test_auto_state.py: the schedules object itself)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import torch
 
 import gradest
 from gradest.errors import InvalidType, InvalidValue
-from gradest.harness.auto import Auto, AutoDecisions, clear_cache
+from gradest.harness.auto import Auto, AutoDecisions
 from gradest.reference import relative_error
 from gradest.testing.problems import (
     random_stepwise_objective,
@@ -17,13 +20,6 @@ from gradest.testing.problems import (
 )
 
 DIM, BATCH, STEPS = 3, 4, 8
-
-
-@pytest.fixture(autouse=True)
-def fresh_cache():
-    clear_cache()
-    yield
-    clear_cache()
 
 
 @pytest.fixture
@@ -135,14 +131,18 @@ def test_the_choice_is_cached_per_model_signature(setup):
     model, flow, objective = setup
     first = Auto(candidates=("exact", "sdo"), draws=2)
     assert first.estimate(model, flow, objective, noise=noise(0)).decisions.probing
-    # A new instance with the same options continues the schedule on the same model...
-    again = Auto(candidates=("exact", "sdo"), draws=2)
+    # The instance continues its schedule on the same model...
+    again = first
     assert not again.estimate(model, flow, objective, noise=noise(1)).decisions.probing
     # ...but another model (other parameter shapes) or sampler grid is probed anew.
     other = tiny_mlp(DIM, hidden=6)
     assert again.estimate(other, flow, objective, noise=noise(1)).decisions.probing
     longer = gradest.RectifiedFlow(steps=STEPS + 2)
     assert again.estimate(model, longer, objective, noise=noise(1)).decisions.probing
+    # A new instance with the same options starts a schedule of its own: it probes.
+    fresh = Auto(candidates=("exact", "sdo"), draws=2)
+    assert fresh == first
+    assert fresh.estimate(model, flow, objective, noise=noise(2)).decisions.probing
 
 
 def test_a_second_model_instance_probes_again_the_same_model_reuses_its_pick(setup):
@@ -165,8 +165,10 @@ def test_reset_and_replaced_parameters_probe_again(setup):
     for auto in (est, other):
         auto.estimate(model, flow, objective, noise=noise(0))
         assert not auto.estimate(model, flow, objective, noise=noise(1)).decisions.probing
-    # reset() forgets this configuration's picks (any equal instance's), not others'.
+    # reset() forgets this instance's picks; an equal instance's reset() leaves them.
     Auto(candidates=("exact", "truncated:k=1"), draws=2).reset()
+    assert not est.estimate(model, flow, objective, noise=noise(2)).decisions.probing
+    est.reset()
     assert est.estimate(model, flow, objective, noise=noise(2)).decisions.probing
     assert not other.estimate(model, flow, objective, noise=noise(2)).decisions.probing
     # reset(model) on another model leaves this one's pick alone.

@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradest
-from gradest.harness.auto import clear_cache
 from gradest.registry import builtin_estimators
 from gradest.testing.problems import seeded_normal, tiny_mlp
 
@@ -84,13 +83,6 @@ def _syncs(spec: str, kind: str, steps: int, verb: str, *, warm: bool = False) -
     return counter.count
 
 
-@pytest.fixture(autouse=True)
-def _fresh_auto_cache():
-    clear_cache()
-    yield
-    clear_cache()
-
-
 @pytest.mark.parametrize("verb", ["surrogate", "estimate"])
 @pytest.mark.parametrize("kind", ["terminal", "stepwise"])
 @pytest.mark.parametrize("spec", VARIANTS)
@@ -98,8 +90,7 @@ def test_host_syncs_per_call_do_not_grow_with_the_number_of_steps(spec, kind, ve
     if not _supports(spec, kind):
         pytest.skip(f"{spec} is not defined for {kind} objectives")
     warm = spec == "auto"
-    small = _syncs(spec, kind, SMALL, verb, warm=warm)
-    clear_cache()
+    small = _syncs(spec, kind, SMALL, verb, warm=warm)  # each builds its own estimator
     large = _syncs(spec, kind, LARGE, verb, warm=warm)
     assert small == large, f"{spec} {kind} {verb}: {small} syncs at N={SMALL}, {large} at {LARGE}"
     assert large <= BOUND, f"{spec} {kind} {verb}: {large} host syncs per call"
@@ -110,8 +101,7 @@ def test_host_syncs_per_call_do_not_grow_with_the_number_of_steps(spec, kind, ve
 def test_an_auto_probe_makes_as_many_syncs_at_any_number_of_steps(kind, verb):
     """auto's probing call runs every candidate a few times and compares them (statistics
     on the host), but its syncs do not grow with N either."""
-    small = _syncs("auto", kind, SMALL, verb)
-    clear_cache()
+    small = _syncs("auto", kind, SMALL, verb)  # each builds its own estimator (a new schedule)
     assert small == _syncs("auto", kind, LARGE, verb)
 
 

@@ -48,7 +48,6 @@ from gradest.conditioning import (
     tensor_leaves,
     with_tensor_leaves,
 )
-from gradest.harness import auto
 from gradest.protocol import check_steps, supports
 from gradest.reference import relative_error
 from gradest.registry import builtin_estimators
@@ -210,7 +209,6 @@ def run(spec, model, cond, objective, kind, call):
 @pytest.mark.parametrize("call", ["estimate", "surrogate"])
 @pytest.mark.parametrize("spec", specs_at(STEPS))
 def test_nested_cond_gives_the_flat_gradient(spec, call):
-    auto.clear_cache()
     nested_model = NestedModel()
     flat_model = FlatModel(NestedModel())
     flat = flat_cond()
@@ -521,7 +519,6 @@ UNET_SPECS = [spec for spec in specs_at(UNET_STEPS) if spec != "auto"]
 
 @pytest.mark.parametrize("spec", UNET_SPECS)
 def test_every_estimator_runs_an_sdxl_step_equal_to_the_handwritten_ddim_loop(sdxl, spec):
-    auto.clear_cache()
     est = gradest.estimator(spec)
     generator = torch.Generator().manual_seed(1)
     result = est.estimate(

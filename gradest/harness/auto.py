@@ -38,14 +38,17 @@ recipes show these lines when ``--estimator auto``). Units are model units, forw
 as :meth:`gradest.Cost.model_units` counts them (an exact call is ``3N`` of them).
 ``probe_budget`` bounds one probing call's units; see :class:`Auto`.
 
-The choice is cached per model *instance* (a weak reference: the cache never keeps a
-model alive) and its trainable parameters' identity (names, object ids, shapes and dtypes
-of the parameters with ``requires_grad``: a differently initialised second model, or one
-whose parameters were replaced, probes again), the sampler and its grid, the objective
-kind, the state shape and the ``auto`` configuration, so a new ``auto`` instance in the
-next training step continues the same schedule. :meth:`Auto.reset` forgets this
-configuration's picks, :func:`clear_cache` every pick. Under data parallelism rank 0's
-choice is taken by every rank. ``info`` says what was used (``auto_choice``,
+The schedule belongs to the ``Auto`` instance (:class:`ProbeSchedules`, thread-safe; no
+module state): build the estimator once and reuse it across training steps, as one does
+an optimizer; a new instance starts a new schedule (it probes again). Within an instance
+the choice is kept per model *instance* (a weak reference: it never keeps a model alive)
+and its trainable parameters' identity (names, object ids, shapes and dtypes of the
+parameters with ``requires_grad``: a differently initialised second model, or one whose
+parameters were replaced, probes again), the sampler and its grid, the objective kind and
+the state shape. :meth:`Auto.reset` forgets the instance's picks (on one model, or all);
+:meth:`Auto.state_dict` / :meth:`Auto.load_state_dict` save and restore one model's
+schedule (a checkpoint); a copy or an unpickled ``Auto`` starts with none. Under data
+parallelism rank 0's choice is taken by every rank. ``info`` says what was used (``auto_choice``,
 ``auto_probing``), what was picked and why (``auto_selected``, ``auto_reason``), every
 candidate's measurements (``auto_measurements``) and the probe's work
 (``auto_probe_planned_units``, ``auto_probe_units``, ``auto_probe_draws``,
@@ -158,37 +161,67 @@ class _Schedule:
 
 _LOG = logging.getLogger("gradest.auto")
 
-# model -> {(auto configuration, parameter identity, sampler, kind, shape): schedule}. Weak
-# in the model, so a model that is dropped takes its cached picks with it; a model that
-# cannot be weakly referenced is kept in _STRONG (alive for as long as its picks are).
-_SCHEDULES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _Schedule]] = (
-    weakref.WeakKeyDictionary()
-)
-_STRONG: dict[int, tuple[Any, dict[tuple[Any, ...], _Schedule]]] = {}
-_LOCK = threading.Lock()
+Signature = tuple[Any, ...]
+"""What a schedule is kept by within one model (:func:`_signature`)."""
 
 
-def _schedules_of(model: Any) -> dict[tuple[Any, ...], _Schedule]:
-    """The cached schedules of ``model`` (created empty); call under ``_LOCK``."""
-    try:
-        per_model = _SCHEDULES.get(model)
-        if per_model is None:
-            per_model = _SCHEDULES[model] = {}
-        return per_model
-    except TypeError:  # not weakly referenceable
-        return _STRONG.setdefault(id(model), (model, {}))[1]
+class ProbeSchedules:
+    """The probe schedules of one :class:`Auto` instance: model -> {signature: schedule}.
 
+    Weak in the model, so a model that is dropped takes its schedules with it; a model
+    that cannot be weakly referenced is held strongly (alive for as long as its schedules
+    are, until :meth:`reset`). Thread-safe: the mapping and every schedule in it are read
+    and written under :attr:`lock` (one lock per instance, never held while a model runs).
 
-def _all_schedules() -> list[dict[tuple[Any, ...], _Schedule]]:
-    return [*_SCHEDULES.values(), *(entry[1] for entry in _STRONG.values())]
+    A copy (``copy.copy``, ``copy.deepcopy``, pickle; of the ``Auto`` that owns it too)
+    starts empty: a schedule is kept by model *objects* and their parameters' ids, which a
+    copy (another process, copied models) does not share. To carry a schedule over, use
+    :meth:`Auto.state_dict` / :meth:`Auto.load_state_dict`, which name the parameters.
+    """
 
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._weak: weakref.WeakKeyDictionary[Any, dict[Signature, _Schedule]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._strong: dict[int, tuple[Any, dict[Signature, _Schedule]]] = {}
 
-def clear_cache() -> None:
-    """Forget every cached choice of every ``auto`` configuration on every model (tests;
-    a paired benchmark's next seed; a model whose behaviour changed completely)."""
-    with _LOCK:
-        _SCHEDULES.clear()
-        _STRONG.clear()
+    def __reduce__(self) -> tuple[type[ProbeSchedules], tuple[()]]:
+        return (type(self), ())  # a copy starts empty (see the class)
+
+    def for_model(self, model: Any) -> dict[Signature, _Schedule]:
+        """The schedules of ``model`` (created empty); call under :attr:`lock`."""
+        try:
+            per_model = self._weak.get(model)
+            if per_model is None:
+                per_model = self._weak[model] = {}
+            return per_model
+        except TypeError:  # not weakly referenceable
+            return self._strong.setdefault(id(model), (model, {}))[1]
+
+    def replace(self, model: Any, schedules: Mapping[Signature, _Schedule]) -> None:
+        """Make ``schedules`` the whole of ``model``'s, under the lock."""
+        with self.lock:
+            table = self.for_model(model)
+            table.clear()
+            table.update(schedules)
+
+    def reset(self, model: Any = None) -> None:
+        """Forget the schedules of ``model``, or of every model when None."""
+        with self.lock:
+            if model is None:
+                self._weak.clear()
+                self._strong.clear()
+                return
+            try:
+                self._weak.pop(model, None)
+            except TypeError:  # not weakly referenceable
+                self._strong.pop(id(model), None)
+
+    def __len__(self) -> int:
+        """How many models have schedules here."""
+        with self.lock:
+            return len(self._weak) + len(self._strong)
 
 
 @attrs.frozen
@@ -284,28 +317,48 @@ class Auto(EstimatorBase):
     def __attrs_post_init__(self) -> None:
         from gradest.registry import estimator  # the registry imports the strategies
 
+        self._own_schedules()
         for spec in self.candidates:
             if spec.partition(":")[0] == self.name:
                 raise InvalidValue(f"estimator 'auto': candidates={self.candidates!r} holds auto")
             estimator(spec)  # an unknown name or a bad option fails here, not mid-training
 
+    # -- the schedules this instance owns ----------------------------------------------------
+
+    # Not an attrs field (nor annotated here, which would make it one): the options are
+    # the fields, which specs, equality, hashing, the repr, `gradest list` and
+    # `option_names` read, and the schedules are state, not an option. The instance keeps
+    # them in its __dict__ (EstimatorBase has no __slots__); pickling and copying carry the
+    # options only, and the copy gets new, empty schedules (see ProbeSchedules).
+
+    def _own_schedules(self) -> None:
+        object.__setattr__(self, "_schedules", ProbeSchedules())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in attrs.fields(type(self))}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._own_schedules()
+
+    @property
+    def schedules(self) -> ProbeSchedules:
+        """This instance's probe schedules (its picks, calls and probes, per model)."""
+        schedules: ProbeSchedules = self.__dict__["_schedules"]
+        return schedules
+
     def reset(self, model: torch.nn.Module | None = None) -> None:
-        """Forget this configuration's cached picks (every instance with the same options
-        shares them), on ``model`` only when given: the next call probes again.
-        :func:`clear_cache` forgets every configuration's."""
-        mine = repr(self)
-        with _LOCK:
-            tables = [_schedules_of(model)] if model is not None else _all_schedules()
-            for table in tables:
-                for key in [key for key in table if key[0] == mine]:
-                    del table[key]
+        """Forget this instance's picks, on ``model`` only when given: the next call
+        probes again. Other instances (equal ones included) keep theirs."""
+        self.schedules.reset(model)
 
     # -- the schedule of one model, saved and restored (resume bit for bit) ------------------
 
     STATE_FORMAT: ClassVar[str] = "gradest.auto.schedule/1"
 
     def state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        """This configuration's cached schedules on ``model``, as plain data: the pick, the
+        """This instance's schedules on ``model``, as plain data: the pick, the
         reason, the calls so far, the probe in progress and its measurements.
 
         Saved in a training checkpoint (``torch.save``; it loads with ``weights_only=True``)
@@ -315,41 +368,38 @@ class Auto(EstimatorBase):
         instance with the same trainable parameters.
         """
         mine = repr(self)
-        with _LOCK:
-            table = dict(_schedules_of(model))
         schedules = []
-        for key, schedule in table.items():
-            if key[0] != mine:
-                continue
-            model_name, params, *rest = key[1:]
-            schedules.append(
-                {
-                    "signature": [
-                        model_name,
-                        [[name, list(shape), dtype] for name, _, shape, dtype in params],
-                        *[list(part) if isinstance(part, tuple) else part for part in rest],
-                    ],
-                    "choice": schedule.choice,
-                    "reason": schedule.reason,
-                    "calls": schedule.calls,
-                    "probes_done": schedule.probes_done,
-                    "measured": {
-                        spec: {
-                            "progress": list(m.progress),
-                            "bias": list(m.bias),
-                            "cost": list(m.cost),
-                        }
-                        for spec, m in schedule.measured.items()
-                    },
-                    "exact_grads": [g.detach().clone() for g in schedule.exact_grads],
-                    "table": {spec: dict(row) for spec, row in schedule.table.items()},
-                }
-            )
+        with self.schedules.lock:  # a consistent copy, even while another thread probes
+            for key, schedule in self.schedules.for_model(model).items():
+                model_name, params, *rest = key
+                schedules.append(
+                    {
+                        "signature": [
+                            model_name,
+                            [[name, list(shape), dtype] for name, _, shape, dtype in params],
+                            *[list(part) if isinstance(part, tuple) else part for part in rest],
+                        ],
+                        "choice": schedule.choice,
+                        "reason": schedule.reason,
+                        "calls": schedule.calls,
+                        "probes_done": schedule.probes_done,
+                        "measured": {
+                            spec: {
+                                "progress": list(m.progress),
+                                "bias": list(m.bias),
+                                "cost": list(m.cost),
+                            }
+                            for spec, m in schedule.measured.items()
+                        },
+                        "exact_grads": [g.detach().clone() for g in schedule.exact_grads],
+                        "table": {spec: dict(row) for spec, row in schedule.table.items()},
+                    }
+                )
         return {"format": self.STATE_FORMAT, "auto": mine, "schedules": schedules}
 
     def load_state_dict(self, model: torch.nn.Module, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s schedules on ``model`` (replacing this
-        configuration's cached ones there).
+        """Restore :meth:`state_dict`'s schedules on ``model`` (replacing this instance's
+        schedules there).
 
         Raises:
             InvalidValue: ``state`` is not an ``auto`` schedule of this configuration, or
@@ -379,7 +429,6 @@ class Auto(EstimatorBase):
                     )
                 identity.append((name, id(p), tuple(shape), dtype))
             key = (
-                mine,
                 model_name,
                 tuple(identity),
                 *[tuple(part) if isinstance(part, list) else part for part in rest],
@@ -398,11 +447,7 @@ class Auto(EstimatorBase):
                 exact_grads=list(saved["exact_grads"]),
                 table={spec: dict(row) for spec, row in saved["table"].items()},
             )
-        with _LOCK:
-            table = _schedules_of(model)
-            for key in [key for key in table if key[0] == mine]:
-                del table[key]
-            table.update(restored)
+        self.schedules.replace(model, restored)
 
     # -- the two entry points delegate ----------------------------------------------------
 
@@ -457,9 +502,9 @@ class Auto(EstimatorBase):
 
         self._refuse_symbolic(model, inputs)
         kind = "terminal" if isinstance(objective, TerminalObjective) else "stepwise"
-        key = (repr(self), *_signature(model, sampler, kind, inputs))
-        with _LOCK:
-            schedule = _schedules_of(model).setdefault(key, _Schedule())
+        key = _signature(model, sampler, kind, inputs)
+        with self.schedules.lock:
+            schedule = self.schedules.for_model(model).setdefault(key, _Schedule())
             schedule.calls += 1
             due = schedule.choice is None or (schedule.calls - 1) % self.recheck_every == 0
             if due and schedule.choice is not None:
@@ -660,7 +705,7 @@ class Auto(EstimatorBase):
                 continue
             units = mean_of(from_noise_units if sampled is not None else on_path)
             measured[spec] = (flats, units / exact_units)
-        with _LOCK:
+        with self.schedules.lock:
             schedule.exact_grads.append(reference)
             moment = second_moment(schedule.exact_grads, TensorLayout.of(exact.grads))
             for spec, (flats, cost) in measured.items():
@@ -810,7 +855,7 @@ def _no_probe() -> dict[str, Any]:
 
 def _signature(
     model: torch.nn.Module, sampler: AffineSampler, kind: str, inputs: Mapping[str, Any]
-) -> tuple[Any, ...]:
+) -> Signature:
     """What the choice is cached by within one model instance: the trainable parameters'
     identity (names, object ids, shapes, dtypes: replaced parameters probe again), the
     sampler and its grid, the objective kind and the state shape."""
@@ -827,4 +872,4 @@ def _signature(
     return (type(model).__name__, params, type(sampler).__name__, grid, kind, shape)
 
 
-__all__ = ["Auto", "AutoDecisions", "clear_cache"]
+__all__ = ["Auto", "AutoDecisions", "ProbeSchedules"]

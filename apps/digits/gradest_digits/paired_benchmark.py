@@ -46,7 +46,6 @@ from tqdm import tqdm
 
 import gradest
 from gradest.files import atomic_write_text
-from gradest.harness.auto import clear_cache as clear_auto_cache
 from gradest.harness.cost import count_flops, retained_activation_bytes
 from gradest.harness.tensor_metrics import (
     TensorLayout,
@@ -184,8 +183,8 @@ def run_seed(
     flops: int,
 ) -> dict[str, dict[str, Any]]:
     """Every estimator's fine-tuning on this seed, advanced in lockstep (see the module)."""
-    # Each seed is a training run of its own: auto probes (and pays for it) in each.
-    clear_auto_cache()
+    # Each seed is a training run of its own: start_run builds each run's estimator, so
+    # auto probes (and pays for it) in each.
     reward = ClassifierReward(load_digit_classifier(device=args.device), args.target)
     runs = {}
     for spec in specs:

@@ -220,16 +220,13 @@ AUTO = "auto:candidates=(sdo,truncated:k=1),recheck_every=3,draws=2"
 def test_a_killed_and_resumed_auto_run_ends_bitwise_as_the_uninterrupted_one(
     tmp_path, capsys, tiny_digits_assets
 ):
-    from gradest.harness.auto import clear_cache
-
+    # Each command builds its own estimator: the resumed one starts with no schedule and
+    # has only the checkpoint's.
     argv = [*RUN, "--estimator", AUTO]
-    clear_cache()
     code, err = cli(capsys, *argv, "--steps", "5", "--out", str(tmp_path / "whole"))
     assert code == 0, err
-    clear_cache()  # the resumed process starts with an empty cache
     code, err = cli(capsys, *argv, "--steps", "2", "--out", str(tmp_path / "cut"))
     assert code == 0, err
-    clear_cache()
     code, err = cli(capsys, "--resume", str(tmp_path / "cut"), "--steps", "5")
     assert code == 0, err
     whole, cut = records(tmp_path / "whole"), records(tmp_path / "cut")
@@ -247,9 +244,8 @@ def test_a_killed_and_resumed_auto_run_ends_bitwise_as_the_uninterrupted_one(
 
 def test_auto_exports_and_imports_one_models_schedule():
     import gradest
-    from gradest.harness.auto import Auto, clear_cache
+    from gradest.harness.auto import Auto
 
-    clear_cache()
     auto = gradest.estimator(AUTO)
     assert isinstance(auto, Auto)
     model, other = tiny_dit(), tiny_dit()

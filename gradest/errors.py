@@ -42,3 +42,11 @@ class SurrogateOutdated(GradestError, RuntimeError):
     between train and eval mode, since ``est.surrogate(...)`` built the loss
     (:mod:`gradest.model_state`). A ``RuntimeError``: torch's own errors in a backward are.
     """
+
+
+def first_line(err: BaseException, *, limit: int = 200) -> str:
+    """The first line of ``err``'s message (at most ``limit`` characters), or its type's
+    name: what a one-line refusal quotes of an error raised deep inside a library (torch's
+    unpickler, a ``load_state_dict`` mismatch)."""
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:limit]

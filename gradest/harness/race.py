@@ -76,7 +76,7 @@ from torch import Tensor, nn
 
 from gradest import entry_points
 from gradest._checks import check_surrogate
-from gradest.errors import InvalidType, InvalidValue
+from gradest.errors import InvalidType, InvalidValue, first_line
 from gradest.files import (
     OutputError,
     atomic_save,
@@ -471,11 +471,6 @@ _STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:200]
-
-
 def _state_refused(path: Path, why: str) -> InvalidValue:
     return InvalidValue(
         f"race state {str(path)!r} {why}; it is kept as it is: move it away to rerun that run "
@@ -502,7 +497,7 @@ def read_run_state(path: Path, *, spec: str, seed: int) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many kinds for a damaged zip or a foreign pickle
-        raise _state_refused(path, f"does not load ({_first_line(err)})") from None
+        raise _state_refused(path, f"does not load ({first_line(err)})") from None
     if not isinstance(state, dict):
         raise _state_refused(path, f"holds a {type(state).__name__}, not a run's state")
     if state.get("schema") != RUN_STATE_SCHEMA:
@@ -628,7 +623,7 @@ class _Race:
             try:
                 run.restore(state)
             except (RuntimeError, KeyError, ValueError, TypeError) as err:
-                raise _state_refused(path, f"does not fit the run ({_first_line(err)})") from None
+                raise _state_refused(path, f"does not fit the run ({first_line(err)})") from None
         return run
 
     def finish(self, run: _Run, sampler: AffineSampler) -> None:

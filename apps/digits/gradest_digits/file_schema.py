@@ -25,14 +25,11 @@ from torch import Tensor
 
 from gradest.errors import InvalidValue
 
+# Re-exported for the readers here: the library's rule for quoting an error in one line.
+from gradest.errors import first_line as first_line
+
 # ``refuse(field, why)``: the reader's one-line error naming its file.
 Refuse = Callable[[str, str], InvalidValue]
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of ``err``'s message (at most 200 characters), or its type's name."""
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:200]
 
 
 def describe(value: Any) -> str:

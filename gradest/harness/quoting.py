@@ -19,6 +19,10 @@ Renderers (``KIND``):
 * ``tuned-time PATH [estimators=exact,sdo]``: its time-to-target table.
 * ``tuned-headline PATH [fraction=1]``: one paragraph: who beats exact at that budget.
 * ``tuned-lrs PATH``: the chosen learning rates and final rewards.
+* ``tuned-matrix PATH,PATH,... [fractions=0.25,0.5,1]``: the decision across tuned races
+  (tasks): per task and budget, who beats exact and by how much, who falls behind.
+* ``tuned-tally PATH,PATH,... [fractions=0.25,0.5,1]``: per estimator, on how many of those
+  tasks it was ahead of exact, level, or behind.
 * ``race-final PATH``: an untuned race's final table (reward, paired difference, share of
   the attainable gain, compute to 90% of exact's gain, drift).
 * ``race-fractions PATH``: an untuned race's reward and paired difference at every budget
@@ -58,6 +62,21 @@ def _load(root: Path, path: str) -> Any:
     kinds = {SCHEMA: "race report", TUNED_SCHEMA: "tuned race report"}
     schema = read_report_json(folder, kinds=kinds)["schema"]
     return TunedRaceReport.load(folder) if schema == TUNED_SCHEMA else RaceReport.load(folder)
+
+
+def _load_all(root: Path, paths: str) -> list[Any]:
+    """The tuned race reports of a comma-separated list of folders (a matrix block's PATH)."""
+    from gradest.harness.tuned_race import TunedRaceReport
+
+    reports = [_load(root, path) for path in paths.split(",")]
+    for path, report in zip(paths.split(","), reports, strict=True):
+        if not isinstance(report, TunedRaceReport):
+            raise InvalidValue(f"race-quote matrix: {path} is not a tuned race; give tuned races")
+    return reports
+
+
+def _fractions(options: Mapping[str, str], default: str) -> list[float]:
+    return [float(f) for f in options.get("fractions", default).split(",")]
 
 
 def _options(items: Sequence[str]) -> dict[str, str]:
@@ -210,6 +229,24 @@ def _race_fractions(report: Any, options: Mapping[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tuned_matrix(reports: Any, options: Mapping[str, str]) -> str:
+    from gradest.harness.tuned_race_page import matrix_table
+
+    return "\n".join(matrix_table(reports, _fractions(options, "0.25,0.5,1"))) + "\n"
+
+
+def _tuned_tally(reports: Any, options: Mapping[str, str]) -> str:
+    from gradest.harness.tuned_race_page import tally_table
+
+    return "\n".join(tally_table(reports, _fractions(options, "0.25,0.5,1"))) + "\n"
+
+
+# The renderers whose PATH is a comma-separated list of tuned race folders.
+_MATRIX_RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
+    "tuned-matrix": _tuned_matrix,
+    "tuned-tally": _tuned_tally,
+}
+
 _RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
     "tuned-decision": _tuned_decision,
     "tuned-time": _tuned_time,
@@ -223,11 +260,13 @@ _RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
 def render(root: Path, args: str) -> str:
     """The text of the block ``<!-- race-quote ARGS -->`` (``KIND PATH [key=value ...]``)."""
     words = args.split()
-    if len(words) < 2 or words[0] not in _RENDERERS:
+    if len(words) < 2 or words[0] not in {**_RENDERERS, **_MATRIX_RENDERERS}:
         raise InvalidValue(
             f"race-quote {args!r}: give KIND PATH [key=value ...], KIND one of "
-            f"{', '.join(_RENDERERS)}"
+            f"{', '.join([*_RENDERERS, *_MATRIX_RENDERERS])}"
         )
+    if words[0] in _MATRIX_RENDERERS:
+        return _MATRIX_RENDERERS[words[0]](_load_all(root, words[1]), _options(words[2:]))
     return _RENDERERS[words[0]](_load(root, words[1]), _options(words[2:]))
 
 

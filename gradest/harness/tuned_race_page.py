@@ -225,3 +225,77 @@ def time_to_target_table(
             f"| `{spec}` | {format_lr(entry['lr'])} | " + " | ".join(cells) + f" | {ratio_cell} |"
         )
     return lines
+
+
+def task_labels(configs: list[Mapping[str, Any]]) -> list[str]:
+    """A short label per race: its task's name and the settings in which it differs from the
+    other races of the same task (``digits target=5``), so a matrix row says what varied."""
+    labels = []
+    for config in configs:
+        same_task = [c["task_settings"] for c in configs if c["task"] == config["task"]]
+        varied = [
+            key
+            for key, value in config["task_settings"].items()
+            if key != "device" and any(other.get(key) != value for other in same_task)
+        ]
+        settings = " ".join(f"{key}={config['task_settings'][key]}" for key in varied)
+        labels.append(f"{config['task']} {settings}".strip())
+    return labels
+
+
+def matrix_table(reports: list[Any], fractions: list[float]) -> list[str]:
+    """The decision across tasks: per race (a task) and budget fraction, who beats exact at
+    equal compute, each at its tuned lr for that budget, and by how much; "none" where no
+    estimator does. The lines of a markdown table."""
+    lines = [
+        "| task | budget (exact steps) | exact's share of attainable gain | beat exact: Δ reward "
+        "[95% CI] | behind exact |",
+        "|---|---|---|---|---|",
+    ]
+    labels = task_labels([report.config for report in reports])
+    for label, report in zip(labels, reports, strict=True):
+        for row in report.summary()["decision"]:
+            if row["fraction"] not in fractions:
+                continue
+            share = row["exact_share_of_attainable"]
+            lines.append(
+                f"| `{label}` | {_steps(row['budget_exact_steps'])} | "
+                + ("-" if share is None else f"{100 * share:.1f}%")
+                + f" | {estimator_names(row['beats_exact'], True)} | "
+                f"{estimator_names(row['behind_exact'], False)} |"
+            )
+    return lines
+
+
+def tally_table(reports: list[Any], fractions: list[float]) -> list[str]:
+    """Per estimator and budget fraction, on how many of the races (tasks) that ran it it beat
+    exact, fell behind, or neither: the decision table's prediction for a task not raced."""
+    verdicts: dict[str, dict[float, list[str]]] = {}
+    for report in reports:
+        for row in report.summary()["decision"]:
+            if row["fraction"] not in fractions:
+                continue
+            for key, word in (
+                ("beats_exact", "ahead"),
+                ("no_clear_difference", "level"),
+                ("behind_exact", "behind"),
+            ):
+                for entry in row[key]:
+                    verdicts.setdefault(entry["spec"], {}).setdefault(row["fraction"], [])
+                    verdicts[entry["spec"]][row["fraction"]].append(word)
+    lines = [
+        "| estimator | "
+        + " | ".join(f"at {100 * f:g}% of the budget: ahead / level / behind" for f in fractions)
+        + " |",
+        "|---|" + "---|" * len(fractions),
+    ]
+    for spec, by_fraction in verdicts.items():
+        cells = []
+        for fraction in fractions:
+            words = by_fraction.get(fraction, [])
+            cells.append(
+                f"{words.count('ahead')} / {words.count('level')} / {words.count('behind')}"
+                f" of {len(words)}"
+            )
+        lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    return lines

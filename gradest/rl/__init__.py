@@ -2,6 +2,8 @@
 
 * :mod:`gradest.rl.flow_grpo`: Flow-GRPO's group advantages, clipped surrogate and the KL
   penalty to a frozen reference model.
+* :mod:`gradest.rl.prompt_stats`: Flow-GRPO's per-prompt advantages, the statistics
+  gathered across processes.
 * :mod:`gradest.rl.adjoint_matching`: adjoint matching (memoryless sampler, lean adjoint,
   regression loss).
 
@@ -22,9 +24,11 @@ from gradest.rl.flow_grpo import (
     ADVANTAGE_EPS,
     group_advantages,
     grpo_objective,
+    leading_steps,
     reference_velocities,
     step_kl,
 )
+from gradest.rl.prompt_stats import gather_samples, prompt_advantages
 
 __all__ = [
     "ADVANTAGE_EPS",
@@ -32,10 +36,13 @@ __all__ = [
     "LeanAdjoint",
     "MemorylessFlow",
     "adjoint_matching_objective",
+    "gather_samples",
     "group_advantages",
     "grpo_objective",
+    "leading_steps",
     "lean_adjoint",
     "memoryless_flow",
+    "prompt_advantages",
     "reference_velocities",
     "regression_objective",
     "step_kl",

@@ -91,6 +91,42 @@ def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return ((groups - mean) / (std + ADVANTAGE_EPS)).reshape(-1)
 
 
+def leading_steps(
+    sampler: FlowSDE, trajectory: Trajectory, count: int
+) -> tuple[FlowSDE, Trajectory]:
+    """The first ``count`` steps of a recorded path, with the sampler of those steps.
+
+    Flow-GRPO's ``train.timestep_fraction`` trains on the first ``int(N * fraction)``
+    steps of each rollout only. Returns ``(FlowSDE(times=sampler.times[:count + 1]),
+    the path cut to states 0..count)``: every step's coefficients are those of the whole
+    grid (a step's ``alpha_k, beta_k, sigma_k`` depend on ``t_k``, ``t_{k+1}`` and, at
+    ``t = 1``, on ``t_1``, which is kept), so :func:`grpo_objective` on the result is the
+    surrogate of the trained steps, averaged over them as Flow-GRPO's accumulation over
+    ``num_train_timesteps`` averages, and an estimator evaluates only those steps.
+    """
+    if not isinstance(sampler, FlowSDE):
+        raise InvalidType(
+            f"sampler must be the gradest.FlowSDE the trajectory was sampled with, "
+            f"got {type(sampler).__name__}"
+        )
+    check_trajectory_matches(sampler, trajectory)
+    steps = trajectory.num_steps
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= steps:
+        raise InvalidValue(
+            f"count must be an int in [1, {steps}] (the steps to keep of the path's "
+            f"{steps}), got {count!r}"
+        )
+    cut = FlowSDE(times=sampler.times[: count + 1], noise_level=sampler.noise_level)
+    noise = trajectory.step_noise
+    path = Trajectory(
+        times=trajectory.times[: count + 1],
+        states=trajectory.states[: count + 1],
+        velocities=trajectory.velocities[:count],
+        step_noise=None if noise is None else noise[:count],
+    )
+    return cut, path
+
+
 def reference_velocities(
     reference: torch.nn.Module,
     sampler: AffineSampler,

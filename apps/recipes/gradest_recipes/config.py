@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import tomllib
 import types
 import typing
@@ -169,6 +170,27 @@ class RecipeConfig:
         metadata={"doc": "grpo: KL weight beta to the adapters-off model (Flow-GRPO SD3's 0.04; "
                          "0: no KL term)"},
     )  # fmt: skip
+    num_inner_epochs: int = attrs.field(
+        default=1,
+        metadata={"doc": "grpo: passes over each step's rollout, each reshuffled (Flow-GRPO's "
+                         "train.num_inner_epochs)"},
+    )  # fmt: skip
+    rollout_batches: int = attrs.field(
+        default=2,
+        metadata={"doc": "grpo: batches of batch_size each process samples per step, an "
+                         "optimizer step every gradient_accumulation of them (Flow-GRPO's "
+                         "sample.num_batches_per_epoch)"},
+    )  # fmt: skip
+    timestep_fraction: float = attrs.field(
+        default=0.99,
+        metadata={"doc": "grpo: train on the first int(N * fraction) steps of each rollout "
+                         "(Flow-GRPO SD3's train.timestep_fraction)"},
+    )  # fmt: skip
+    global_std: bool = attrs.field(
+        default=True,
+        metadata={"doc": "grpo: advantages divided by the std of every process's rewards "
+                         "(true) or of the prompt's (false) (Flow-GRPO's sample.global_std)"},
+    )  # fmt: skip
     reward_multiplier: float = attrs.field(
         default=1.0,
         metadata={"doc": "adjoint_matching: terminal loss = -multiplier * reward (the tilt "
@@ -231,9 +253,15 @@ TINY_DEFAULTS: dict[str, Any] = {
 #: The objectives (``objective``): the reward recipes and the RL recipes.
 OBJECTIVES = ("reward", "grpo", "adjoint_matching")
 #: Settings that differ between objectives (after the family's, before the tiny defaults).
-OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"batch_size": 4}}
+#: grpo: Flow-GRPO's optimizer settings (config/base.py's train.learning_rate and
+#: train.adam_weight_decay).
+OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"batch_size": 4, "lr": 3e-4, "weight_decay": 1e-4}
+}
 #: With ``tiny = true``, per objective (after :data:`TINY_DEFAULTS`).
-TINY_OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {"grpo": {"batch_size": 2, "group_size": 2}}
+TINY_OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"batch_size": 2, "group_size": 2, "rollout_batches": 1}
+}
 
 #: Settings a resumed run may change (how far it goes and what it writes, not the math).
 MAY_CHANGE_ON_RESUME = frozenset(
@@ -420,16 +448,49 @@ def _validate_objective(config: RecipeConfig) -> None:
     _finite(config, "adv_clip_max", 0.0, strict=True)
     _finite(config, "kl_weight", 0.0)
     _finite(config, "reward_multiplier", 0.0, strict=True)
-    if config.objective == "grpo" and config.batch_size % config.group_size:
+    _positive_int(config, "num_inner_epochs")
+    _positive_int(config, "rollout_batches")
+    _finite(config, "timestep_fraction", 0.0, strict=True)
+    steps, fraction = config.num_inference_steps, config.timestep_fraction
+    if fraction > 1:
+        raise _fail("timestep_fraction", fraction, "must be in (0, 1]", "Flow-GRPO's SD3 uses 0.99")
+    if config.objective != "grpo":
+        return
+    if int(steps * fraction) < 1:
+        raise _fail(
+            "timestep_fraction", fraction,
+            f"trains on int(num_inference_steps * fraction) = 0 of the {steps} steps",
+            f"use a fraction >= {1 / steps:.4g} (Flow-GRPO's SD3 uses 0.99)",
+        )  # fmt: skip
+    processes = _launched_processes()
+    if (config.batch_size * processes) % config.group_size:
         fixed = max(1, config.batch_size // config.group_size) * config.group_size
         raise _fail(
             "batch_size", config.batch_size,
-            f"objective 'grpo' needs a multiple of group_size={config.group_size} (each "
-            f"process samples whole groups of one prompt)",
+            f"objective 'grpo' with {processes} process(es) needs batch_size * processes to "
+            f"be a multiple of group_size={config.group_size} (each sampled batch holds "
+            f"whole groups of one prompt, spread over the processes)",
             f"use batch_size = {fixed}",
         )  # fmt: skip
 
 
+    if config.rollout_batches % config.gradient_accumulation:
+        raise _fail(
+            "rollout_batches", config.rollout_batches,
+            f"must be a multiple of gradient_accumulation={config.gradient_accumulation} "
+            f"(an optimizer step every gradient_accumulation batches of the rollout, none "
+            f"across rollouts)",
+            f"use rollout_batches = {2 * config.gradient_accumulation} (Flow-GRPO's "
+            f"configs: two optimizer steps per rollout)",
+        )  # fmt: skip
+
+
+def _launched_processes() -> int:
+    """The process count a launcher set (``WORLD_SIZE``; 1 without one), as the run reads it."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 def _check_step_rules(rules: str | None) -> None:
     """``piecewise_constant``'s rules as get_scheduler reads them: ``f:s,...,f_last``."""
     fix = (

@@ -8,15 +8,17 @@ estimator that supports stepwise objectives computes the gradient. The frozen ba
 reference model is the same denoiser with its LoRA adapters switched off
 (:func:`gradest.integrations.adapters_disabled`), never a copy of the weights.
 
-* ``grpo`` (Flow-GRPO, Liu et al. 2025): ``FlowSDE(noise_level)`` rollouts; each process
-  samples whole groups of ``group_size`` images of one prompt (one prompt embedding
-  repeated, different noise); the rewards are normalised within each group
-  (:func:`gradest.rl.group_advantages`) and clipped to ``[-adv_clip_max, adv_clip_max]``;
-  the loss is :func:`gradest.rl.grpo_objective` with ``clip = clip_range`` and
-  Flow-GRPO's code conventions: per-element mean log-probabilities
-  (``reduction="mean"``) and its KL scaling, per-step weights ``kl_weight * |h_k|``
-  (see :mod:`gradest.rl.flow_grpo`), against the adapters-off model's velocities at the
-  recorded states (:func:`gradest.rl.reference_velocities`).
+* ``grpo`` (Flow-GRPO, Liu et al. 2025): ``FlowSDE(noise_level)`` rollouts
+  (:meth:`RLObjective.grpo_rollout`), groups of ``group_size`` samples of one prompt
+  (:meth:`RLObjective.prompt_index`, spread over the processes as Flow-GRPO spreads
+  them); the loss is :func:`gradest.rl.grpo_objective` with ``clip = clip_range``,
+  advantages clipped to ``[-adv_clip_max, adv_clip_max]`` and Flow-GRPO's code
+  conventions: per-element mean log-probabilities (``reduction="mean"``) and its KL
+  scaling, per-step weights ``kl_weight * |h_k|`` (see :mod:`gradest.rl.flow_grpo`),
+  against the adapters-off model's velocities at the recorded states
+  (:func:`gradest.rl.reference_velocities`). The recipe's step around it (several
+  batches, per-prompt statistics gathered across processes, inner epochs,
+  ``timestep_fraction``) is :mod:`gradest_recipes.grpo_epoch`.
 * ``adjoint_matching`` (Domingo-Enrich et al., ICLR 2025): the memoryless sampler
   :func:`gradest.rl.memoryless_flow` (``sigma_t = sqrt(2 t / (1 - t))``, its steps solved
   in closed form where Euler-Maruyama is stiff) on the same grid: ``memoryless_flow(times=
@@ -50,7 +52,7 @@ from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.families import Family
 from gradest_recipes.rewards import Reward, _takes_prompts, decode_images
 
-__all__ = ["Prepared", "RLObjective", "per_sample_reward", "supports_stepwise"]
+__all__ = ["GrpoRollout", "Prepared", "RLObjective", "per_sample_reward", "supports_stepwise"]
 
 PerSample = Callable[[Tensor], Tensor]
 
@@ -104,6 +106,26 @@ class Prepared:
     metrics: dict[str, float]
 
 
+@attrs.frozen(eq=False)
+class GrpoRollout:
+    """A grpo rollout (no graph anywhere): what Flow-GRPO's sampling phase records.
+
+    Attributes:
+        trajectory: the recorded path ``[N+1, B, ...]``.
+        rewards: ``[B]`` float32 rewards of the final samples.
+        old_log_probs: ``[N, B]`` per-element mean step log-probabilities under the
+            sampling policy (``reduction="mean"``, Flow-GRPO's).
+        reference: ``[N, B, ...]`` the adapters-off model's velocities at the recorded states.
+        kl: ``sum_k mean_b KL_k`` of the recorded steps to the reference's (logged).
+    """
+
+    trajectory: Any
+    rewards: Tensor
+    old_log_probs: Tensor
+    reference: Tensor
+    kl: float
+
+
 class RLObjective:
     """The sampler and the per-micro-step objective of the ``grpo`` / ``adjoint_matching``
     recipes (see the module docstring)."""
@@ -136,13 +158,28 @@ class RLObjective:
         # Flow-GRPO's code convention of the KL (gradest.rl.flow_grpo's docstring).
         self.kl_weights = config.kl_weight * self.sampler.step_sizes.abs()
 
-    def prompt_index(self, generator: torch.Generator, count: int, batch: int) -> Tensor:
-        """``[batch]`` prompt rows: for grpo ``batch / group_size`` prompts, each repeated
-        ``group_size`` times (consecutive), else ``batch`` independent draws."""
+    def prompt_index(
+        self, generator: torch.Generator, count: int, batch: int, *, rank: int = 0, world: int = 1
+    ) -> Tensor:
+        """``[batch]`` prompt rows of process ``rank`` of ``world``.
+
+        grpo: Flow-GRPO's ``DistributedKRepeatSampler``: ``world * batch / group_size``
+        distinct prompts (drawn with replacement when there are fewer), each repeated
+        ``group_size`` times, shuffled, and split over the processes, so a prompt's group
+        may span processes (its advantages use every process's samples:
+        :func:`gradest.rl.prompt_advantages`). ``generator`` must then be the same on every
+        process. Otherwise ``batch`` independent draws."""
         if self.name != "grpo":
             return torch.randint(count, (batch,), generator=generator)
-        group = self.config.group_size
-        return torch.randint(count, (batch // group,), generator=generator).repeat_interleave(group)
+        group, total = self.config.group_size, world * batch
+        distinct = total // group
+        if distinct <= count:
+            prompts = torch.randperm(count, generator=generator)[:distinct]
+        else:
+            prompts = torch.randint(count, (distinct,), generator=generator)
+        repeated = prompts.repeat_interleave(group)
+        shuffled = repeated[torch.randperm(total, generator=generator)]
+        return shuffled[rank * batch : (rank + 1) * batch]
 
     def path_kl(self, velocities: Tensor, reference: Tensor) -> float:
         """``sum_k mean_b KL_k`` of the recorded steps to the reference's (in nats)."""
@@ -152,6 +189,49 @@ class RLObjective:
         for k in range(velocities.shape[0]):
             total += float(step_kl(self.sampler, k, velocities[k], reference[k]).mean())
         return total
+
+    def grpo_rollout(
+        self,
+        policy: nn.Module,
+        noise: Tensor,
+        cond: dict[str, Any],
+        rewards: PerSample,
+        generator: torch.Generator,
+    ) -> GrpoRollout:
+        """Roll out ``policy`` (the current LoRA model, unwrapped) with the SDE's noise from
+        ``generator``; its rewards, old log-probabilities and the reference velocities."""
+        import gradest
+        from gradest.integrations import adapters_disabled
+        from gradest.rl import reference_velocities
+
+        with torch.no_grad():
+            path = gradest.rollout(policy, self.sampler, noise, cond=cond, generator=generator)
+            values = rewards(path.states[-1])
+            old_log_probs = self.sampler.trajectory_log_probs(path, reduction="mean")
+            with adapters_disabled(policy):
+                reference = reference_velocities(policy, self.sampler, path, cond)
+        return GrpoRollout(
+            trajectory=path, rewards=values, old_log_probs=old_log_probs, reference=reference,
+            kl=self.path_kl(path.velocities, reference),
+        )  # fmt: skip
+
+    def grpo_objective(self, sampler: Any, rollout: GrpoRollout, advantages: Tensor) -> Any:
+        """:func:`gradest.rl.grpo_objective` on ``rollout`` (its trajectory on ``sampler``,
+        the whole grid or its first steps: :func:`gradest.rl.leading_steps`), advantages
+        clipped to ``[-adv_clip_max, adv_clip_max]``, Flow-GRPO's conventions (module
+        docstring)."""
+        from gradest.rl import grpo_objective
+
+        path = rollout.trajectory
+        steps = path.num_steps
+        limit = self.config.adv_clip_max
+        return grpo_objective(
+            sampler, path, rollout.old_log_probs[:steps],
+            advantages.clamp(-limit, limit).to(path.states.dtype),
+            clip=self.config.clip_range, reduction="mean",
+            kl_weight=self.kl_weights[:steps] if self.config.kl_weight > 0 else 0.0,
+            reference=rollout.reference[:steps],
+        )  # fmt: skip
 
     def prepare(
         self,
@@ -167,27 +247,21 @@ class RLObjective:
         from gradest.integrations import adapters_disabled
 
         steps = self.config.num_inference_steps
-        with torch.no_grad():
-            path = gradest.rollout(policy, self.sampler, noise, cond=cond, generator=generator)
         if self.name == "grpo":
-            from gradest.rl import group_advantages, grpo_objective, reference_velocities
+            from gradest.rl import group_advantages
 
-            with torch.no_grad():
-                values = rewards(path.states[-1])
-                old_log_probs = self.sampler.trajectory_log_probs(path, reduction="mean")
-                with adapters_disabled(policy):
-                    reference = reference_velocities(policy, self.sampler, path, cond)
-            limit = self.config.adv_clip_max
-            advantages = group_advantages(values, self.config.group_size).clamp(-limit, limit)
-            objective = grpo_objective(
-                self.sampler, path, old_log_probs, advantages.to(path.states.dtype),
-                clip=self.config.clip_range, reduction="mean",
-                kl_weight=self.kl_weights if self.config.kl_weight > 0 else 0.0,
-                reference=reference,
-            )  # fmt: skip
-            metrics = {"kl": self.path_kl(path.velocities, reference)}
+            sampled = self.grpo_rollout(policy, noise, cond, rewards, generator)
+            path, values = sampled.trajectory, sampled.rewards
+            # One batch whose groups are consecutive (the epoch loop of
+            # gradest_recipes.grpo_epoch gathers per-prompt statistics instead).
+            objective = self.grpo_objective(
+                self.sampler, sampled, group_advantages(values, self.config.group_size)
+            )
+            metrics = {"kl": sampled.kl}
             units = 2 * steps
         else:
+            with torch.no_grad():
+                path = gradest.rollout(policy, self.sampler, noise, cond=cond, generator=generator)
             from gradest.rl import lean_adjoint, regression_objective
 
             multiplier = self.config.reward_multiplier

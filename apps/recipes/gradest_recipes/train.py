@@ -79,6 +79,7 @@ from gradest_recipes.config import (
 )
 from gradest_recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
 from gradest_recipes.families import Family, build_family, guided, shard_denoiser
+from gradest_recipes.grpo_epoch import grpo_step, updates_per_step
 from gradest_recipes.records import (
     DONE_FILE,
     LOG_FILE,
@@ -675,7 +676,7 @@ class _Run:
             self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer,
             step_rules=config.lr_step_rules,
             num_warmup_steps=config.lr_warmup_steps,
-            num_training_steps=config.steps,
+            num_training_steps=config.steps * updates_per_step(config),
             num_cycles=config.lr_num_cycles,
             power=config.lr_power,
         )
@@ -757,10 +758,17 @@ class _Run:
     def train_step(self) -> dict[str, Any]:
         accelerator, config, family = self.accelerator, self.config, self.family
         started = time.perf_counter()
-        values, losses, units, grad_norm = [], [], 0.0, float("nan")
+        values: list[float] = []
+        losses: list[float] = []
+        units, grad_norm = 0.0, float("nan")
         extras: dict[str, list[float]] = {}
         lr = float(self.lr_scheduler.get_last_lr()[0])  # this step's learning rate
-        for micro in range(config.gradient_accumulation):
+        micro_steps = config.gradient_accumulation
+        if config.objective == "grpo":  # Flow-GRPO's epoch: gradest_recipes.grpo_epoch
+            streams = (NOISE, ESTIMATOR, ROLLOUT)
+            values, losses, units, grad_norm, extras = grpo_step(self, generator_for, streams)
+            micro_steps = 0
+        for micro in range(micro_steps):
             index, noise = self.batch(micro)
             prompts = [self.embeddings.prompts[int(i)] for i in index]
             cond = family.make_cond(self.embeddings, index, accelerator.device)

@@ -1,0 +1,262 @@
+"""The grpo recipe's step as Flow-GRPO runs it: one epoch of its training script.
+
+One recipe step of ``objective = "grpo"`` is one epoch of Flow-GRPO's
+``scripts/train_sd3.py`` (``yifan123/flow_grpo``, read at commit ac4c86e of 2025-07-18):
+
+1. **Sampling**: each process rolls out ``rollout_batches`` batches of ``batch_size``
+   samples with the current LoRA model (:meth:`RLObjective.grpo_rollout`: the path, its
+   rewards, the old log-probabilities and the adapters-off model's velocities, no graph).
+   The prompts of a batch are Flow-GRPO's ``DistributedKRepeatSampler``'s
+   (:meth:`RLObjective.prompt_index`): ``processes * batch_size / group_size`` prompts,
+   each ``group_size`` times, shuffled over the processes from a generator every process
+   seeds alike.
+2. **Advantages**: :func:`gradest.rl.prompt_advantages` over every process's samples of
+   the step (per-prompt mean; the std of all rewards with ``global_std``, else the
+   prompt's), this process's part kept, clipped to ``[-adv_clip_max, adv_clip_max]``.
+3. **Training**: ``num_inner_epochs`` passes over the rollout. Each pass permutes this
+   process's samples (Flow-GRPO's ``torch.randperm`` per inner epoch; here from a
+   generator seeded by ``(seed, step, pass, process)``, so a resumed run repeats it) and
+   splits them into ``rollout_batches`` batches of ``batch_size``. Each batch trains on
+   the first ``int(N * timestep_fraction)`` steps of its paths
+   (:func:`gradest.rl.leading_steps`; Flow-GRPO's ``num_train_timesteps``, in grid order:
+   its per-sample timestep shuffle is the identity in every commit) with
+   ``est.surrogate(model, sampler, objective, trajectory=...)``; every
+   ``gradient_accumulation`` batches the gradients are clipped and AdamW steps (the lr
+   schedule and the EMA with it). The ratio is always to the rollout's old
+   log-probabilities, so from the second optimizer step of a step on the policy has moved,
+   the ratio differs from 1 and ``clip_range`` acts.
+
+A step therefore takes :func:`updates_per_step` optimizer steps; ``steps`` counts epochs.
+Flow-GRPO also drops samples whose advantage is zero at every step before training (and
+pads the count back to a multiple of the batch count); here every sample is kept (an
+exactly zero advantage needs a group of equal rewards; it adds nothing to the surrogate's
+gradient, only to the KL term's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from gradest.protocol import check_surrogate
+from gradest_recipes.config import RecipeConfig
+from gradest_recipes.rl_objectives import GrpoRollout, RLObjective, per_sample_reward
+
+__all__ = [
+    "PROMPTS",
+    "SHUFFLE",
+    "grpo_step",
+    "sample_rollout",
+    "train_on_rollout",
+    "trained_steps",
+    "updates_per_step",
+]
+
+# Generator streams beside train.py's NOISE, ESTIMATOR, SAMPLES, ROLLOUT (0 to 3).
+PROMPTS, SHUFFLE = 4, 5
+
+Batch = tuple[Tensor, Tensor, torch.Generator]  # noise [B, ...], prompt rows [B], SDE noise
+
+
+def trained_steps(config: RecipeConfig) -> int:
+    """``int(N * timestep_fraction)``: the steps of each path the surrogate trains on."""
+    return int(config.num_inference_steps * config.timestep_fraction)
+
+
+def updates_per_step(config: RecipeConfig) -> int:
+    """Optimizer steps per recipe step: ``num_inner_epochs * rollout_batches /
+    gradient_accumulation`` for grpo, 1 for the other objectives."""
+    if config.objective != "grpo":
+        return 1
+    return config.num_inner_epochs * config.rollout_batches // config.gradient_accumulation
+
+
+def _rows(rollout: GrpoRollout, index: Tensor) -> GrpoRollout:
+    """The samples ``index`` of ``rollout`` (every tensor's batch dimension)."""
+    from gradest.trajectory import Trajectory
+
+    path = rollout.trajectory
+    noise = path.step_noise
+    picked = Trajectory(
+        times=path.times,
+        states=path.states[:, index],
+        velocities=path.velocities[:, index],
+        step_noise=None if noise is None else noise[:, index],
+    )
+    return GrpoRollout(
+        trajectory=picked,
+        rewards=rollout.rewards[index],
+        old_log_probs=rollout.old_log_probs[:, index],
+        reference=rollout.reference[:, index],
+        kl=rollout.kl,
+    )
+
+
+def _joined(rollouts: Sequence[GrpoRollout]) -> GrpoRollout:
+    """The batches of one step's sampling as one rollout (``kl``: their mean)."""
+    from gradest.trajectory import Trajectory
+
+    paths = [r.trajectory for r in rollouts]
+    noises = [p.step_noise for p in paths]
+    path = Trajectory(
+        times=paths[0].times,
+        states=torch.cat([p.states for p in paths], dim=1),
+        velocities=torch.cat([p.velocities for p in paths], dim=1),
+        step_noise=None if noises[0] is None else torch.cat(noises, dim=1),  # type: ignore[arg-type]
+    )
+    return GrpoRollout(
+        trajectory=path,
+        rewards=torch.cat([r.rewards for r in rollouts]),
+        old_log_probs=torch.cat([r.old_log_probs for r in rollouts], dim=1),
+        reference=torch.cat([r.reference for r in rollouts], dim=1),
+        kl=float(sum(r.kl for r in rollouts) / len(rollouts)),
+    )
+
+
+def sample_rollout(
+    rl: RLObjective,
+    policy: torch.nn.Module,
+    batches: Sequence[Batch],
+    make_cond: Callable[[Tensor], dict[str, Any]],
+    rewards_of: Callable[[Tensor], Callable[[Tensor], Tensor]],
+) -> tuple[GrpoRollout, list[float]]:
+    """Flow-GRPO's sampling phase: each batch ``(noise, prompt rows, SDE generator)``
+    rolled out by ``policy`` (unwrapped); ``rewards_of(rows)`` is the per-sample reward of
+    those rows' prompts. Returns the batches joined, and each batch's path KL."""
+    sampled = [
+        rl.grpo_rollout(policy, noise, make_cond(rows), rewards_of(rows), generator)
+        for noise, rows, generator in batches
+    ]
+    return _joined(sampled), [r.kl for r in sampled]
+
+
+def train_on_rollout(
+    rl: RLObjective,
+    rollout: GrpoRollout,
+    rows: Tensor,
+    advantages: Tensor,
+    *,
+    model: torch.nn.Module,
+    estimator: Any,
+    optimizer: Any,
+    accelerator: Any,
+    make_cond: Callable[[Tensor], dict[str, Any]],
+    shuffle: Callable[[int], torch.Generator],
+    estimator_generator: Callable[[int], torch.Generator],
+    after_update: Callable[[], None] = lambda: None,
+) -> tuple[list[float], float, float]:
+    """Flow-GRPO's training phase on one rollout (this process's samples ``rows`` of the
+    prompts, ``advantages`` unclipped): ``num_inner_epochs`` reshuffled passes of
+    ``rollout_batches`` batches, each on its first :func:`trained_steps` steps, an
+    optimizer step (clipping, ``optimizer.step()``, then ``after_update()``) every
+    ``gradient_accumulation`` batches through ``accelerator.accumulate``.
+
+    ``shuffle(pass)`` gives the permutation's generator, ``estimator_generator(micro)``
+    the estimator's (``micro`` counts the batches of the step). Returns each batch's
+    ``sur.value``, the estimator's model units and the last gradient norm.
+    """
+    from gradest.rl import leading_steps
+
+    config = rl.config
+    total = rollout.rewards.shape[0]
+    batch = total // config.rollout_batches
+    losses: list[float] = []
+    units, grad_norm = 0.0, float("nan")
+    for inner in range(config.num_inner_epochs):
+        order = torch.randperm(total, generator=shuffle(inner)).to(rows.device)
+        for b in range(config.rollout_batches):
+            index = order[b * batch : (b + 1) * batch]
+            part = _rows(rollout, index)
+            sampler, path = leading_steps(rl.sampler, part.trajectory, trained_steps(config))
+            objective = rl.grpo_objective(
+                sampler, attrs.evolve(part, trajectory=path), advantages[index]
+            )
+            generator = estimator_generator(inner * config.rollout_batches + b)
+            with accelerator.accumulate(model):
+                sur = estimator.surrogate(
+                    model, sampler, objective, trajectory=path, cond=make_cond(rows[index]),
+                    generator=generator,
+                )  # fmt: skip
+                accelerator.backward(check_surrogate(estimator, sur).loss)
+                if accelerator.sync_gradients:
+                    grad_norm = _clip(model, accelerator, config.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    after_update()
+            losses.append(float(sur.value))
+            units += sur.cost.model_units()
+    return losses, units, grad_norm
+
+
+def _clip(model: torch.nn.Module, accelerator: Any, max_norm: float) -> float:
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    norm = accelerator.clip_grad_norm_(parameters, max_norm or float("inf"))
+    if norm is not None and hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()  # FSDP: a DTensor
+    return float(norm) if norm is not None else float("nan")
+
+
+def grpo_step(
+    run: Any, seeded: Callable[..., torch.Generator], streams: tuple[int, int, int]
+) -> tuple[list[float], list[float], float, float, dict[str, list[float]]]:
+    """One grpo step of the recipe's run (``gradest_recipes.train._Run``): sampling,
+    gathered advantages, training (the module docstring). ``seeded(seed, *keys)`` is the
+    recipe's generator, ``streams`` its ``(NOISE, ESTIMATOR, ROLLOUT)`` stream keys.
+    Returns ``(rewards, losses, units, grad_norm, extras)`` as the
+    recipe's ``train_step`` records them: each batch's mean reward, each trained batch's
+    ``sur.value``, the estimator's model units, the last gradient norm, and per batch
+    ``kl`` and ``objective_model_units``."""
+    from gradest.rl import prompt_advantages
+
+    NOISE, ESTIMATOR, ROLLOUT = streams  # noqa: N806 (train.py's constants)
+    config, accelerator, family, rl = run.config, run.accelerator, run.family, run.rl
+    device, rank = accelerator.device, accelerator.process_index
+    world, step, seed = accelerator.num_processes, run.step, config.seed
+    embeddings = run.embeddings
+
+    def make_cond(rows: Tensor) -> dict[str, Any]:
+        return family.make_cond(embeddings, rows.cpu(), device)
+
+    def rewards_of(rows: Tensor) -> Callable[[Tensor], Tensor]:
+        prompts = [embeddings.prompts[int(i)] for i in rows]
+        return per_sample_reward(
+            run.reward, family.vae, family.to_vae_latents, prompts, autocast=accelerator.autocast
+        )
+
+    batches: list[Batch] = []
+    for i in range(config.rollout_batches):
+        shared = seeded(seed, PROMPTS, step, i)  # the same on every process
+        rows = rl.prompt_index(shared, embeddings.count, config.batch_size, rank=rank, world=world)
+        noise = torch.randn(
+            (config.batch_size, *family.latent_shape), generator=seeded(seed, NOISE, step, i, rank)
+        )
+        batches.append((noise.to(device), rows, seeded(seed, ROLLOUT, step, i, rank)))
+    policy = accelerator.unwrap_model(run.model)
+    rollout, kls = sample_rollout(rl, policy, batches, make_cond, rewards_of)
+    rows = torch.cat([b[1] for b in batches])
+    advantages = prompt_advantages(
+        rollout.rewards.to(device), rows.to(device), global_std=config.global_std
+    )
+
+    def after_update() -> None:
+        run.lr_scheduler.step()
+        if run.ema is not None:
+            run.ema.step(run.trainable)
+
+    losses, units, grad_norm = train_on_rollout(
+        rl, rollout, rows, advantages.cpu(), model=run.model, estimator=run.estimator,
+        optimizer=run.optimizer, accelerator=accelerator, make_cond=make_cond,
+        shuffle=lambda inner: seeded(seed, SHUFFLE, step, inner, rank),
+        estimator_generator=lambda micro: seeded(seed, ESTIMATOR, step, micro, rank),
+        after_update=after_update,
+    )  # fmt: skip
+    per_batch = rollout.rewards.reshape(config.rollout_batches, -1).mean(1)
+    extras = {
+        "kl": kls,
+        "objective_model_units": [float(2 * config.num_inference_steps)] * len(kls),
+    }
+    return [float(x) for x in per_batch], losses, units, grad_norm, extras

@@ -494,13 +494,13 @@ def shipped_models(hidden: int) -> dict[str, tuple[torch.nn.Module, torch.Tensor
         )
     try:
         from gradest_digits.assets import load_pretrained_dit
-        from gradest_digits.digits import IMAGE_SHAPE
+        from gradest_digits.datasets import DIGITS
     except ImportError:  # apps/digits not installed
         return models
     generator = torch.Generator().manual_seed(0)
     models["digits DiT (apps/digits, shipped weights, batch 64)"] = (
         load_pretrained_dit(),
-        torch.randn(64, *IMAGE_SHAPE, generator=generator),
+        torch.randn(64, *DIGITS.image_shape, generator=generator),
         {},
     )
     return models

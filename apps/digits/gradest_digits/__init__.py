@@ -20,10 +20,11 @@ from typing import Any
 _EXPORTS = {
     "LOG_KEYS": "gradest_digits.finetune",
     "ClassifierReward": "gradest_digits.rewards",
+    "DIGITS": "gradest_digits.datasets",
     "DigitClassifier": "gradest_digits.classifier",
+    "MNIST": "gradest_digits.datasets",
     "fid_kid": "gradest_digits.metrics",
     "load_digit_classifier": "gradest_digits.assets",
-    "load_digits_dataset": "gradest_digits.digits",
     "load_pretrained_dit": "gradest_digits.assets",
     "pretrain_dit": "gradest_digits.pretrain",
     "train_classifier": "gradest_digits.classifier",

@@ -1,11 +1,12 @@
-"""Checkpoints of the digits workload: their format and the shipped ones in ``gradest/assets``.
+"""Checkpoints of the workload: their format and the shipped ones in ``gradest_digits/assets``.
 
 Checkpoints are plain dicts saved with ``torch.save`` (``kind``, a float32 ``state_dict``,
 a config dict and an ``info`` dict of training settings and measured numbers), loaded with
 ``torch.load(weights_only=True)`` so that loading never runs pickled code.
 
-One reader serves every such file, the 8x8 ones here and the MNIST ones
-(:mod:`gradest_digits.mnist_assets`): :func:`read_model_checkpoint` checks each field
+One reader serves every such file, the 8x8 digits' and MNIST's alike (each dataset has a
+DiT and a classifier, :func:`dit_kind` and :func:`classifier_kind`):
+:func:`read_model_checkpoint` checks each field
 (the kind, the config's options and their types, the state dict's names and float32
 tensors, the info dict) and :func:`build_model` builds the model from the config and checks
 that every tensor has the model's shape before loading it, so that a damaged or foreign
@@ -25,7 +26,8 @@ from torch import Tensor, nn
 
 from gradest.errors import GradestError, InvalidValue, MissingFile
 from gradest.models.dit import DiT, DiTConfig
-from gradest_digits.classifier import DigitClassifier
+from gradest_digits.classifier import DigitClassifier, classifier_for
+from gradest_digits.datasets import DIGITS, MNIST, Dataset
 from gradest_digits.file_schema import (
     Refuse,
     describe,
@@ -38,21 +40,31 @@ from gradest_digits.file_schema import (
     require_state_dict,
 )
 
-DIT_CHECKPOINT = "digits_dit.pt"
-CLASSIFIER_CHECKPOINT = "digit_classifier.pt"
+DIT_CHECKPOINT = DIGITS.dit_asset
+CLASSIFIER_CHECKPOINT = DIGITS.classifier_asset
+MNIST_DIT_CHECKPOINT = MNIST.dit_asset
+MNIST_CLASSIFIER_CHECKPOINT = MNIST.classifier_asset
+MNIST_REGENERATE = "python -m gradest_digits.mnist_pretrain"
+# The command that regenerates each shipped file (from the repository root).
 REGENERATE = {
     DIT_CHECKPOINT: "python -m gradest_digits.pretrain --what dit "
     "--out apps/digits/gradest_digits/assets/digits_dit.pt",
     CLASSIFIER_CHECKPOINT: "python -m gradest_digits.pretrain --what classifier "
     "--out apps/digits/gradest_digits/assets/digit_classifier.pt",
+    MNIST_DIT_CHECKPOINT: MNIST_REGENERATE,
+    MNIST_CLASSIFIER_CHECKPOINT: MNIST_REGENERATE,
 }
 
 
-def classifier_checkpoint(model: DigitClassifier, info: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``torch.load(weights_only=True)``-safe dict: float32 state_dict, config, info."""
+def model_checkpoint(kind: str, model: nn.Module, info: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``torch.load(weights_only=True)``-safe dict: the ``kind``, the model's config
+    (a :class:`DiT`'s fields or a :class:`DigitClassifier`'s options), its float32
+    state_dict and ``info``."""
+    options: Any = model.config
+    config = attrs.asdict(options) if isinstance(model, DiT) else dict(options)
     return {
-        "kind": "digit_classifier",
-        "config": dict(model.config),
+        "kind": kind,
+        "config": config,
         "state_dict": {
             k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()
         },
@@ -60,30 +72,34 @@ def classifier_checkpoint(model: DigitClassifier, info: Mapping[str, Any]) -> di
     }
 
 
-def classifier_from_checkpoint(checkpoint: Mapping[str, Any]) -> DigitClassifier:
-    """Rebuild a :class:`DigitClassifier` from :func:`classifier_checkpoint`'s dict, every
-    field checked (:func:`check_model_checkpoint`)."""
-    model = build_model(check_model_checkpoint(checkpoint, DIGIT_CLASSIFIER))
+def classifier_checkpoint(
+    model: DigitClassifier, info: Mapping[str, Any], dataset: Dataset = DIGITS
+) -> dict[str, Any]:
+    """``dataset``'s classifier checkpoint (:func:`model_checkpoint`)."""
+    return model_checkpoint(dataset.classifier_kind, model, info)
+
+
+def dit_checkpoint(
+    model: DiT, info: Mapping[str, Any], dataset: Dataset = DIGITS
+) -> dict[str, Any]:
+    """``dataset``'s DiT checkpoint (:func:`model_checkpoint`)."""
+    return model_checkpoint(dataset.dit_kind, model, info)
+
+
+def classifier_from_checkpoint(
+    checkpoint: Mapping[str, Any], dataset: Dataset = DIGITS
+) -> DigitClassifier:
+    """Rebuild the :class:`DigitClassifier` of :func:`classifier_checkpoint`'s dict (eval
+    mode), every field checked (:func:`check_model_checkpoint`)."""
+    model = build_model(check_model_checkpoint(checkpoint, classifier_kind(dataset)))
     assert isinstance(model, DigitClassifier)
     return model
 
 
-def dit_checkpoint(model: DiT, info: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``torch.load(weights_only=True)``-safe dict: float32 state_dict, DiT config, info."""
-    return {
-        "kind": "digits_dit",
-        "config": attrs.asdict(model.config),
-        "state_dict": {
-            k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()
-        },
-        "info": dict(info),
-    }
-
-
-def dit_from_checkpoint(checkpoint: Mapping[str, Any]) -> DiT:
+def dit_from_checkpoint(checkpoint: Mapping[str, Any], dataset: Dataset = DIGITS) -> DiT:
     """Rebuild the :class:`DiT` saved by :func:`dit_checkpoint` (eval mode), every field
     checked (:func:`check_model_checkpoint`)."""
-    model = build_model(check_model_checkpoint(checkpoint, DIGITS_DIT))
+    model = build_model(check_model_checkpoint(checkpoint, dit_kind(dataset)))
     assert isinstance(model, DiT)
     return model
 
@@ -266,28 +282,63 @@ def check_dit_config(config: dict[str, Any], refuse: Refuse) -> None:
         raise refuse(f"config.{extra[0]}", f"is {describe(config[extra[0]])}: not a DiT option")
 
 
-def _build_classifier(config: dict[str, Any]) -> nn.Module:
-    return DigitClassifier(
-        channels=tuple(config["channels"]),
-        feature_dim=config["feature_dim"],
-        num_classes=config["num_classes"],
-    )
+def _classifier_builder(dataset: Dataset) -> Callable[[dict[str, Any]], nn.Module]:
+    def build(config: dict[str, Any]) -> nn.Module:
+        return classifier_for(
+            dataset,
+            channels=tuple(config["channels"]),
+            feature_dim=config["feature_dim"],
+            num_classes=config["num_classes"],
+        )
+
+    return build
 
 
 DIGIT_CLASSIFIER = ModelKind(
-    kind="digit_classifier",
+    kind=DIGITS.classifier_kind,
     title="a digit-classifier",
-    check_config=check_classifier_config(2),
-    build=_build_classifier,
+    check_config=check_classifier_config(len(DIGITS.classifier_channels)),
+    build=_classifier_builder(DIGITS),
     fix="make one with gradest_digits.assets.classifier_checkpoint",
 )
 DIGITS_DIT = ModelKind(
-    kind="digits_dit",
+    kind=DIGITS.dit_kind,
     title="a digits-DiT",
     check_config=check_dit_config,
     build=lambda config: DiT(**config),
     fix="make one with gradest_digits.assets.dit_checkpoint",
 )
+MNIST_CLASSIFIER = ModelKind(
+    kind=MNIST.classifier_kind,
+    title=f"an {MNIST.classifier_kind}",
+    check_config=check_classifier_config(len(MNIST.classifier_channels)),
+    build=_classifier_builder(MNIST),
+    fix=f"make one with {MNIST_REGENERATE}",
+)
+MNIST_DIT = ModelKind(
+    kind=MNIST.dit_kind,
+    title=f"an {MNIST.dit_kind}",
+    check_config=check_dit_config,
+    build=lambda config: DiT(**config),
+    fix=f"make one with {MNIST_REGENERATE}",
+)
+# The kind of each shipped file.
+KINDS = {
+    DIT_CHECKPOINT: DIGITS_DIT,
+    CLASSIFIER_CHECKPOINT: DIGIT_CLASSIFIER,
+    MNIST_DIT_CHECKPOINT: MNIST_DIT,
+    MNIST_CLASSIFIER_CHECKPOINT: MNIST_CLASSIFIER,
+}
+
+
+def classifier_kind(dataset: Dataset) -> ModelKind:
+    """The checkpoint kind of ``dataset``'s classifier."""
+    return KINDS[dataset.classifier_asset]
+
+
+def dit_kind(dataset: Dataset) -> ModelKind:
+    """The checkpoint kind of ``dataset``'s DiT."""
+    return KINDS[dataset.dit_asset]
 
 
 def asset_path(name: str) -> Path:
@@ -295,12 +346,9 @@ def asset_path(name: str) -> Path:
     return Path(str(resources.files("gradest_digits").joinpath("assets", name)))
 
 
-# The kind of each shipped file.
-KINDS = {DIT_CHECKPOINT: DIGITS_DIT, CLASSIFIER_CHECKPOINT: DIGIT_CLASSIFIER}
-
-
-def read_asset(name: str) -> ModelCheckpoint:
-    """The shipped checkpoint ``apps/digits/gradest_digits/assets/<name>``, checked.
+def read_asset(name: str, folder: Path | None = None) -> ModelCheckpoint:
+    """The shipped checkpoint ``name`` in ``folder`` (default: the package's
+    ``apps/digits/gradest_digits/assets/``), checked.
 
     Raises:
         MissingFile / InvalidValue: the file is missing or damaged; the message names it,
@@ -308,7 +356,7 @@ def read_asset(name: str) -> ModelCheckpoint:
     """
     if name not in KINDS:
         raise InvalidValue(f"no shipped checkpoint {name!r}; the digits assets are {sorted(KINDS)}")
-    path = asset_path(name)
+    path = asset_path(name) if folder is None else Path(folder) / name
     fix = f"regenerate it from the repository root with: {REGENERATE[name]}"
     return read_model_checkpoint(path, KINDS[name], fix=fix)
 
@@ -326,22 +374,26 @@ def load_checkpoint(name: str) -> dict[str, Any]:
 
 
 def load_pretrained_dit(
-    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    dataset: Dataset = DIGITS,
 ) -> DiT:
-    """The shipped class-conditional rectified-flow DiT on 8x8 digits, in eval mode.
+    """The shipped class-conditional rectified-flow DiT of ``dataset``, in eval mode.
 
     Its parameters are trainable (``requires_grad=True``): it is the starting point of
     fine-tuning. Label ``10`` (or ``y=None``) samples unconditionally.
     """
-    model = build_model(read_asset(DIT_CHECKPOINT))
+    model = build_model(read_asset(dataset.dit_asset))
     assert isinstance(model, DiT)
     return model.to(device=device, dtype=dtype)
 
 
 def load_digit_classifier(
-    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    dataset: Dataset = DIGITS,
 ) -> DigitClassifier:
-    """The shipped digit classifier, in eval mode and frozen (``requires_grad=False``)."""
-    classifier = build_model(read_asset(CLASSIFIER_CHECKPOINT))
+    """The shipped classifier of ``dataset``, in eval mode and frozen (``requires_grad=False``)."""
+    classifier = build_model(read_asset(dataset.classifier_asset))
     assert isinstance(classifier, DigitClassifier)
     return classifier.to(device=device, dtype=dtype).requires_grad_(False)

@@ -15,7 +15,7 @@ from gradest.objectives import Objective, TerminalObjective
 from gradest.samplers import RectifiedFlow
 from gradest.testing.problems import random_stepwise_objective
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
-from gradest_digits.digits import IMAGE_SHAPE
+from gradest_digits.datasets import DIGITS
 from gradest_digits.rewards import ClassifierReward
 
 TARGET_DIGIT = 3
@@ -37,7 +37,7 @@ def digits_problem(
         reward = ClassifierReward(load_digit_classifier(device=device, dtype=dtype), TARGET_DIGIT)
         objective_value: Objective = TerminalObjective(lambda z: -reward(z).mean())
     else:
-        objective_value = random_stepwise_objective(steps, (batch, *IMAGE_SHAPE), seed=2)
+        objective_value = random_stepwise_objective(steps, (batch, *DIGITS.image_shape), seed=2)
 
-    noise_fn = seeded_noise((batch, *IMAGE_SHAPE), dtype=dtype, device=device)
+    noise_fn = seeded_noise((batch, *DIGITS.image_shape), dtype=dtype, device=device)
     return Problem(model, RectifiedFlow(steps=steps), objective_value, noise_fn, lambda s: {})

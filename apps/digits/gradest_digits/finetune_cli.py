@@ -318,9 +318,9 @@ def _train(
     prior_data = None
     if config.prior_weight:
         # Prior preservation on the real digits the model was pretrained on (train split).
-        from gradest_digits.digits import load_digits_dataset
+        from gradest_digits.datasets import DIGITS
 
-        prior_data, _ = load_digits_dataset("train")
+        prior_data, _ = DIGITS.load("train")
         prior_data = prior_data.to(device)
     result = finetune(
         model,

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from gradest.strategies.jagg_layout import lagrange_rows, layout_groups
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
+from gradest_digits.datasets import DIGITS
 from gradest_digits.rewards import ClassifierReward
 
 TARGET = 3
@@ -283,11 +284,10 @@ def report(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 def fine_tuned(steps: int, seed: int) -> nn.Module:
     """The shipped model after ``steps`` exact reward steps (Adam, the race task's lr)."""
     import gradest
-    from gradest_digits.race_task import REWARD_RACE_LR
 
     model = load_pretrained_dit(dtype=torch.float64)
     reward = ClassifierReward(load_digit_classifier(dtype=torch.float64), TARGET)
-    opt = torch.optim.Adam(model.parameters(), lr=REWARD_RACE_LR)
+    opt = torch.optim.Adam(model.parameters(), lr=DIGITS.task.lr)
     est = gradest.estimator("exact")
     gen = torch.Generator().manual_seed(seed)
     sampler = gradest.RectifiedFlow(steps=16)

@@ -36,7 +36,7 @@ from gradest_digits.assets import (
     load_digit_classifier,
     read_model_checkpoint,
 )
-from gradest_digits.digits import IMAGE_SHAPE
+from gradest_digits.datasets import DIGITS
 
 EXTRACTOR_NAME = "gradest-digit-classifier"
 FEATURE_LAYER = "penultimate"
@@ -61,7 +61,7 @@ class DigitImages(Dataset):
     """torch-fidelity input: uint8 ``[1, 8, 8]`` images from ``[n, 1, 8, 8]`` floats in [-1, 1]."""
 
     def __init__(self, images: Tensor):
-        if images.ndim != 4 or tuple(images.shape[1:]) != IMAGE_SHAPE:
+        if images.ndim != 4 or tuple(images.shape[1:]) != DIGITS.image_shape:
             raise InvalidValue(
                 f"digit images must have shape [n, 1, 8, 8] (values in [-1, 1]), got "
                 f"{tuple(images.shape)}"
@@ -130,7 +130,7 @@ class DigitFeatureExtractor(FeatureExtractorBase):
 
     @staticmethod
     def get_dummy_input_for_compile() -> Tensor:
-        return torch.zeros((1, *IMAGE_SHAPE), dtype=torch.uint8)
+        return torch.zeros((1, *DIGITS.image_shape), dtype=torch.uint8)
 
     def forward(self, input: Tensor) -> tuple[Tensor]:  # noqa: A002 (torch-fidelity's name)
         if input.dtype != torch.uint8:

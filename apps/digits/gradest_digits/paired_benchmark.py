@@ -59,7 +59,7 @@ from gradest.rl.flow_grpo import group_advantages, grpo_objective
 from gradest.samplers import FlowSDE
 from gradest.specs import split_spec_list
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
-from gradest_digits.digits import load_digits_dataset
+from gradest_digits.datasets import DIGITS
 from gradest_digits.finetune import start_run
 from gradest_digits.metrics import fid_kid
 from gradest_digits.rewards import ClassifierReward
@@ -522,9 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config["metric_rank_correlations"] = metric_rank_correlations(summary)
         _write(out, config, summary, saved["runs"])
         return 0
-    images, labels = load_digits_dataset("heldout")
+    images, labels = DIGITS.load("heldout")
     reference = images[labels == args.target]
-    prior = load_digits_dataset("train")[0] if args.prior_weight else None
+    prior = DIGITS.load("train")[0] if args.prior_weight else None
     flops = forward_flops(args)
     runs: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
     # One untimed step first: the first calls of a process pay one-off costs (allocator

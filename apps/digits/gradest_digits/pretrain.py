@@ -1,4 +1,5 @@
-"""Pretraining of the digits workload: a class-conditional rectified-flow DiT and the classifier.
+"""Pretraining of the workload, on either dataset: a class-conditional rectified-flow DiT and
+the classifier.
 
 The DiT learns the velocity of the rectified flow between the digits and noise by flow
 matching (the interpolant of docs/design.md#notation)::
@@ -14,8 +15,9 @@ smooths the last few hundred steps' noise out of the weights at no training cost
 
 ``python -m gradest_digits.pretrain --what dit \
 --out apps/digits/gradest_digits/assets/digits_dit.pt``
-regenerates the shipped checkpoint (``--what classifier`` the classifier); see
-``apps/digits/gradest_digits/assets/README.md``.
+regenerates the shipped 8x8 checkpoint (``--what classifier`` the classifier; both are
+:func:`pretrain`), and ``python -m gradest_digits.mnist_pretrain`` the two MNIST ones
+(:func:`pretrain_assets`); see ``apps/digits/gradest_digits/assets/README.md``.
 
 The file ``--out`` belongs to one run, in the spirit of :mod:`gradest.run_folder`
 (:func:`claim_output_file`): the run holds a lock beside it, ``.<name>.lock``, from before
@@ -32,7 +34,7 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +44,30 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradest.errors import GradestError, InvalidValue
-from gradest.files import OutputError, atomic_save, check_output_file
+from gradest.files import OutputError, atomic_save, check_output_dir, check_output_file
 from gradest.integers import WholeNumber
 from gradest.models.dit import DiT
 from gradest.process_lock import describe_holder, read_holder, try_lock
 from gradest.samplers import RectifiedFlow
 from gradest.trajectory import rollout
-from gradest_digits.assets import classifier_checkpoint, dit_checkpoint, load_digit_classifier
-from gradest_digits.classifier import accuracy, train_classifier
-from gradest_digits.digits import IMAGE_SHAPE, NUM_CLASSES, load_digits_dataset
+from gradest_digits.assets import (
+    asset_path,
+    build_model,
+    classifier_checkpoint,
+    dit_checkpoint,
+    load_digit_classifier,
+    read_asset,
+)
+from gradest_digits.classifier import (
+    DigitClassifier,
+    accuracy,
+    per_class_accuracy,
+    train_classifier,
+    training_threads,
+)
+from gradest_digits.datasets import DIGITS, NUM_CLASSES, Dataset
 
 TIME_SAMPLINGS = ("logit_normal", "uniform")
-# The shipped DiT: the "tiny" configuration (hidden 32, depth 2, 2x2 patches on 8x8).
-DEFAULT_DIT_CONFIG = "tiny"
 
 
 def _sample_times(
@@ -67,25 +80,26 @@ def _sample_times(
 
 
 def pretrain_dit(
-    steps: int = 3000,
-    batch_size: int = 128,
-    lr: float = 2e-3,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
     seed: int = 0,
     *,
-    config: str = DEFAULT_DIT_CONFIG,
+    dataset: Dataset = DIGITS,
+    config: str | None = None,
     overrides: Mapping[str, Any] | None = None,
     label_dropout: float = 0.1,
     time_sampling: str = "logit_normal",
     ema_decay: float = 0.999,
-    warmup: int = 200,
+    warmup: int | None = None,
     weight_decay: float = 0.0,
     threads: int = 1,
     progress: bool = True,
-    load_split: Callable[[str], tuple[Tensor, Tensor]] = load_digits_dataset,
-    image_shape: tuple[int, int, int] = IMAGE_SHAPE,
-    description: str = "DiT flow matching",
 ) -> tuple[DiT, dict[str, Any]]:
-    """Train a class-conditional DiT on the train digits by rectified-flow matching.
+    """Train a class-conditional DiT on ``dataset``'s train split by rectified-flow matching.
+
+    ``steps``, ``batch_size``, ``lr``, ``config`` and ``warmup`` left as None are the
+    dataset's (:class:`~gradest_digits.datasets.Dataset`'s ``dit_*``: the shipped DiT's).
 
     Args:
         steps: optimiser steps (each on ``batch_size`` digits drawn with replacement).
@@ -93,9 +107,11 @@ def pretrain_dit(
         lr: peak AdamW learning rate (linear warm-up over ``warmup`` steps, then cosine
             decay to 10% of the peak).
         seed: seeds the initialisation, batches, times, noise and label dropout.
+        dataset: :data:`~gradest_digits.datasets.DIGITS` or
+            :data:`~gradest_digits.datasets.MNIST`.
         config: a name in :data:`gradest.models.dit.DIT_CONFIGS`; ``overrides`` change
             its fields (``num_classes`` is always 10, ``input_size`` and ``in_channels``
-            those of ``image_shape``).
+            those of the dataset's images).
         label_dropout: probability of training on the null label (unconditional).
         time_sampling: ``"logit_normal"`` (``t = sigmoid(N(0, 1))``) or ``"uniform"``.
         ema_decay: decay of the weight average that is returned (0 returns the raw weights).
@@ -104,15 +120,16 @@ def pretrain_dit(
         threads: ``torch.set_num_threads`` during training (restored afterwards);
             one thread is fastest for a model this small on a shared CPU.
         progress: show a tqdm progress bar.
-        load_split: the dataset, ``load_split("train") -> (images, labels)``: the 8x8
-            digits by default, :func:`gradest_digits.mnist.load_mnist_dataset` for MNIST.
-        image_shape: ``(channels, height, width)`` of its images.
-        description: the progress bar's label.
 
     Returns:
         ``(model, info)``: the EMA model in eval mode, and ``info`` with the settings,
         the parameter count, the final training loss and the seconds taken.
     """
+    steps = dataset.dit_steps if steps is None else steps
+    batch_size = dataset.dit_batch_size if batch_size is None else batch_size
+    lr = dataset.dit_lr if lr is None else lr
+    config = dataset.dit_config if config is None else config
+    warmup = dataset.dit_warmup if warmup is None else warmup
     if steps < 1 or batch_size < 1:
         raise InvalidValue(
             f"pretrain_dit needs steps >= 1 and batch_size >= 1, got steps={steps}, "
@@ -128,18 +145,16 @@ def pretrain_dit(
         raise InvalidValue(f"ema_decay must be in [0, 1) (0: no averaging), got {ema_decay}")
     fixed = {
         "num_classes": NUM_CLASSES,
-        "input_size": image_shape[1],
-        "in_channels": image_shape[0],
+        "input_size": dataset.image_shape[1],
+        "in_channels": dataset.image_shape[0],
     }
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
+    with training_threads(threads):
         start = time.perf_counter()
         torch.manual_seed(seed)
         generator = torch.Generator().manual_seed(seed)
         model = DiT.from_config(config, **{**dict(overrides or {}), **fixed})
         ema = copy.deepcopy(model).requires_grad_(False)
-        images, labels = load_split("train")
+        images, labels = dataset.load("train")
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
         def learning_rate_factor(step: int) -> float:
@@ -151,6 +166,7 @@ def pretrain_dit(
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_factor)
         model.train()
         running = 0.0
+        description = f"{dataset.name} DiT flow matching"
         bar = tqdm(range(steps), desc=description, unit="step", disable=not progress)
         for step in bar:
             index = torch.randint(0, len(images), (batch_size,), generator=generator)
@@ -193,8 +209,6 @@ def pretrain_dit(
             "final_loss": running,
             "seconds": time.perf_counter() - start,
         }
-    finally:
-        torch.set_num_threads(previous_threads)
     return result, info
 
 
@@ -206,6 +220,7 @@ def sample_digits(
     num_samples: int | None = None,
     steps: int = 20,
     seed: int = 0,
+    dataset: Dataset = DIGITS,
 ) -> Tensor:
     """Sample digits with the Euler sampler ``gradest.RectifiedFlow(steps)``.
 
@@ -216,9 +231,10 @@ def sample_digits(
         num_samples: the batch size when ``labels`` is None.
         steps: Euler steps from noise (t=1) to data (t=0).
         seed: seeds the initial noise.
+        dataset: whose images the model makes (their shape).
 
     Returns:
-        ``[B, 1, 8, 8]`` samples (roughly in [-1, 1]; not clipped).
+        ``[B, *dataset.image_shape]`` samples (roughly in [-1, 1]; not clipped).
     """
     parameter = next(model.parameters())
     if labels is None:
@@ -228,43 +244,56 @@ def sample_digits(
     else:
         batch, cond = labels.shape[0], {"y": labels.to(parameter.device)}
     generator = torch.Generator().manual_seed(seed)
-    noise = torch.randn((batch, *IMAGE_SHAPE), generator=generator, dtype=parameter.dtype)
+    shape = (batch, *dataset.image_shape)
+    noise = torch.randn(shape, generator=generator, dtype=parameter.dtype)
     trajectory = rollout(model, RectifiedFlow(steps=steps), noise.to(parameter.device), cond=cond)
     return trajectory.states[-1]
 
 
+@torch.no_grad()
 def evaluate_dit(
     model: nn.Module,
     classifier: nn.Module,
     *,
+    dataset: Dataset = DIGITS,
     samples_per_class: int = 20,
     steps: int = 20,
     seed: int = 0,
-) -> dict[str, float]:
-    """How recognisable and how realistic the DiT's conditional samples are.
+) -> dict[str, Any]:
+    """How recognisable (and, on the 8x8 digits, how realistic) the DiT's conditional
+    samples are.
 
     Draws ``samples_per_class`` samples of every digit and reports the classifier's
-    accuracy on them (``accuracy``: the label it was conditioned on; chance is 0.1), and
-    FID/KID (classifier features) against the held-out digits, next to the same metrics
-    for pure Gaussian noise clipped to the image range (``noise_fid``, ``noise_kid_mean``).
+    accuracy on them (``accuracy``: the label it was conditioned on; chance is 0.1),
+    overall and per class. On the 8x8 digits also FID/KID (classifier features,
+    :mod:`gradest_digits.metrics`, which reads 8x8 images) against the held-out digits,
+    next to the same metrics for pure Gaussian noise clipped to the image range
+    (``noise_fid``, ``noise_kid_mean``).
     """
+    labels = torch.arange(NUM_CLASSES).repeat_interleave(samples_per_class)
+    samples = sample_digits(model, labels, steps=steps, seed=seed, dataset=dataset)
+    reference = next(classifier.parameters())
+    samples = samples.to(device=reference.device, dtype=reference.dtype)
+    result: dict[str, Any] = {
+        "accuracy": accuracy(classifier, samples, labels),
+        "accuracy_per_class": per_class_accuracy(classifier, samples, labels),
+        "samples": float(samples.shape[0]),
+        "sampler_steps": float(steps),
+        "seed": seed,
+    }
+    if dataset is not DIGITS:
+        return result
     # torch-fidelity is an optional dependency (the "workload" extra): training alone
     # does not need it.
     from gradest_digits.metrics import fid_kid
 
-    labels = torch.arange(NUM_CLASSES).repeat_interleave(samples_per_class)
-    samples = sample_digits(model, labels, steps=steps, seed=seed)
-    reference = next(classifier.parameters())
-    samples = samples.to(device=reference.device, dtype=reference.dtype)
-    heldout, _ = load_digits_dataset("heldout")
+    heldout, _ = dataset.load("heldout")
     generated = fid_kid(samples, heldout, classifier=classifier, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1)
     noise = torch.randn(samples.shape, generator=generator, dtype=samples.dtype).to(samples.device)
     baseline = fid_kid(noise, heldout, classifier=classifier, seed=seed)
     return {
-        "accuracy": accuracy(classifier, samples, labels),
-        "samples": float(samples.shape[0]),
-        "sampler_steps": float(steps),
+        **result,
         "fid": generated["fid"],
         "kid_mean": generated["kid_mean"],
         "kid_std": generated["kid_std"],
@@ -274,8 +303,6 @@ def evaluate_dit(
 
 
 WHATS = ("dit", "classifier")
-# The checkpoint kind each --what writes (gradest_digits.assets).
-KINDS = {"dit": "digits_dit", "classifier": "digit_classifier"}
 
 
 def lock_path(path: str | Path) -> Path:
@@ -373,6 +400,28 @@ def write_claimed(
     atomic_save(dict(checkpoint), path)
 
 
+def train_checkpoint(
+    what: str,
+    dataset: Dataset,
+    *,
+    seed: int,
+    progress: bool,
+    settings: Mapping[str, Any],
+    judge: nn.Module | None = None,
+) -> tuple[dict[str, Any], nn.Module]:
+    """Train ``dataset``'s ``what`` (``"dit"`` or ``"classifier"``) with the training
+    function's ``settings`` and return ``(its checkpoint dict, the model)``; a DiT's
+    ``info["evaluation"]`` is :func:`evaluate_dit` with the classifier ``judge`` (None:
+    no evaluation)."""
+    if what == "classifier":
+        model, info = train_classifier(seed=seed, progress=progress, dataset=dataset, **settings)
+        return classifier_checkpoint(model, info, dataset), model
+    dit, info = pretrain_dit(seed=seed, progress=progress, dataset=dataset, **settings)
+    if judge is not None:
+        info["evaluation"] = evaluate_dit(dit, judge, dataset=dataset, seed=seed)
+    return dit_checkpoint(dit, info, dataset), dit
+
+
 def pretrain(
     what: str,
     out: str | Path,
@@ -385,7 +434,8 @@ def pretrain(
     evaluate: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train ``what`` (``"dit"`` or ``"classifier"``) and save its checkpoint to ``out``.
+    """Train the 8x8 digits' ``what`` (``"dit"`` or ``"classifier"``) and save its
+    checkpoint to ``out`` (``gradest pretrain``).
 
     The DiT's evaluation (``evaluate=True``) needs the digit classifier: the shipped one,
     so regenerate the classifier first if both are rebuilt.
@@ -401,27 +451,81 @@ def pretrain(
     if what == "dit" and epochs is not None:
         raise InvalidValue("the DiT trains for --steps, not --epochs")
     # Options left as None keep the training function's own defaults.
-    settings: dict[str, Any] = {
-        key: value for key, value in (("batch_size", batch_size), ("lr", lr)) if value is not None
-    }
+    options = (("batch_size", batch_size), ("lr", lr), ("epochs", epochs), ("steps", steps))
+    settings = {key: value for key, value in options if value is not None}
     command = f"gradest pretrain --what {what}"
+    kind = DIGITS.classifier_kind if what == "classifier" else DIGITS.dit_kind
     # Checked and held before training, so a bad path, a file of another kind or a second
     # writer costs seconds, not the trained model.
-    with claim_output_file(out, KINDS[what], command=command) as target:
-        if what == "classifier":
-            if epochs is not None:
-                settings["epochs"] = epochs
-            classifier, info = train_classifier(seed=seed, progress=progress, **settings)
-            checkpoint = classifier_checkpoint(classifier, info)
-        else:
-            if steps is not None:
-                settings["steps"] = steps
-            model, info = pretrain_dit(seed=seed, progress=progress, **settings)
-            if evaluate:
-                info["evaluation"] = evaluate_dit(model, load_digit_classifier(), seed=seed)
-            checkpoint = dit_checkpoint(model, info)
+    with claim_output_file(out, kind, command=command) as target:
+        judge = load_digit_classifier() if what == "dit" and evaluate else None
+        checkpoint, _ = train_checkpoint(
+            what, DIGITS, seed=seed, progress=progress, settings=settings, judge=judge
+        )
         write_claimed(checkpoint, target, command=command)
-    return {**info, "out": str(target), "bytes": target.stat().st_size}
+    return {**checkpoint["info"], "out": str(target), "bytes": target.stat().st_size}
+
+
+ASSET_WHATS = ("all", "classifier", "dit")
+
+
+def pretrain_assets(
+    dataset: Dataset,
+    out_dir: str | Path | None = None,
+    *,
+    what: str = "all",
+    seed: int = 0,
+    dit_steps: int | None = None,
+    classifier_epochs: int | None = None,
+    progress: bool = True,
+    command: str,
+) -> dict[str, Any]:
+    """Train and save ``dataset``'s classifier and/or DiT under their shipped names in
+    ``out_dir`` (default: the package assets); returns their ``info`` dicts.
+
+    The DiT is evaluated with the classifier: the one just trained, or (``what="dit"``)
+    the one already in ``out_dir``. Both files are held (:func:`claim_output_file`, the
+    locks naming ``command``) and checked before either is trained.
+    """
+    if what not in ASSET_WHATS:
+        raise InvalidValue(f"what={what!r} is not one of {', '.join(ASSET_WHATS)}")
+    folder = Path(out_dir) if out_dir is not None else asset_path("")
+    folder = check_output_dir(folder, what="--out-dir") if out_dir is not None else folder
+    files = {
+        "classifier": (dataset.classifier_asset, dataset.classifier_kind),
+        "dit": (dataset.dit_asset, dataset.dit_kind),
+    }
+    wanted = ("classifier", "dit") if what == "all" else (what,)
+    held = {"what": "the checkpoint", "flag": "--out-dir", "command": command}
+    result: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        for part in wanted:
+            name, kind = files[part]
+            stack.enter_context(claim_output_file(folder / name, kind, **held))
+        judge: nn.Module | None = None
+        if "classifier" not in wanted:
+            path = folder / dataset.classifier_asset
+            if not path.is_file():
+                raise InvalidValue(f"--what dit evaluates with {path}; train the classifier first")
+            # The one reader of the format: a damaged file is one line naming it.
+            judge = build_model(read_asset(dataset.classifier_asset, folder))
+            assert isinstance(judge, DigitClassifier)
+        for part in wanted:
+            settings = (
+                {"epochs": classifier_epochs} if part == "classifier" else {"steps": dit_steps}
+            )
+            checkpoint, model = train_checkpoint(
+                part,
+                dataset,
+                seed=seed,
+                progress=progress,
+                settings=settings,
+                judge=None if judge is None else judge.requires_grad_(False),
+            )
+            write_claimed(checkpoint, folder / files[part][0], **held)
+            result[part] = checkpoint["info"]
+            judge = model if part == "classifier" else judge
+    return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,7 @@
-"""Digits tasks for ``gradest race`` (:mod:`gradest.harness.race`), registered under the
-``gradest.race_tasks`` entry points.
+"""The workload's tasks for ``gradest race`` (:mod:`gradest.harness.race`), registered under
+the ``gradest.race_tasks`` entry points: one reward task of either dataset
+(:class:`RewardTask`, ``digits`` on the 8x8 digits and ``mnist`` on 28x28 MNIST) and
+Flow-GRPO on the 8x8 digits.
 
 * ``digits``: reward backpropagation with a **prior**, a task that does not saturate. The
   target digit is the ``target`` option (3 by default; the ceiling below is 3's, a tuned
@@ -24,10 +26,13 @@
   is the ceiling reported (an estimate from below of the optimum). On the same run
   ``exact`` had 73% of the attainable gain after 4 steps, 75% after 8, 82% after 16 and 92%
   after 32 (``w = 3``: 87% after 16 steps; ``w = 0``: saturated by 12), at lr 3e-4. The
-  race itself runs at lr 1e-4 (:data:`REWARD_RACE_LR`): at 3e-4 a race's own seed 0 had
+  race itself runs at lr 1e-4 (``DIGITS.task.lr``): at 3e-4 a race's own seed 0 had
   84.7% after 8 steps, at 1e-4 seeds 0 and 1 had 84% after 16. Each race report states
   exact's share of the attainable gain at its budget, so whether exact stayed below the
   ceiling is read from the report, not assumed.
+
+* ``mnist``: the same task at 28x28 and ~1M parameters, on the shipped MNIST DiT and
+  classifier (:mod:`gradest_digits.mnist_race_task`: its factory, settings and ceiling).
 
 * ``digits-grpo``: Flow-GRPO with groups that share a condition. Each step draws
   ``batch / group_size`` class labels (the prompts); each group of ``group_size = 4`` samples
@@ -47,6 +52,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -62,33 +68,30 @@ from gradest.rl.flow_grpo import group_advantages, grpo_objective
 from gradest.samplers import FlowSDE, RectifiedFlow, check_reduction
 from gradest.trajectory import rollout
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
-from gradest_digits.digits import IMAGE_SHAPE, load_digits_dataset
+from gradest_digits.datasets import DIGITS, NUM_CLASSES, Dataset
 from gradest_digits.rewards import ClassifierReward
 
 TARGET_DIGIT = 3
 PRIOR_WEIGHT = 10.0
-# J of the best evaluation of a 240-step exact run with the task's settings (module doc).
-REWARD_CEILING = -6.79
 EVAL_NOISE_SEED = 777
 HELDOUT_SEED = 4242
-HELDOUT_REPEATS = 2
-NUM_CLASSES = 10
-BATCH = 16
-SAMPLER_STEPS = 16
-# Flow-GRPO's race lr; the reward race's is REWARD_RACE_LR (below, with why).
+# Flow-GRPO's race lr (the reward races' are their datasets', TaskDefaults.lr).
 GRPO_RACE_LR = 3e-4
 
 
-def _heldout_triples(labels: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def _heldout_triples(
+    dataset: Dataset, labels: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Fixed ``(z_t, t, eps - x, y)`` on the held-out digits: the drift's flow-matching loss."""
-    images, classes = load_digits_dataset("heldout")
-    x = images.repeat(HELDOUT_REPEATS, 1, 1, 1)
+    images, classes = dataset.load("heldout")
+    count, repeats = dataset.task.heldout_images, dataset.task.heldout_repeats
+    x = images[:count].repeat(repeats, 1, 1, 1)
     gen = torch.Generator().manual_seed(HELDOUT_SEED)
     t = torch.rand(x.shape[0], generator=gen)
     eps = torch.randn(x.shape, generator=gen)
     weight = t.reshape(-1, 1, 1, 1)
     z = weight * eps + (1 - weight) * x
-    y = classes.repeat(HELDOUT_REPEATS) if labels else None
+    y = classes[:count].repeat(repeats) if labels else None
     return z, t, eps - x, y
 
 
@@ -109,39 +112,43 @@ def check_step_settings(*, batch: Any, sampler_steps: Any, lr: Any) -> None:
 
 
 class _DigitsTask:
-    """What both digits tasks share: the shipped DiT, the evaluation noise, the drift."""
+    """What every task here shares: the dataset's shipped DiT and classifier, the
+    evaluation noise, the drift."""
 
-    name = "digits"
     objective_kind = "terminal"
     ceiling: float | None = None
     conditional = False
 
     def __init__(
         self,
+        dataset: Dataset,
         *,
-        eval_samples: int = MIN_EVAL_SAMPLES,
-        device: str | torch.device = "cpu",
-        batch: int = BATCH,
-        sampler_steps: int = SAMPLER_STEPS,
-        lr: float = GRPO_RACE_LR,
+        eval_samples: int,
+        device: str | torch.device,
+        batch: int,
+        sampler_steps: int,
+        lr: float,
     ) -> None:
         if eval_samples < MIN_EVAL_SAMPLES:
             raise InvalidValue(f"--eval-samples must be >= {MIN_EVAL_SAMPLES}, got {eval_samples}")
         check_step_settings(batch=batch, sampler_steps=sampler_steps, lr=lr)
+        self.dataset = dataset
+        self.image_shape = dataset.image_shape
         self.eval_samples = eval_samples
         self.device = torch.device(device)
         self.batch, self.sampler_steps, self.lr = batch, sampler_steps, lr
         gen = torch.Generator().manual_seed(EVAL_NOISE_SEED)
-        self.eval_noise = torch.randn((eval_samples, *IMAGE_SHAPE), generator=gen).to(self.device)
+        noise = torch.randn((eval_samples, *self.image_shape), generator=gen)
+        self.eval_noise = noise.to(self.device)
         self.eval_labels = torch.arange(eval_samples, device=self.device) % NUM_CLASSES
-        z, t, target, y = _heldout_triples(self.conditional)
+        z, t, target, y = _heldout_triples(dataset, self.conditional)
         self.heldout = (
             z.to(self.device),
             t.to(self.device),
             target.to(self.device),
             None if y is None else y.to(self.device),
         )
-        self.classifier = load_digit_classifier(device=self.device)
+        self.classifier = load_digit_classifier(device=self.device, dataset=dataset)
         self.initial_fm = self._heldout_fm(self.pretrained())
 
     def settings(self) -> dict[str, Any]:
@@ -153,48 +160,91 @@ class _DigitsTask:
         }
 
     def pretrained(self) -> nn.Module:
-        return load_pretrained_dit(device=self.device)
+        return load_pretrained_dit(device=self.device, dataset=self.dataset)
 
     def optimizer(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(parameters, lr=self.lr, weight_decay=0.0)
 
     def flops_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        z = torch.zeros((self.batch, *IMAGE_SHAPE), device=self.device)
+        z = torch.zeros((self.batch, *self.image_shape), device=self.device)
         t = torch.full((self.batch,), 0.5, device=self.device)
         cond = {"y": torch.zeros(self.batch, dtype=torch.long, device=self.device)}
         return (z, t), (cond if self.conditional else {})
 
     def _heldout_fm(self, model: nn.Module) -> float:
         z, t, target, y = self.heldout
+        chunk = self.dataset.task.fm_chunk
         with torch.no_grad():
-            velocity = model(z, t) if y is None else model(z, t, y=y)
-            return float((velocity - target).pow(2).mean())
+            if chunk is None:
+                velocity = model(z, t) if y is None else model(z, t, y=y)
+                return float((velocity - target).pow(2).mean())
+            # Summed chunk by chunk (MNIST's): bounded memory, and the committed races'
+            # numbers to the last bit.
+            total, count = 0.0, 0
+            for first in range(0, z.shape[0], chunk):
+                part = slice(first, first + chunk)
+                error = (model(z[part], t[part]) - target[part]).pow(2)
+                total += float(error.sum())
+                count += error.numel()
+            return total / count
 
 
-class RewardWithPrior:
-    """Reward backpropagation with a flow-matching prior, for a task of any image size.
+class RewardTask(_DigitsTask):
+    """Reward backpropagation with a flow-matching prior, on either dataset (module docstring).
 
-    The ``digits`` and ``mnist`` tasks share it: each training step draws the sampling
-    noise and the prior's batch of real training digits (``z_t, t, eps``) from the race's
-    data stream; the objective is the classifier reward of the samples, the extra loss
-    ``w * FM`` on that batch (its forward and VJP counted for every estimator); an
-    evaluation is ``J = log p(target | x) - w * FM_heldout`` on the fixed noise set.
-
-    The task sets ``image_shape``, ``batch``, ``device``, ``sampler_steps``, ``reward``,
-    ``prior_weight``, ``train_images``, ``eval_noise``, ``initial_fm`` and
-    ``_heldout_fm(model)``.
+    Each training step draws the sampling noise and the prior's batch of real training
+    digits (``z_t, t, eps``) from the race's data stream; the objective is the classifier
+    reward of the samples, the extra loss ``w * FM`` on that batch (its forward and VJP
+    counted for every estimator); an evaluation is ``J = log p(target | x) - w *
+    FM_heldout`` on the fixed noise set.
     """
 
-    image_shape: tuple[int, ...]
-    batch: int
-    device: torch.device
-    sampler_steps: int
-    reward: Any
-    prior_weight: float
-    train_images: Tensor
-    eval_noise: Tensor
-    initial_fm: float
-    _heldout_fm: Callable[[nn.Module], float]
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        eval_samples: int = MIN_EVAL_SAMPLES,
+        device: str | torch.device = "cpu",
+        lr: float | None = None,
+        batch: int | None = None,
+        sampler_steps: int | None = None,
+        prior_weight: float = PRIOR_WEIGHT,
+        target: int = TARGET_DIGIT,
+    ) -> None:
+        defaults = dataset.task
+        check_finite_at_least("prior_weight", prior_weight, 0.0)
+        if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < NUM_CLASSES:
+            raise InvalidValue(f"target must be a digit 0..9, got {target!r}")
+        self.name = dataset.name
+        self.prior_weight, self.target = prior_weight, target
+        super().__init__(
+            dataset,
+            eval_samples=eval_samples,
+            device=device,
+            batch=defaults.batch if batch is None else batch,
+            sampler_steps=defaults.sampler_steps if sampler_steps is None else sampler_steps,
+            lr=defaults.lr if lr is None else lr,
+        )
+        self.reward = ClassifierReward(self.classifier, target)
+        self.train_images = dataset.load("train")[0].to(self.device)
+        # The ceiling was measured at the dataset's default settings, and depends on those
+        # named (not, on the 8x8 digits, on the lr or the batch). A tuned race measures its own.
+        measured_at = {
+            "batch": defaults.batch,
+            "sampler_steps": defaults.sampler_steps,
+            "lr": defaults.lr,
+            "prior_weight": PRIOR_WEIGHT,
+            "target": TARGET_DIGIT,
+        }
+        chosen = self.settings()
+        same = all(chosen[name] == measured_at[name] for name in defaults.ceiling_settings)
+        self.ceiling = defaults.ceiling if same else None
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "target": self.target, "prior_weight": self.prior_weight}
+
+    def sampler(self) -> RectifiedFlow:
+        return RectifiedFlow(steps=self.sampler_steps)
 
     def step_problem(
         self, model: nn.Module, sampler: Any, generator: torch.Generator, step: int
@@ -235,40 +285,6 @@ class RewardWithPrior:
         }
 
 
-class DigitsRewardTask(RewardWithPrior, _DigitsTask):
-    """Reward backpropagation with a flow-matching prior (module docstring)."""
-
-    name = "digits"
-    objective_kind = "terminal"
-    ceiling: float | None = REWARD_CEILING
-    image_shape = IMAGE_SHAPE
-
-    def __init__(
-        self, *, prior_weight: float = PRIOR_WEIGHT, target: int = TARGET_DIGIT, **kwargs: Any
-    ) -> None:
-        check_finite_at_least("prior_weight", prior_weight, 0.0)
-        if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < NUM_CLASSES:
-            raise InvalidValue(f"target must be a digit 0..9, got {target!r}")
-        self.prior_weight, self.target = prior_weight, target
-        super().__init__(**kwargs)
-        self.reward = ClassifierReward(self.classifier, target)
-        self.train_images = load_digits_dataset("train")[0].to(self.device)
-        if (prior_weight, self.sampler_steps, target) != (
-            PRIOR_WEIGHT,
-            SAMPLER_STEPS,
-            TARGET_DIGIT,
-        ):
-            # Measured for the default weight, sampler and target only (the optimum depends
-            # on them; not on the lr or the batch). A tuned race measures its own.
-            self.ceiling = None
-
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "target": self.target, "prior_weight": self.prior_weight}
-
-    def sampler(self) -> RectifiedFlow:
-        return RectifiedFlow(steps=self.sampler_steps)
-
-
 class DigitsGrpoTask(_DigitsTask):
     """Flow-GRPO, groups sharing a class label as their prompt (module docstring)."""
 
@@ -280,13 +296,24 @@ class DigitsGrpoTask(_DigitsTask):
     def __init__(
         self,
         *,
+        eval_samples: int = MIN_EVAL_SAMPLES,
+        device: str | torch.device = "cpu",
+        lr: float = GRPO_RACE_LR,
+        batch: int = DIGITS.task.batch,
+        sampler_steps: int = DIGITS.task.sampler_steps,
         group_size: int = 4,
         noise_level: float = 0.7,
         reduction: str = "mean",
         clip: float = 0.2,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            DIGITS,
+            eval_samples=eval_samples,
+            device=device,
+            batch=batch,
+            sampler_steps=sampler_steps,
+            lr=lr,
+        )
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
             raise InvalidValue(
                 f"group_size must be an int >= 2 (advantages are normalised within a group), "
@@ -322,7 +349,7 @@ class DigitsGrpoTask(_DigitsTask):
         groups = self.batch // self.group_size
         prompts = torch.randint(0, NUM_CLASSES, (groups,), generator=generator)
         labels = prompts.repeat_interleave(self.group_size).to(self.device)
-        noise = torch.randn((self.batch, *IMAGE_SHAPE), generator=generator).to(self.device)
+        noise = torch.randn((self.batch, *self.image_shape), generator=generator).to(self.device)
         cond = {"y": labels}
         with torch.no_grad():
             trajectory = rollout(model, sampler, noise, cond, generator=generator)
@@ -352,57 +379,19 @@ class DigitsGrpoTask(_DigitsTask):
         return {"reward": reward, "drift": fm - self.initial_fm, "heldout_fm": fm}
 
 
-# The reward race's learning rate: at 3e-4 exact passed 80% of the attainable gain within
-# 8 exact steps on some seeds (84.7% on seed 0), so a race of that budget would compare
-# estimators near the ceiling; at 1e-4 it reached 84% only after 16 (seeds 0, 1).
-REWARD_RACE_LR = 1e-4
-
-
-def digits_reward_task(
-    *,
-    eval_samples: int = MIN_EVAL_SAMPLES,
-    device: str | torch.device = "cpu",
-    lr: float = REWARD_RACE_LR,
-    batch: int = BATCH,
-    sampler_steps: int = SAMPLER_STEPS,
-    prior_weight: float = PRIOR_WEIGHT,
-    target: int = TARGET_DIGIT,
-) -> DigitsRewardTask:
-    """``gradest race --model digits`` (AdamW at :data:`REWARD_RACE_LR` unless a tuned race
-    sets each run's lr); every keyword but the first two is a ``--task-option``."""
-    return DigitsRewardTask(
-        eval_samples=eval_samples,
-        device=device,
-        lr=lr,
-        batch=batch,
-        sampler_steps=sampler_steps,
-        prior_weight=prior_weight,
-        target=target,
+def reward_task(dataset: Dataset) -> Callable[..., RewardTask]:
+    """The ``gradest race`` factory of ``dataset``'s :class:`RewardTask`: its signature shows
+    the dataset's defaults, and every keyword but ``eval_samples`` and ``device`` is a
+    ``--task-option`` (:mod:`gradest.harness.task_options` reads the signature)."""
+    task = dataset.task
+    return functools.partial(
+        RewardTask, dataset, lr=task.lr, batch=task.batch, sampler_steps=task.sampler_steps
     )
 
 
-def digits_grpo_task(
-    *,
-    eval_samples: int = MIN_EVAL_SAMPLES,
-    device: str | torch.device = "cpu",
-    lr: float = GRPO_RACE_LR,
-    batch: int = BATCH,
-    sampler_steps: int = SAMPLER_STEPS,
-    group_size: int = 4,
-    noise_level: float = 0.7,
-    reduction: str = "mean",
-    clip: float = 0.2,
-) -> DigitsGrpoTask:
-    """``gradest race --model digits-grpo``; every keyword but the first two is a
-    ``--task-option`` (the race where exact gains runs ``--task-option lr=1e-4``)."""
-    return DigitsGrpoTask(
-        eval_samples=eval_samples,
-        device=device,
-        lr=lr,
-        batch=batch,
-        sampler_steps=sampler_steps,
-        group_size=group_size,
-        noise_level=noise_level,
-        reduction=reduction,
-        clip=clip,
-    )
+# ``gradest race --model digits`` (AdamW at lr 1e-4 unless a tuned race sets each run's lr).
+digits_reward_task = reward_task(DIGITS)
+# ``gradest race --model digits-grpo``: the class is its own factory (its keywords but
+# ``eval_samples`` and ``device`` are the ``--task-option`` settings; the race where exact
+# gains runs ``--task-option lr=1e-4``).
+digits_grpo_task = DigitsGrpoTask

@@ -34,7 +34,7 @@ import torch
 import gradest
 from gradest.files import atomic_write_text
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
-from gradest_digits.digits import load_digits_dataset
+from gradest_digits.datasets import DIGITS
 from gradest_digits.file_schema import require_state_dict
 from gradest_digits.finetune_cli import read_result
 from gradest_digits.metrics import fid_kid
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for mode in args.modes:
         parse_mode(mode)  # refuse a bad spec before the first run
-    images, labels = load_digits_dataset("heldout")
+    images, labels = DIGITS.load("heldout")
     args.reference = images[labels == args.target]
     args.base = load_pretrained_dit()
     base = score(args.base, args, args.reference)

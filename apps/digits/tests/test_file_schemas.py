@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from gradest_digits import assets, mnist_assets
+from gradest_digits import assets
 from gradest_digits.finetune_cli import RUN_SETTINGS, read_result
 from gradest_digits.run_state import (
     ADDED_SETTINGS,
@@ -598,7 +598,7 @@ def test_a_damaged_mnist_classifier_is_one_line_naming_it(tmp_path, capsys):
     ``--out-dir`` back (the MNIST DiT goes through the same reader: next test)."""
     from gradest_digits import mnist_pretrain
 
-    name = mnist_assets.MNIST_CLASSIFIER_CHECKPOINT
+    name = assets.MNIST_CLASSIFIER_CHECKPOINT
     if not assets.asset_path(name).is_file():
         pytest.skip(f"shipped checkpoint {name} missing")
     folder = tmp_path / "out"
@@ -630,7 +630,7 @@ def test_a_damaged_mnist_classifier_is_one_line_naming_it(tmp_path, capsys):
 
 
 def test_a_damaged_mnist_dit_is_one_line_naming_it(tmp_path):
-    name = mnist_assets.MNIST_DIT_CHECKPOINT
+    name = assets.MNIST_DIT_CHECKPOINT
     if not assets.asset_path(name).is_file():
         pytest.skip(f"shipped checkpoint {name} missing")
     target = tmp_path / name
@@ -645,7 +645,7 @@ def test_a_damaged_mnist_dit_is_one_line_naming_it(tmp_path):
     for what, damaged in cases:
         target.write_bytes(damaged)
         with pytest.raises(GradestError) as info:
-            assets.build_model(mnist_assets.read_mnist_asset(name, tmp_path))
+            assets.build_model(assets.read_asset(name, tmp_path))
         message = str(info.value)
         assert isinstance(info.value, InvalidValue), (what, message)
         assert str(target) in message and "\n" not in message, (what, message)

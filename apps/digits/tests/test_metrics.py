@@ -9,7 +9,7 @@ import torch
 import torch.hub
 from gradest_digits import assets
 from gradest_digits.classifier import DigitClassifier
-from gradest_digits.digits import load_digits_dataset
+from gradest_digits.datasets import DIGITS
 from gradest_digits.metrics import (
     EXTRACTOR_NAME,
     DigitFeatureExtractor,
@@ -40,8 +40,8 @@ def _offline(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def digits():
-    train, _ = load_digits_dataset("train")
-    heldout, _ = load_digits_dataset("heldout")
+    train, _ = DIGITS.load("train")
+    heldout, _ = DIGITS.load("heldout")
     noise = torch.randn(heldout.shape, generator=torch.Generator().manual_seed(0))
     return train, heldout, noise
 
@@ -49,7 +49,7 @@ def digits():
 def test_the_registered_extractor_is_the_digit_classifier():
     assert FEATURE_EXTRACTORS_REGISTRY[EXTRACTOR_NAME] is DigitFeatureExtractor
     extractor = DigitFeatureExtractor(EXTRACTOR_NAME, ["penultimate"])
-    images = load_digits_dataset("heldout")[0][:5]
+    images = DIGITS.load("heldout")[0][:5]
     (features,) = extractor(to_uint8(images))
     expected = assets.load_digit_classifier(dtype=torch.float64).features(
         from_uint8(to_uint8(images))

@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 
 import torch
-from gradest_digits.race_task import (
-    PRIOR_WEIGHT,
-    REWARD_CEILING,
-    DigitsGrpoTask,
-    DigitsRewardTask,
-)
+from gradest_digits.datasets import DIGITS
+from gradest_digits.race_task import PRIOR_WEIGHT, DigitsGrpoTask, digits_reward_task
 
 from gradest.cli import main
 from gradest.harness.race import RaceTask, registered_tasks
+
+REWARD_CEILING = DIGITS.task.ceiling
 
 
 def test_gradest_race_smoke(tmp_path, capsys):
@@ -65,7 +63,7 @@ def test_grpo_groups_share_a_label_and_flow_grpo_defaults():
 
 
 def test_reward_task_objective_is_reward_minus_prior():
-    task = DigitsRewardTask()
+    task = digits_reward_task()
     metrics = task.evaluate(task.pretrained())
     assert metrics["drift"] == 0.0
     expected = metrics["log_p_target"] - PRIOR_WEIGHT * metrics["heldout_fm"]

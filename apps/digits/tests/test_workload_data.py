@@ -14,7 +14,7 @@ from gradest_digits.assets import (
     dit_from_checkpoint,
 )
 from gradest_digits.classifier import DigitClassifier, accuracy, train_classifier
-from gradest_digits.digits import NUM_CLASSES, load_digits_dataset
+from gradest_digits.datasets import DIGITS, NUM_CLASSES
 from gradest_digits.pretrain import pretrain, pretrain_dit, sample_digits
 from gradest_digits.rewards import ClassifierReward
 
@@ -24,8 +24,8 @@ import gradest
 
 
 def test_splits_have_the_documented_shapes_range_and_labels():
-    train_x, train_y = load_digits_dataset("train")
-    heldout_x, heldout_y = load_digits_dataset("heldout")
+    train_x, train_y = DIGITS.load("train")
+    heldout_x, heldout_y = DIGITS.load("heldout")
     assert train_x.shape == (1437, 1, 8, 8) and heldout_x.shape == (360, 1, 8, 8)
     assert train_x.dtype == torch.float32 and train_y.dtype == torch.long
     for images in (train_x, heldout_x):
@@ -40,8 +40,8 @@ def test_splits_have_the_documented_shapes_range_and_labels():
 def test_splits_are_disjoint_and_cover_the_dataset():
     from sklearn.datasets import load_digits
 
-    train_x, _ = load_digits_dataset("train")
-    heldout_x, _ = load_digits_dataset("heldout")
+    train_x, _ = DIGITS.load("train")
+    heldout_x, _ = DIGITS.load("heldout")
     # load_digits holds no duplicate images, so rows identify samples.
     train_rows = {tuple(row.tolist()) for row in train_x.flatten(1)}
     heldout_rows = {tuple(row.tolist()) for row in heldout_x.flatten(1)}
@@ -51,17 +51,17 @@ def test_splits_are_disjoint_and_cover_the_dataset():
 
 
 def test_loading_is_deterministic_and_returns_fresh_tensors():
-    first_x, first_y = load_digits_dataset("train")
+    first_x, first_y = DIGITS.load("train")
     first_x.zero_()  # a caller's in-place edit must not leak into the next call
-    second_x, second_y = load_digits_dataset("train")
-    third_x, third_y = load_digits_dataset("train")
+    second_x, second_y = DIGITS.load("train")
+    third_x, third_y = DIGITS.load("train")
     assert torch.equal(second_x, third_x) and torch.equal(first_y, third_y)
     assert second_x.abs().sum() > 0
 
 
 def test_bad_split_name_is_a_clear_error():
     with pytest.raises(ValueError, match="split='test'.*'train', 'heldout'"):
-        load_digits_dataset("test")
+        DIGITS.load("test")
 
 
 # ----------------------------------------------------------------------------- classifier
@@ -74,7 +74,7 @@ def test_shipped_classifier_loads_frozen_and_is_accurate():
     classifier = assets.load_digit_classifier()
     assert not classifier.training
     assert all(not p.requires_grad for p in classifier.parameters())
-    heldout_x, heldout_y = load_digits_dataset("heldout")
+    heldout_x, heldout_y = DIGITS.load("heldout")
     # Measured: 0.983 (354 of 360) for the shipped checkpoint.
     assert accuracy(classifier, heldout_x, heldout_y) >= 0.95
     assert classifier.features(heldout_x).shape == (360, 64)
@@ -100,7 +100,7 @@ def test_short_classifier_training_learns():
     # Two epochs (46 AdamW steps) already separate the classes: measured 0.83 (seed 3).
     classifier, info = train_classifier(seed=3, epochs=2, progress=False)
     assert info["heldout_accuracy"] >= 0.7
-    heldout_x, heldout_y = load_digits_dataset("heldout")
+    heldout_x, heldout_y = DIGITS.load("heldout")
     assert math.isclose(accuracy(classifier, heldout_x, heldout_y), info["heldout_accuracy"])
 
 
@@ -175,7 +175,7 @@ def classifier64():
 
 
 def test_reward_is_the_target_log_probability(classifier64):
-    images, labels = load_digits_dataset("heldout", dtype=torch.float64)
+    images, labels = DIGITS.load("heldout", dtype=torch.float64)
     reward = ClassifierReward(classifier64, target=3)
     values = reward.reward(images[:16])
     expected = torch.log_softmax(classifier64(images[:16]), dim=1)[:, 3]

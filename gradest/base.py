@@ -207,6 +207,11 @@ class EstimatorBase:
         if on_nonfinite not in ON_NONFINITE:
             raise InvalidValue(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         _check_engine(engine)
+        whole = self._whole_call(
+            model, sampler, objective, dict(options), engine=engine, surrogate=False
+        )
+        if whole is not None:
+            return whole  # type: ignore[no-any-return]
         ctx = EstimationContext(
             model, sampler, objective, noise_grad=noise_grad, engine=engine, **inputs
         )
@@ -283,6 +288,11 @@ class EstimatorBase:
         _check_inputs("surrogate", inputs, more=("engine",))
         warn_if_lone_rank()
         _check_engine(engine)
+        whole = self._whole_call(
+            model, sampler, objective, dict(inputs), engine=engine, surrogate=True
+        )
+        if whole is not None:
+            return whole  # type: ignore[no-any-return]
         ctx = EstimationContext(
             model, sampler, objective, noise_grad=False, engine=engine, surrogate=True, **inputs
         )
@@ -328,6 +338,10 @@ class EstimatorBase:
                 grads, state_grad = self._stepwise(ctx), None
             _refuse_unrelated_stepwise_loss(ctx)
             ctx.finish_stepwise_value()
+        if ctx.decisions is None:
+            # Hooks that record no decisions made none (a deterministic estimator): the
+            # empty record, which is also what gradest check expects of them.
+            ctx.decide(Decisions())
         ctx.field.randomness.finish()
         return grads, state_grad
 
@@ -337,7 +351,20 @@ class EstimatorBase:
     always_exact: ClassVar[bool] = False
 
     #: The objective kinds the estimator defines (``gradest check``/``compare`` skip others).
+    #: Derived from the hooks a subclass writes (``_terminal`` -> ``"terminal"``,
+    #: ``_stepwise`` -> ``"stepwise"``) unless a class sets it.
     objectives: ClassVar[tuple[str, ...]] = ("terminal", "stepwise")
+
+    #: The configurations ``gradest check`` runs besides the default one (known truths,
+    #: non-default options worth pinning; ``{N}`` is the check's step count).
+    check_specs: ClassVar[tuple[str, ...]] = ()
+
+    #: This estimator's entries in ``gradest compare``'s default line-up (its recommended
+    #: forms; gradest's own estimators only, :func:`gradest.registry.line_up`).
+    compare_specs: ClassVar[tuple[str, ...]] = ()
+
+    #: Its entries in ``gradest cost``'s default line-up (gradest's own estimators only).
+    cost_specs: ClassVar[tuple[str, ...]] = ()
 
     def unsupported_objective(self, kind: str) -> InvalidValue:
         """The error for an objective kind this estimator does not define."""
@@ -382,10 +409,31 @@ class EstimatorBase:
 
         ``gradest check`` compares them with the estimate's and evaluates the
         :meth:`definition` at these, so wrong decisions fail even with right arithmetic.
+        An estimator whose hooks record no decisions (``ctx.decide``) needs none of its
+        own: its estimates report the empty :class:`~gradest.protocol.Decisions`, and that
+        is what the check expects of them
+        (:func:`gradest.testing.checks.verify_decisions`).
         """
         raise NotImplementedError(f"{type(self).__name__} does not re-derive its decisions")
 
     # -- what a strategy implements --------------------------------------------------------
+
+    def _whole_call(
+        self,
+        model: torch.nn.Module,
+        sampler: AffineSampler,
+        objective: Objective,
+        inputs: dict[str, Any],
+        *,
+        engine: str,
+        surrogate: bool,
+    ) -> Any:
+        """For an estimator that hands whole calls to other estimators (``auto``: a probe,
+        then its pick), the call's result: a ``GradientEstimate`` (``surrogate=False``,
+        ``inputs`` as :meth:`estimate` got them) or a ``Surrogate``. Called by both verbs
+        after their checks of the arguments. None, the default: the hooks below run."""
+        del model, sampler, objective, inputs, engine, surrogate
+        return None
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         """Gradient for a terminal objective; also the initial-state gradient if wanted."""
@@ -399,3 +447,12 @@ class EstimatorBase:
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
             cls.name = cls.__name__.lower()
+        below = [base for base in cls.__mro__ if base is not EstimatorBase]
+        if not any("objectives" in base.__dict__ for base in below):
+            # No class below EstimatorBase says which kinds: the hooks written say it.
+            written = tuple(
+                kind
+                for kind, hook in (("terminal", "_terminal"), ("stepwise", "_stepwise"))
+                if getattr(cls, hook) is not getattr(EstimatorBase, hook)
+            )
+            cls.objectives = written or EstimatorBase.objectives

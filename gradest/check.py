@@ -34,7 +34,7 @@ from gradest.errors import InvalidType, InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.protocol import Definition, check_steps, supports
 from gradest.reference.dense import dense_chain, exact_cotangents, relative_error
-from gradest.registry import available_estimators, estimator, plugin_calls
+from gradest.registry import available_estimators, estimator, line_up, plugin_calls
 from gradest.samplers import RectifiedFlow
 from gradest.specs import as_spec_list, format_spec_list
 from gradest.testing.checks import noise_grad_error, surrogate_gradient, verify_decisions
@@ -50,33 +50,15 @@ DEFINITION_TOLERANCE = 1e-8
 # Generator seeds per estimator whose decisions and definition are checked.
 DRAW_SEEDS = 4
 
-# Configurations pinned as known truths (docs/design.md#known-truths), checked in addition
-# to the defaults, and the non-default options of the newer estimators.
-PINNED = (
-    "exact:checkpoint=true",
-    "jagg:window=2,order=1",
-    "jagg:window=4,shared_knots=true",
-    "jagg:window=4,order=2,gate=off",
-    "jagg:debias=2,tau=0.5",
-    "sdo:full_sum=true",
-    "sdo:samples=3",
-    "sdo:samples=3,select=stratified",
-    "drtune:samples=2,scale=none",
-    "truncated:k={N}",
-    "truncated:random=uniform,k_min=2",
-    "telescope:mean_depth=3,min_depth=2",
-    "draft_lv:copies=3",
-    "refl:last_steps=3",
-    "alignprop:min=2,max=5",
-)
-
 
 def default_specs(steps: int) -> list[str]:
-    """Every registered estimator with its defaults and the pinned configurations, less
-    those whose options need more than ``steps`` steps (an explicit list is not filtered:
-    there such an option is the user's error)."""
+    """Every registered estimator with its defaults, then the configurations each one pins
+    (its ``check_specs``: the known truths of docs/design.md#known-truths and non-default
+    options, :func:`gradest.registry.line_up`), less those whose options need more than
+    ``steps`` steps (an explicit list is not filtered: there such an option is the user's
+    error)."""
     names = sorted(available_estimators())
-    pinned = [s.format(N=steps) for s in PINNED if s.split(":")[0] in names]
+    pinned = [spec.format(N=steps) for spec in line_up("check")]
     return [spec for spec in names + pinned if _runs_at(spec, steps)]
 
 

@@ -26,14 +26,15 @@ from gradest.errors import GradestError, InvalidValue
 from gradest.files import check_output_dir, refuse_non_file
 from gradest.integers import WholeNumber
 from gradest.protocol import supports
-from gradest.specs import SPEC_LIST_EXAMPLE, spec_list_text, split_spec_list
+from gradest.specs import SPEC_LIST_EXAMPLE, format_spec_list, spec_list_text, split_spec_list
 
-# The main job's line-up: every built-in estimator in its recommended form, the new
-# unbiased ones beside the biased ones they correct.
-COMPARE_DEFAULT = (
-    "exact,jagg:window=4,jagg:window=4,debias=2,jagg:window=4,shared_knots=true,sdo,drtune,"
-    "truncated:k=1,truncated:random=uniform,k_min=2,alignprop,telescope,draft_lv,refl"
-)
+
+def compare_line_up() -> list[str]:
+    """``gradest compare``'s default estimators: every built-in estimator in its recommended
+    forms, the new unbiased ones beside the biased ones they correct, as each estimator's
+    class says (``compare_specs``, :func:`gradest.registry.line_up`)."""
+    return registry.line_up("compare")
+
 
 # Both commands' --estimators help: the one list syntax (gradest.specs), one example.
 SPEC_LIST_HELP = (
@@ -121,8 +122,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from gradest.harness.sweeps import jagg_debias_sweep, jagg_span_sweep, jagg_tau_sweep
     from gradest.run_folder import RunRecord, claim_run_folder
 
-    specs = _estimator_specs(args.estimators, example="exact,jagg:window=4,sdo")
-    if specs == split_spec_list(COMPARE_DEFAULT):
+    default = compare_line_up()
+    given = args.estimators if args.estimators is not None else format_spec_list(default)
+    specs = _estimator_specs(given, example="exact,jagg:window=4,sdo")
+    if specs == default:
         # The default line-up holds terminal-only estimators; a stepwise run leaves them
         # out and says so (an explicit --estimators list is checked by compare itself).
         kept = [s for s in specs if supports(registry.estimator(s), args.objective)]
@@ -452,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument(
         "--estimators",
-        default=COMPARE_DEFAULT,
+        default=None,  # compare_line_up(), read from the registry when the command runs
         type=spec_list_text,
         help=f"{SPEC_LIST_HELP} (default: every built-in estimator in its recommended form)",
     )

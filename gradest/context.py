@@ -30,6 +30,7 @@ from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.protocol import Decisions
 from gradest.ranks import RankAgreement
 from gradest.samplers import AffineSampler
+from gradest.symbolic import host_value
 from gradest.trajectory import (
     SamplerSteps,
     Trajectory,
@@ -322,7 +323,7 @@ class EstimationContext:
         assert isinstance(self.objective, TerminalObjective)
         loss, adjoint = self.objective.terminal_adjoint(self.trajectory().states[-1])
         # No value to read on fake/meta tensors (cost tracing): NaN.
-        self.info["loss"] = float("nan") if is_symbolic(loss) else float(loss)
+        self.info["loss"] = host_value(loss)
         return adjoint
 
     def step_cotangent(self, k: int, velocity: Tensor) -> Tensor:

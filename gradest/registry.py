@@ -123,6 +123,36 @@ def builtin_estimators() -> dict[str, type]:
     }
 
 
+# Which class attribute holds an estimator's entries in each command's default line-up,
+# and whether plugins' entries join it: ``gradest check`` checks every installed estimator
+# (a plugin's pinned configurations too), ``compare`` and ``cost`` show gradest's own.
+LINE_UPS: dict[str, tuple[str, bool]] = {
+    "check": ("check_specs", True),
+    "compare": ("compare_specs", False),
+    "cost": ("cost_specs", False),
+}
+
+
+def line_up(command: str) -> list[str]:
+    """The spec strings of ``command``'s default line-up (``"check"``, ``"compare"``,
+    ``"cost"``), asked of the estimators themselves: each class's ``check_specs`` /
+    ``compare_specs`` / ``cost_specs`` (:class:`~gradest.base.EstimatorBase`; its own,
+    not inherited), in the
+    registry's order (estimators whose every estimate is exact first, the reference, then
+    by name). No command keeps a list of its own, so a new estimator joins every line-up
+    from its class alone. ``check_specs`` may hold ``{N}``, the check's step count."""
+    if command not in LINE_UPS:
+        raise InvalidValue(f"line_up command must be one of {sorted(LINE_UPS)}, got {command!r}")
+    attribute, with_plugins = LINE_UPS[command]
+    classes = available_estimators() if with_plugins else builtin_estimators()
+    ordered = sorted(
+        classes.items(), key=lambda item: (not getattr(item[1], "always_exact", False), item[0])
+    )
+    # A class's own entries only: a subclass (drtune of sdo, a plugin of a built-in) is
+    # another estimator, and does not repeat its base's.
+    return [spec for _, cls in ordered for spec in vars(cls).get(attribute, ())]
+
+
 def clear_cache() -> None:
     """Forget discovered plugins (after installing one in a running process)."""
     with _lock:

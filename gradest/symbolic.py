@@ -35,6 +35,12 @@ def is_symbolic(t: Any) -> bool:
     return isinstance(t, FakeTensor) or is_fake(t)
 
 
+def host_value(value: Tensor) -> float:
+    """``float(value)`` of a one-element tensor (a loss, for ``info``), or NaN where it has
+    no value to read (:func:`is_symbolic`: cost tracing on fake or meta tensors)."""
+    return float("nan") if is_symbolic(value) else float(value)
+
+
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 

@@ -10,8 +10,8 @@ import torch
 
 import gradest
 from gradest.errors import InvalidType, InvalidValue
-from gradest.harness.auto import Auto, AutoDecisions
 from gradest.reference import relative_error
+from gradest.strategies.auto import Auto, AutoDecisions
 from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
@@ -102,7 +102,7 @@ def test_the_budget_decides(setup):
 def test_min_progress_keeps_estimators_close_to_exact_per_step(setup):
     """The rule itself, on planted measurements: per unit cost a cheap noisy candidate
     beats exact (0.5 / 0.25 > 1 / 1); a floor on progress per step keeps exact."""
-    from gradest.harness.auto import _Measured, _Schedule
+    from gradest.strategies.auto import _Measured, _Schedule
 
     model, _, _ = setup
 

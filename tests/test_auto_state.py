@@ -1,5 +1,5 @@
 """``auto`` holds no module state: its probe schedules belong to the instance
-(:class:`gradest.harness.auto.ProbeSchedules`): separate per instance, resettable, copied
+(:class:`gradest.strategies.auto.ProbeSchedules`): separate per instance, resettable, copied
 empty, saved in ``state_dict``, safe to call from several threads."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import gradest
-from gradest.harness import auto as auto_module
-from gradest.harness.auto import Auto, ProbeSchedules
+from gradest.strategies import auto as auto_module
+from gradest.strategies.auto import Auto, ProbeSchedules
 from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 
 DIM, BATCH, STEPS = 3, 4, 4

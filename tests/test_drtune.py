@@ -28,7 +28,7 @@ from recorded_problem import STEPS, objective_of, problem, run
 
 import gradest
 from gradest import check
-from gradest.cli import COMPARE_DEFAULT
+from gradest.cli import compare_line_up
 from gradest.harness.compare import compare
 from gradest.reference import (
     drtune_definition,
@@ -41,7 +41,6 @@ from gradest.reference import (
 )
 from gradest.reference.decisions import stratified_steps
 from gradest.reference.sdo_definition import sdo_full_sum_definition, sdo_noise_grad_definition
-from gradest.specs import split_spec_list
 from gradest.strategies import sampling, sdo
 from gradest.strategies.drtune import DRTune
 from gradest.strategies.sdo import ShortcutDiffusion
@@ -91,7 +90,7 @@ def test_drtune_is_sdo_with_stratified_steps_and_the_papers_k():
 
 
 def test_drtune_is_in_the_default_compare_line_up_and_lists_its_paper():
-    assert "drtune" in split_spec_list(COMPARE_DEFAULT)
+    assert "drtune" in compare_line_up()
     doc = DRTune.__doc__ or ""
     assert "arXiv 2405.00760" in doc.splitlines()[0]
     assert "When to use it" in doc and "When not to" in doc and "What it drops" in doc

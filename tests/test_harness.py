@@ -16,9 +16,9 @@ from gradest.errors import InvalidValue
 from gradest.harness.compare import compare, draw_generator
 from gradest.harness.cost import COST_DRAWS, count_flops
 from gradest.harness.report import SCHEMA, Report
-from gradest.harness.statistics import trajectory_stats
 from gradest.options import option
 from gradest.specs import split_spec_list
+from gradest.statistics import trajectory_stats
 from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,

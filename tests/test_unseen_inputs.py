@@ -29,8 +29,8 @@ from gradest.base import surrogate_from_estimate
 from gradest.check import run_check
 from gradest.errors import GradestError, InvalidType, InvalidValue
 from gradest.harness.report import Report
-from gradest.harness.statistics import Estimate
 from gradest.protocol import Cost, GradientEstimate
+from gradest.statistics import Estimate
 from gradest.strategies.exact import Exact
 from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 

@@ -30,8 +30,13 @@ from gradest.harness.cost import (
     retained_activation_bytes,
 )
 from gradest.harness.report import CostRow, EstimatorRow, Report
-from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
-from gradest.harness.tensor_metrics import (
+from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
+from gradest.protocol import is_estimator, supports
+from gradest.registry import call_plugin
+from gradest.registry import estimator as build_estimator
+from gradest.samplers import AffineSampler
+from gradest.statistics import Estimate, TrajectoryStats, trajectory_stats
+from gradest.tensor_metrics import (
     TensorLayout,
     adam_cosine,
     mean_of,
@@ -39,11 +44,6 @@ from gradest.harness.tensor_metrics import (
     sign_agreement,
     tensor_stats,
 )
-from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
-from gradest.protocol import is_estimator, supports
-from gradest.registry import call_plugin
-from gradest.registry import estimator as build_estimator
-from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory, rollout
 
 NoiseFn = Callable[[int], Tensor]

@@ -37,9 +37,9 @@ import attrs
 
 from gradest.files import OutputError, atomic_write_text, check_output_dir, read_text
 from gradest.harness.cost import COST_DRAWS, ratio
-from gradest.harness.statistics import Estimate
-from gradest.harness.tensor_metrics import TensorStats, worst_tensors
 from gradest.protocol import Cost
+from gradest.statistics import Estimate
+from gradest.tensor_metrics import TensorStats, worst_tensors
 
 SCHEMA = "gradest.report/1"
 
@@ -74,7 +74,7 @@ class EstimatorRow:
     mse: Estimate
     counts: Cost
     mean_param_vjps: float | None = None  # over every draw (random depths vary per call)
-    adam_cosine: Estimate | None = None  # gradest.harness.tensor_metrics
+    adam_cosine: Estimate | None = None  # gradest.tensor_metrics
     sign_agreement: Estimate | None = None
     tensors: list[TensorStats] = attrs.field(factory=list)
     fallback_fraction: float | None = None

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from gradest.harness.statistics import trajectory_stats
 from gradest.objectives import Objective
 from gradest.registry import estimator
 from gradest.samplers import AffineSampler
+from gradest.statistics import trajectory_stats
 from gradest.trajectory import Trajectory
 
 

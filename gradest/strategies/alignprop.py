@@ -81,6 +81,11 @@ class AlignProp(EstimatorBase):
     """
 
     name: ClassVar[str] = "alignprop"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = ("alignprop:min=2,max=5",)
+    compare_specs: ClassVar[tuple[str, ...]] = ("alignprop",)
+    cost_specs: ClassVar[tuple[str, ...]] = ("alignprop",)
     objectives: ClassVar[tuple[str, ...]] = ("terminal",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="adjoint of the chain whose detached steps keep only alpha_k "

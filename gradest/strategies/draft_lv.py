@@ -35,7 +35,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import check_allocation, is_symbolic
+from gradest._checks import check_allocation
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext, host_floats
@@ -47,6 +47,7 @@ from gradest.reference.dense import DenseChain
 from gradest.reference.draft_lv_definition import draft_lv_definition
 from gradest.samplers import require_interpolant
 from gradest.strategies.sampling import draw_normal
+from gradest.symbolic import host_value
 from gradest.vjp import ParamGradient
 
 
@@ -70,6 +71,10 @@ class DraftLV(EstimatorBase):
     """
 
     name: ClassVar[str] = "draft_lv"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = ("draft_lv:copies=3",)
+    compare_specs: ClassVar[tuple[str, ...]] = ("draft_lv",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="last step only, on n re-noised copies of the final sample",
         evaluation="one batched VJP over the n copies, averaged",
@@ -102,7 +107,7 @@ class DraftLV(EstimatorBase):
             cotangents.append((beta / self.copies) * adjoint)
         ctx.info["loss"] = sum(host_floats(losses)) / self.copies  # one transfer
         sample_loss = ctx.objective.loss_fn(sample.detach().clone()).sum()
-        ctx.info["sample_loss"] = float("nan") if is_symbolic(sample_loss) else float(sample_loss)
+        ctx.info["sample_loss"] = host_value(sample_loss)
         grads = pull(torch.stack(cotangents))
         return grads, torch.zeros_like(sample) if ctx.want_noise_grad else None
 

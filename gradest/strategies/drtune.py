@@ -77,6 +77,10 @@ class DRTune(ShortcutDiffusion):
     """
 
     name: ClassVar[str] = "drtune"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = ("drtune:samples=2,scale=none",)
+    compare_specs: ClassVar[tuple[str, ...]] = ("drtune",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="one-step (denoiser input detached: the model-detached chain; "
         "stepwise: c_k itself)",

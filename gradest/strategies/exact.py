@@ -54,6 +54,11 @@ class Exact(EstimatorBase):
 
     name: ClassVar[str] = "exact"
     always_exact: ClassVar[bool] = True
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = ("exact:checkpoint=true",)
+    compare_specs: ClassVar[tuple[str, ...]] = ("exact",)
+    cost_specs: ClassVar[tuple[str, ...]] = ("exact", "exact:checkpoint=true")
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="exact adjoint (stepwise: c_k = d l_k / d v_k)",
         evaluation="one VJP per step (terminal from noise: one fused VJP through the chain)",
@@ -70,7 +75,7 @@ class Exact(EstimatorBase):
     def expected_decisions(
         self, chain: DenseChain, objective: Objective, generator: torch.Generator
     ) -> Decisions:
-        """No choices: the empty record."""
+        """No choices: the empty record (what its hooks report: they record none)."""
         return Decisions()
 
     def definition(self, chain: DenseChain, objective: Objective, decisions: Any) -> Definition:
@@ -82,11 +87,9 @@ class Exact(EstimatorBase):
         )
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
-        ctx.decide(Decisions())
         return ctx.backprop_tail(0, low_memory=self.checkpoint)
 
     def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
-        ctx.decide(Decisions())
         trajectory = ctx.trajectory()
         if not self.checkpoint:
             # The states are data, so all N steps' forwards can run as one batched call

@@ -219,6 +219,20 @@ class Jagg(EstimatorBase):
     """
 
     name: ClassVar[str] = "jagg"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = (
+        "jagg:window=2,order=1",
+        "jagg:window=4,shared_knots=true",
+        "jagg:window=4,order=2,gate=off",
+        "jagg:debias=2,tau=0.5",
+    )
+    compare_specs: ClassVar[tuple[str, ...]] = (
+        "jagg:window=4",
+        "jagg:window=4,debias=2",
+        "jagg:window=4,shared_knots=true",
+    )
+    cost_specs: ClassVar[tuple[str, ...]] = ("jagg:gate=off",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="exact adjoint (terminal: a sweep of state-only VJPs; stepwise: c_k)",
         evaluation="Jacobians interpolated in time from a few nodes per window of steps, one "

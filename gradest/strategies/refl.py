@@ -38,7 +38,6 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest._checks import is_symbolic
 from gradest.axes import EstimatorAxes
 from gradest.base import EstimatorBase
 from gradest.context import EstimationContext
@@ -50,6 +49,7 @@ from gradest.reference.dense import DenseChain
 from gradest.reference.refl_definition import refl_definition
 from gradest.samplers import require_interpolant
 from gradest.strategies.sampling import draw_uniform_int
+from gradest.symbolic import host_value
 from gradest.vjp import ParamGradient
 
 
@@ -81,6 +81,10 @@ class Refl(EstimatorBase):
     """
 
     name: ClassVar[str] = "refl"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = ("refl:last_steps=3",)
+    compare_specs: ClassVar[tuple[str, ...]] = ("refl",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="one-step prediction of the end from a late step s (chain cut before s)",
         evaluation="one VJP at the drawn step s",
@@ -109,7 +113,7 @@ class Refl(EstimatorBase):
         predicted = (state if scale == 1.0 else scale * state) + jump * velocity[0]
         assert isinstance(ctx.objective, TerminalObjective)
         loss, adjoint = ctx.objective.terminal_adjoint(predicted)
-        ctx.info["loss"] = float("nan") if is_symbolic(loss) else float(loss)
+        ctx.info["loss"] = host_value(loss)
         grads = pull((jump * adjoint)[None])
         return grads, torch.zeros_like(state) if ctx.want_noise_grad else None
 

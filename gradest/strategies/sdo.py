@@ -160,6 +160,15 @@ class ShortcutDiffusion(EstimatorBase):
     """
 
     name: ClassVar[str] = "sdo"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = (
+        "sdo:full_sum=true",
+        "sdo:samples=3",
+        "sdo:samples=3,select=stratified",
+    )
+    compare_specs: ClassVar[tuple[str, ...]] = ("sdo",)
+    cost_specs: ClassVar[tuple[str, ...]] = ("sdo",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="one-step (model-detached chain; stepwise: c_k itself)",
         evaluation="m drawn steps (a uniform subset; select=stratified: evenly spaced, one "

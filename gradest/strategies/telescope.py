@@ -111,6 +111,10 @@ class Telescope(EstimatorBase):
     """
 
     name: ClassVar[str] = "telescope"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = ("telescope:mean_depth=3,min_depth=2",)
+    compare_specs: ClassVar[tuple[str, ...]] = ("telescope",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="exact adjoint, survival-weighted random depth K (Russian roulette)",
         evaluation="the last K steps, term j reweighted by 1/q_j, one batched parameter VJP",

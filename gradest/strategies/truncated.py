@@ -182,6 +182,17 @@ class Truncated(EstimatorBase):
     """
 
     name: ClassVar[str] = "truncated"
+    # The check's pinned configurations, compare's and cost's default entries
+    # (gradest.registry.line_up asks every estimator for these).
+    check_specs: ClassVar[tuple[str, ...]] = (
+        "truncated:k={N}",
+        "truncated:random=uniform,k_min=2",
+    )
+    compare_specs: ClassVar[tuple[str, ...]] = (
+        "truncated:k=1",
+        "truncated:random=uniform,k_min=2",
+    )
+    cost_specs: ClassVar[tuple[str, ...]] = ("truncated:k=1",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
         cotangents="exact adjoint, last k steps (zero before; random: k drawn once per call)",
         evaluation="one VJP per kept step (from noise: one fused VJP through the last k)",

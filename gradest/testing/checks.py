@@ -23,7 +23,7 @@ from torch import Tensor
 
 from gradest._checks import check_surrogate
 from gradest.objectives import Objective, StepwiseObjective
-from gradest.protocol import Definition, GradientEstimate, supports
+from gradest.protocol import Decisions, Definition, GradientEstimate, supports
 from gradest.reference.decisions import decisions_mismatch
 from gradest.reference.definitions import definition_at, expected_decisions
 from gradest.reference.dense import dense_chain, relative_error
@@ -56,12 +56,19 @@ def verify_decisions(
 
     ``generator`` is in the state the estimate started from (it is copied, not advanced).
     Returns ``(mismatches, definition)``: ``mismatches`` is None when the estimator does
-    not re-derive its decisions (``expected_decisions``), and the definition is then
+    not re-derive its decisions (``expected_decisions``) yet reported some (an estimate
+    with the empty record, from hooks that recorded none, expects the empty record), and
+    the definition is then
     evaluated at the estimate's own decisions; otherwise at the re-derived ones, so wrong
     decisions fail even with right arithmetic. The definition is None where the estimator
     defines none (a plugin may not).
     """
     expected = expected_decisions(estimator, chain, objective, copy_generator(generator))
+    if expected is None and type(result.decisions) is Decisions:
+        # Its hooks recorded no decisions (EstimatorBase records the empty one for them): a
+        # deterministic estimator, whose expected decisions are none. One that draws and
+        # forgets to say so fails on its definition, which no decisions can then match.
+        expected = Decisions()
     if expected is None:
         return None, definition_at(estimator, chain, objective, result.decisions)
     return decisions_mismatch(result.decisions, expected), definition_at(

@@ -244,7 +244,7 @@ def test_a_killed_and_resumed_auto_run_ends_bitwise_as_the_uninterrupted_one(
 
 def test_auto_exports_and_imports_one_models_schedule():
     import gradest
-    from gradest.harness.auto import Auto
+    from gradest.strategies.auto import Auto
 
     auto = gradest.estimator(AUTO)
     assert isinstance(auto, Auto)

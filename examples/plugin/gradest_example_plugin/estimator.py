@@ -25,6 +25,7 @@ work for it as for a built-in.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import ClassVar
 
@@ -82,22 +83,26 @@ class MeanOfSdoDraws(EstimatorBase):
         steps, weights = self._draw(ctx)
         trajectory = ctx.trajectory()
         terminal_adjoint = ctx.terminal_adjoint()
-        alpha, beta, _ = ctx.coefficients
+        # Host floats (one transfer per call): float(beta[k]) of a device tensor would
+        # synchronise with the device at every step.
+        alpha, beta, _ = ctx.host_coefficients
         cotangents = []
         for step, weight in zip(steps, weights, strict=True):
             # c~_k = beta_k prod_{j>k} alpha_j a_N: how z_N moves with v_k when the
             # model is held fixed in every later step.
-            carried = float(beta[step]) * float(torch.prod(alpha[step + 1 :]))
+            carried = beta[step] * math.prod(alpha[step + 1 :])
             cotangents.append(weight * carried * terminal_adjoint)
         grads = ctx.field.param_vjp(
-            trajectory.states[steps], ctx.times[steps], torch.stack(cotangents)
+            trajectory.states[steps], [ctx.host_times[k] for k in steps], torch.stack(cotangents)
         )
         return grads, None  # no noise gradient: this estimator does not define one
 
     def _stepwise(self, ctx: EstimationContext) -> ParamGradient:
         trajectory = ctx.trajectory()
         steps, weights = self._draw(ctx)
-        velocities, pull = ctx.field.param_pullback(trajectory.states[steps], ctx.times[steps])
+        velocities, pull = ctx.field.param_pullback(
+            trajectory.states[steps], [ctx.host_times[k] for k in steps]
+        )
         cotangents = torch.stack(
             [
                 weight * ctx.step_cotangent(step, velocities[row])

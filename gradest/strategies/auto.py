@@ -3,11 +3,11 @@
 The first ``probe_batches`` calls (and ``probe_batches`` calls every ``recheck_every``
 calls after that) are **probes**: on that call's minibatch the exact gradient is computed
 on the sampled path, and every candidate estimator is drawn ``draws`` times on the same
-path and measured against it (``gradest.harness`` statistics):
+path and measured against it (:mod:`gradest.statistics`):
 
 * progress: the mean cosine of a single draw to the exact gradient, after Adam-style
   normalisation by the exact gradients' second moment (``metric="adam_cosine"``,
-  :mod:`gradest.harness.tensor_metrics`), or the plain L2 cosine (``metric="cosine"``);
+  :mod:`gradest.tensor_metrics`), or the plain L2 cosine (``metric="cosine"``);
   a proxy for how far one optimizer step moves the loss, not validated against reward;
 * cost: model units from the estimator's own ``Cost`` (docs/design.md#measuring-cost), as
   a ratio to exact's; deterministic;
@@ -62,7 +62,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any, ClassVar, Unpack
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -74,25 +74,22 @@ from gradest._checks import (
     trainable_parameters,
 )
 from gradest.axes import EstimatorAxes
-from gradest.base import DEFAULT_ENGINE, EstimatorBase
+from gradest.base import EstimatorBase
 from gradest.errors import InvalidValue
-from gradest.harness.statistics import trajectory_stats
-from gradest.harness.tensor_metrics import TensorLayout, adam_cosine, mean_of, second_moment
 from gradest.objectives import Objective, TerminalObjective
 from gradest.options import choice_option, int_option, option, optional_float_option
 from gradest.protocol import (
     Cost,
     Decisions,
     Definition,
-    EstimateOptions,
     GradientEstimate,
-    SamplingInputs,
-    Surrogate,
     check_steps,
     supports,
 )
 from gradest.ranks import RankAgreement
 from gradest.samplers import AffineSampler
+from gradest.statistics import trajectory_stats
+from gradest.tensor_metrics import TensorLayout, adam_cosine, mean_of, second_moment
 from gradest.trajectory import Trajectory, rollout
 
 DEFAULT_CANDIDATES = (
@@ -449,31 +446,7 @@ class Auto(EstimatorBase):
             )
         self.schedules.replace(model, restored)
 
-    # -- the two entry points delegate ----------------------------------------------------
-
-    def estimate(
-        self,
-        model: torch.nn.Module,
-        sampler: AffineSampler,
-        objective: Objective,
-        *,
-        engine: str = DEFAULT_ENGINE,
-        **options: Unpack[EstimateOptions],
-    ) -> GradientEstimate:
-        """As :meth:`EstimatorBase.estimate`; a probe call returns the exact gradient."""
-        return self._call(model, sampler, objective, dict(options), engine=engine, surrogate=False)
-
-    def surrogate(
-        self,
-        model: torch.nn.Module,
-        sampler: AffineSampler,
-        objective: Objective,
-        *,
-        engine: str = DEFAULT_ENGINE,
-        **inputs: Unpack[SamplingInputs],
-    ) -> Surrogate:
-        """As :meth:`EstimatorBase.surrogate`; a probe call gives exact's loss."""
-        return self._call(model, sampler, objective, dict(inputs), engine=engine, surrogate=True)
+    # -- a whole call, handed to the estimator this call runs -----------------------------
 
     @staticmethod
     def _refuse_symbolic(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
@@ -488,7 +461,7 @@ class Auto(EstimatorBase):
                 "fake/meta tensors; pick an estimator (e.g. 'exact') to trace costs"
             )
 
-    def _call(
+    def _whole_call(
         self,
         model: torch.nn.Module,
         sampler: AffineSampler,
@@ -498,6 +471,9 @@ class Auto(EstimatorBase):
         engine: str,
         surrogate: bool,
     ) -> Any:
+        """The base class's two verbs hand every call here (after their own checks of the
+        arguments): a probe returns exact's gradient or loss on the probed path, any
+        other call the pick's."""
         from gradest.registry import estimator, is_builtin
 
         self._refuse_symbolic(model, inputs)

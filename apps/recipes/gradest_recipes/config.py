@@ -472,8 +472,6 @@ def _validate_objective(config: RecipeConfig) -> None:
             f"whole groups of one prompt, spread over the processes)",
             f"use batch_size = {fixed}",
         )  # fmt: skip
-
-
     if config.rollout_batches % config.gradient_accumulation:
         raise _fail(
             "rollout_batches", config.rollout_batches,
@@ -491,6 +489,8 @@ def _launched_processes() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
 def _check_step_rules(rules: str | None) -> None:
     """``piecewise_constant``'s rules as get_scheduler reads them: ``f:s,...,f_last``."""
     fix = (

@@ -145,31 +145,8 @@ class StepRandomness:
     def _first(self, call: Callable[[Tensor, Tensor], Tensor], z: Tensor, t: Tensor):
         """A first evaluation from the stream: ``(output, state it started from, drew)``.
 
-        Runs for the first evaluation of every step of a model in training mode, so the
-        common case (the CPU generator only) calls torch's generator directly."""
-        if self._cuda is not None:
-            return self._first_any(call, z, t)
-        generator = torch.default_generator
-        if self._generator is None:
-            before_cpu = generator.get_state()
-            out = call(z, t)
-            after_cpu = generator.get_state()
-        else:
-            before_cpu = self._stream_state()[0]
-            outside = generator.get_state()
-            generator.set_state(before_cpu)
-            try:
-                out = call(z, t)
-                after_cpu = generator.get_state()
-            finally:
-                generator.set_state(outside)
-            self._stream = (after_cpu, None)
-        with outside_fake_mode():  # RNG states are real host tensors
-            drew = not torch.equal(before_cpu, after_cpu)
-        return out, (before_cpu, None), drew
-
-    def _first_any(self, call: Callable[[Tensor, Tensor], Tensor], z: Tensor, t: Tensor):
-        """:meth:`_first` with the CUDA generator beside the CPU one."""
+        The stream's state is the CPU generator's, with the CUDA generator's beside it when
+        the model runs on a CUDA device (:meth:`_snapshot`)."""
         before = self._stream_state()
         if self._private():
             outside = self._snapshot()

@@ -47,17 +47,17 @@ from tqdm import tqdm
 import gradest
 from gradest.files import atomic_write_text
 from gradest.harness.cost import count_flops, retained_activation_bytes
-from gradest.harness.tensor_metrics import (
+from gradest.protocol import supports
+from gradest.rl.flow_grpo import group_advantages, grpo_objective
+from gradest.samplers import FlowSDE
+from gradest.specs import split_spec_list
+from gradest.tensor_metrics import (
     TensorLayout,
     adam_cosine,
     mean_of,
     second_moment,
     sign_agreement,
 )
-from gradest.protocol import supports
-from gradest.rl.flow_grpo import group_advantages, grpo_objective
-from gradest.samplers import FlowSDE
-from gradest.specs import split_spec_list
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.datasets import DIGITS
 from gradest_digits.finetune import start_run

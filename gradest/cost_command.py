@@ -30,18 +30,31 @@ from gradest.harness.training_cost import TrainingCost, decisions_vary, training
 from gradest.integers import WholeNumber, whole_number_problem
 from gradest.objectives import StepwiseObjective, TerminalObjective
 from gradest.samplers import RectifiedFlow
-from gradest.specs import spec_list_text, split_spec_list
+from gradest.specs import format_spec_list, spec_list_text, split_spec_list
 
-__all__ = ["ModelSetup", "add_arguments", "model_setup", "parse_bytes", "predict_costs", "run"]
+__all__ = [
+    "ModelSetup",
+    "add_arguments",
+    "default_estimators",
+    "model_setup",
+    "parse_bytes",
+    "predict_costs",
+    "run",
+]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_ESTIMATORS = "exact,exact:checkpoint=true,jagg:gate=off,sdo,truncated:k=1,alignprop"
 DEFAULT_MEMORY = "24GiB,48GiB,80GiB"
 _UNITS = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
+
+
+def default_estimators() -> list[str]:
+    """``gradest cost``'s default estimators: each built-in's ``cost_specs`` (the registry
+    asks the estimators, :func:`gradest.registry.line_up`)."""
+    return registry.line_up("cost")
 
 
 def parse_bytes(text: str) -> int:
@@ -273,10 +286,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     parser.add_argument(
         "--estimators",
-        default=DEFAULT_ESTIMATORS,
+        default=None,  # default_estimators(), read from the registry when the command runs
         type=spec_list_text,
-        help=f"estimator specs separated by ',' (default {DEFAULT_ESTIMATORS}; jagg's gate "
-        "reads values, so give jagg:gate=off: its cost when every group interpolates)",
+        help="estimator specs separated by ',' (default: the built-ins' cost line-up, e.g. "
+        "exact,sdo; jagg's gate reads values, so give jagg:gate=off: its cost when every "
+        "group interpolates)",
     )
     parser.add_argument(
         "--prompt-tokens",
@@ -332,9 +346,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``gradest cost``: trace, print the table, write ``--json``."""
     memories = [(text.strip(), parse_bytes(text)) for text in args.memory.split(",")]
-    specs = split_spec_list(args.estimators, what="--estimators")
+    default = format_spec_list(default_estimators())
+    given = default if args.estimators is None else args.estimators
+    specs = split_spec_list(given, what="--estimators")
     if not specs:
-        raise InvalidValue(f"--estimators is empty; e.g. --estimators {DEFAULT_ESTIMATORS}")
+        raise InvalidValue(f"--estimators is empty; e.g. --estimators {default}")
     if args.json is not None:
         check_output_file(args.json, what="--json")  # before minutes of tracing
     started = time.perf_counter()

@@ -9,24 +9,39 @@ dependency it does not need:
   ``adapters_disabled``: the base model as a frozen reference without a copy).
 * :mod:`gradest.integrations.diffusers`: ``diffusers`` flow-matching and DDIM / DDPM
   schedulers, transformers and UNets (``sampler_from_scheduler``, ``DiffusersVelocity``).
+* :mod:`gradest.integrations.guidance`: classifier-free guidance and Flux's guidance
+  embedding as velocity models (``ClassifierFreeGuidance``, ``EmbeddedGuidance``).
+* :mod:`gradest.integrations.pipelines`: a diffusers pipeline (SD3, Flux, SDXL, SD) and
+  prompts as velocity, sampler and cond (``from_pipeline``).
 * :mod:`gradest.integrations.diffusers_schedulers`: a diffusers scheduler's grid, read
   for ``sampler_from_scheduler`` and the samplers' own ``RectifiedFlow.from_scheduler`` and
   ``DDIM.from_scheduler`` (it imports no sampler, so the samplers may import it).
 
 Served from here too, imported on first use: ``DiffusersVelocity``,
-``sampler_from_scheduler`` and ``adapters_disabled``.
+``sampler_from_scheduler``, ``adapters_disabled``, ``ClassifierFreeGuidance``,
+``EmbeddedGuidance`` and ``from_pipeline``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DiffusersVelocity", "adapters_disabled", "sampler_from_scheduler"]
+__all__ = [
+    "ClassifierFreeGuidance",
+    "DiffusersVelocity",
+    "EmbeddedGuidance",
+    "adapters_disabled",
+    "from_pipeline",
+    "sampler_from_scheduler",
+]
 
 _HOMES = {
     "DiffusersVelocity": "gradest.integrations.diffusers",
     "sampler_from_scheduler": "gradest.integrations.diffusers",
     "adapters_disabled": "gradest.integrations.peft",
+    "ClassifierFreeGuidance": "gradest.integrations.guidance",
+    "EmbeddedGuidance": "gradest.integrations.guidance",
+    "from_pipeline": "gradest.integrations.pipelines",
 }
 
 

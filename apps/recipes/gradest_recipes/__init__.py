@@ -4,9 +4,9 @@ One concern per module:
 
 * :mod:`~gradest_recipes.config`: every setting (a frozen attrs class), TOML files and
   command-line overrides, validation with the setting's name and the fix.
-* :mod:`~gradest_recipes.families`: SD3, Flux and SD 1.x/2.x UNet: denoiser, VAE,
-  scheduler, gradest sampler, conditioning (tiny random ones with ``tiny = true``).
-* :mod:`~gradest_recipes.guidance`: classifier-free guidance as a velocity model.
+* :mod:`~gradest_recipes.families`: SD3, Flux, SD 1.x/2.x and SDXL UNets: denoiser, VAE,
+  scheduler, gradest sampler, conditioning (tiny random ones with ``tiny = true``);
+  guidance is the library's (:mod:`gradest.integrations.guidance`).
 * :mod:`~gradest_recipes.rewards`: rewards on VAE-decoded images; ``module:function`` hooks.
 * :mod:`~gradest_recipes.embeddings` / :mod:`~gradest_recipes.prompts`: the precomputed
   prompt embeddings file, and writing it with the real text encoders.
@@ -22,6 +22,5 @@ docs/recipes.md describes the recipes, their settings and what was tested.
 
 from gradest_recipes.config import RecipeConfig, load_config
 from gradest_recipes.errors import RecipeConfigError
-from gradest_recipes.guidance import ClassifierFreeGuidance
 
-__all__ = ["ClassifierFreeGuidance", "RecipeConfig", "RecipeConfigError", "load_config"]
+__all__ = ["RecipeConfig", "RecipeConfigError", "load_config"]

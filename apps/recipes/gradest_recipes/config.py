@@ -54,7 +54,7 @@ __all__ = [
     "to_toml",
 ]
 
-FAMILIES = ("sd3", "flux", "sd_unet")
+FAMILIES = ("sd3", "flux", "sd_unet", "sdxl")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
@@ -132,7 +132,7 @@ class RecipeConfig:
     guidance_scale: float = attrs.field(
         default=7.0, metadata={"doc": "CFG scale (Flux: the guidance embedding's value)"}
     )
-    eta: float = attrs.field(default=0.0, metadata={"doc": "DDIM noise (sd_unet only)"})
+    eta: float = attrs.field(default=0.0, metadata={"doc": "DDIM noise (sd_unet, sdxl)"})
     resolution: int = attrs.field(default=1024, metadata={"doc": "image side in pixels"})
     mixed_precision: str = attrs.field(
         default="no", metadata={"doc": "accelerate mixed precision: no, fp16, bf16"}
@@ -237,6 +237,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "resolution": 1024,
     },
     "sd_unet": {"num_inference_steps": 50, "guidance_scale": 7.5, "resolution": 512},
+    # StableDiffusionXLPipeline's defaults.
+    "sdxl": {"num_inference_steps": 50, "guidance_scale": 5.0, "resolution": 1024},
 }
 #: With ``tiny = true``: sizes a CPU runs in a few seconds.
 TINY_DEFAULTS: dict[str, Any] = {
@@ -695,9 +697,9 @@ def load_config(
             f"{base.get('objective', 'reward')!r}; resume a run with the script of its own "
             f"objective (examples/recipes/{family}_{base.get('objective', 'reward')}.py)"
         )
-    if objective != "reward" and family == "sd_unet":
+    if objective != "reward" and family in ("sd_unet", "sdxl"):
         raise RecipeConfigError(
-            f"setting objective={objective!r} is invalid for the sd_unet recipe: the RL "
+            f"setting objective={objective!r} is invalid for the {family} recipe: the RL "
             f"objectives run on flow-matching models (sd3, flux); use objective = 'reward'"
         )
     values: dict[str, Any] = {**FAMILY_DEFAULTS[family]}

@@ -6,12 +6,13 @@ written once by :mod:`gradest_recipes.prompts` (or by your own code), a dict of:
 ============================  ===============  ==========================================
 key                           shape            families
 ============================  ===============  ==========================================
-``family``                    str              ``"sd3"``, ``"flux"`` or ``"sd_unet"``
+``family``                    str              ``"sd3"``, ``"flux"``, ``"sd_unet"``, ``"sdxl"``
 ``prompts``                   list of P str    all (logged, passed to reward hooks)
 ``prompt_embeds``             ``[P, S, D]``    all (``encoder_hidden_states``)
-``pooled_prompt_embeds``      ``[P, D_pool]``  sd3, flux (``pooled_projections``)
-``negative_prompt_embeds``    ``[1, S, D]``    sd3, sd_unet (the unconditional prompt, CFG)
-``negative_pooled_prompt_embeds``  ``[1, D_pool]``  sd3
+``pooled_prompt_embeds``      ``[P, D_pool]``  sd3, flux (``pooled_projections``), sdxl
+                                               (``added_cond_kwargs["text_embeds"]``)
+``negative_prompt_embeds``    ``[1, S, D]``    sd3, sd_unet, sdxl (the unconditional prompt)
+``negative_pooled_prompt_embeds``  ``[1, D_pool]``  sd3, sdxl
 ``text_ids``                  ``[S, 3]``       flux (optional; zeros, as FluxPipeline)
 ============================  ===============  ==========================================
 
@@ -33,16 +34,18 @@ from gradest_recipes.file_schema import describe, file_bytes, load_torch_bytes
 __all__ = ["PromptEmbeddings", "load_embeddings", "required_keys", "tiny_embeddings"]
 
 FORMAT = "gradest_recipes.embeddings/1"
+#: The families with a pooled text embedding.
+POOLED_FAMILIES = ("sd3", "flux", "sdxl")
 
 
 def required_keys(family: str, guided: bool) -> tuple[str, ...]:
     """The tensors ``family`` needs (``guided``: classifier-free guidance is on)."""
     keys = ["prompt_embeds"]
-    if family in ("sd3", "flux"):
+    if family in POOLED_FAMILIES:
         keys.append("pooled_prompt_embeds")
-    if guided and family in ("sd3", "sd_unet"):
+    if guided and family in ("sd3", "sd_unet", "sdxl"):
         keys.append("negative_prompt_embeds")
-        if family == "sd3":
+        if family in ("sd3", "sdxl"):
             keys.append("negative_pooled_prompt_embeds")
     return tuple(keys)
 
@@ -184,6 +187,17 @@ def check_fits(embeddings: PromptEmbeddings, config: Any, where: str) -> None:
         ("prompt_embeds", -1, "cross_attention_dim"),
         ("pooled_prompt_embeds", -1, "pooled_projection_dim"),
     ]
+    if getattr(config, "addition_embed_type", None) == "text_time":
+        # SDXL: the pooled embedding and 6 size / crop ids share one projection's input.
+        pooled = embeddings.tensors.get("pooled_prompt_embeds")
+        width = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+        if pooled is not None and pooled.shape[-1] != width:
+            raise InvalidValue(
+                f"setting embeddings={where!r}: pooled_prompt_embeds has width "
+                f"{pooled.shape[-1]} but the UNet takes {width} (config."
+                f"projection_class_embeddings_input_dim - 6 x addition_time_embed_dim); "
+                f"encode the prompts with this model's text encoders"
+            )
     for key, axis, name in checks:
         expected = getattr(config, name, None)
         value = embeddings.tensors.get(key)
@@ -207,11 +221,11 @@ def tiny_embeddings(family: str, seed: int = 0) -> PromptEmbeddings:
         return torch.randn(shape, generator=generator)
 
     tensors = {"prompt_embeds": normal(TINY_PROMPTS, TINY_TOKENS, TINY_TEXT_DIM)}
-    if family in ("sd3", "flux"):
+    if family in POOLED_FAMILIES:
         tensors["pooled_prompt_embeds"] = normal(TINY_PROMPTS, TINY_POOLED_DIM)
-    if family in ("sd3", "sd_unet"):
+    if family in ("sd3", "sd_unet", "sdxl"):
         tensors["negative_prompt_embeds"] = normal(1, TINY_TOKENS, TINY_TEXT_DIM)
-    if family == "sd3":
+    if family in ("sd3", "sdxl"):
         tensors["negative_pooled_prompt_embeds"] = normal(1, TINY_POOLED_DIM)
     prompts = tuple(f"tiny prompt {i}" for i in range(TINY_PROMPTS))
     return PromptEmbeddings(family=family, prompts=prompts, tensors=tensors)

@@ -11,6 +11,16 @@
 * ``sd_unet``: ``UNet2DConditionModel`` + ``DDIMScheduler`` (through
   :meth:`gradest.DDIM.from_scheduler`, ``eta`` from the config),
   ``encoder_hidden_states``, classifier-free guidance.
+* ``sdxl``: SDXL's ``UNet2DConditionModel`` (``addition_embed_type="text_time"``) +
+  ``DDIMScheduler`` built from the model's scheduler config (SDXL ships
+  ``EulerDiscreteScheduler``, which gradest's samplers do not take), conditioning
+  ``encoder_hidden_states`` and the nested ``added_cond_kwargs={"text_embeds",
+  "time_ids"}`` (the size / crop ids of ``resolution``, as StableDiffusionXLPipeline
+  builds them), classifier-free guidance.
+
+Guidance (:mod:`gradest.integrations.guidance`) and the Flux latent helpers
+(:mod:`gradest.integrations.pipelines`) are the library's: a user's own loop and
+``gradest.integrations.from_pipeline`` build the same model.
 
 With ``tiny = true`` every piece is a tiny random model built here (seeded); otherwise
 each is loaded from the local folder ``pretrained`` with ``from_pretrained(subfolder=...)``
@@ -26,13 +36,26 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest.conditioning import map_tensors
 from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidValue, MissingDependency
 from gradest.integrations.diffusers import (
     DiffusersVelocity,
     sampler_from_scheduler,
 )
+from gradest.integrations.guidance import (
+    NEGATIVE_PREFIX,
+    ClassifierFreeGuidance,
+    EmbeddedGuidance,
+)
 from gradest.integrations.peft import add_lora
+from gradest.integrations.pipelines import (
+    dynamic_shift_mu,
+    flux_image_ids,
+    pack_latents,
+    sdxl_time_ids,
+    unpack_latents,
+)
 from gradest_recipes.config import RecipeConfig
 from gradest_recipes.embeddings import (
     TINY_POOLED_DIM,
@@ -40,9 +63,21 @@ from gradest_recipes.embeddings import (
     PromptEmbeddings,
 )
 from gradest_recipes.errors import RecipeConfigError
-from gradest_recipes.guidance import NEGATIVE_PREFIX, ClassifierFreeGuidance
 
-__all__ = ["Family", "build_family", "guided", "shard_denoiser"]
+__all__ = [
+    "UNET_FAMILIES",
+    "Family",
+    "build_family",
+    "guided",
+    "pack_latents",
+    "shard_denoiser",
+    "unpack_latents",
+]
+
+#: The families sampled with DDIM through a ``UNet2DConditionModel``.
+UNET_FAMILIES = ("sd_unet", "sdxl")
+#: SDXL's six size / crop ids per sample, each embedded in ``addition_time_embed_dim``.
+SDXL_TIME_IDS = 6
 
 
 def guided(family: str, config: RecipeConfig) -> bool:
@@ -55,7 +90,7 @@ class Family:
     """Everything family-specific a recipe's loop needs.
 
     Attributes:
-        name: ``"sd3"``, ``"flux"`` or ``"sd_unet"``.
+        name: ``"sd3"``, ``"flux"``, ``"sd_unet"`` or ``"sdxl"``.
         denoiser: the diffusers transformer / UNet, LoRA injected (the trainable part).
         velocity: the gradest model ``model(z, t, **cond)`` around it (CFG included).
         vae: the frozen ``AutoencoderKL``.
@@ -148,6 +183,24 @@ def tiny_denoiser(family: str) -> nn.Module:
                 guidance_embeds=True,
                 axes_dims_rope=(2, 2, 4),
             )
+        if family == "sdxl":
+            # SDXL's layout (cross-attention in the lower blocks) and its text_time
+            # embedding: the pooled text embedding + 6 size / crop ids.
+            return diffusers.UNet2DConditionModel(
+                sample_size=8,
+                in_channels=4,
+                out_channels=4,
+                layers_per_block=1,
+                block_out_channels=(8, 16),
+                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                cross_attention_dim=TINY_TEXT_DIM,
+                attention_head_dim=2,
+                norm_num_groups=4,
+                addition_embed_type="text_time",
+                addition_time_embed_dim=4,
+                projection_class_embeddings_input_dim=SDXL_TIME_IDS * 4 + TINY_POOLED_DIM,
+            )
         return diffusers.UNet2DConditionModel(
             sample_size=8,
             in_channels=4,
@@ -163,7 +216,8 @@ def tiny_denoiser(family: str) -> nn.Module:
 
 
 def tiny_scheduler(family: str) -> Any:
-    """The scheduler configuration the real family ships with (SD3, FLUX.1, SD 1.5)."""
+    """The scheduler configuration the real family ships with (SD3, FLUX.1, SD 1.5; SDXL's
+    as DDIM: its config with ``DDIMScheduler``, as :func:`load_parts` loads it)."""
     diffusers = _diffusers()
     if family == "sd3":
         return diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -214,12 +268,13 @@ def load_parts(family: str, config: RecipeConfig, dtype: torch.dtype) -> tuple[A
         "sd3": (diffusers.SD3Transformer2DModel, "transformer"),
         "flux": (diffusers.FluxTransformer2DModel, "transformer"),
         "sd_unet": (diffusers.UNet2DConditionModel, "unet"),
+        "sdxl": (diffusers.UNet2DConditionModel, "unet"),
     }[family]
     denoiser = _load(denoiser_cls, config, subfolder, torch_dtype=dtype)
     vae = _load(diffusers.AutoencoderKL, config, "vae", torch_dtype=dtype)
     scheduler_cls = (
         diffusers.DDIMScheduler
-        if family == "sd_unet"
+        if family in UNET_FAMILIES
         else diffusers.FlowMatchEulerDiscreteScheduler
     )
     try:
@@ -229,38 +284,6 @@ def load_parts(family: str, config: RecipeConfig, dtype: torch.dtype) -> tuple[A
             f"setting pretrained={config.pretrained!r}: cannot load its scheduler ({err})"
         ) from err
     return denoiser, vae, scheduler
-
-
-# -- latents -------------------------------------------------------------------------------------
-
-
-def pack_latents(latents: Tensor) -> Tensor:
-    """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]``: FluxPipeline._pack_latents."""
-    b, c, h, w = latents.shape
-    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(packed: Tensor, height: int, width: int) -> Tensor:
-    """The inverse of :func:`pack_latents` for ``[B, C, height, width]`` latents."""
-    b, _, channels = packed.shape
-    latents = packed.view(b, height // 2, width // 2, channels // 4, 2, 2)
-    return latents.permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, height, width)
-
-
-def flux_image_ids(height: int, width: int) -> Tensor:
-    """FluxPipeline._prepare_latent_image_ids for ``[*, *, height, width]`` latents."""
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
-    return ids.reshape(-1, 3)
-
-
-def dynamic_shift_mu(scheduler: Any, image_seq_len: int) -> float:
-    """``mu`` for a scheduler with dynamic shifting, as the SD3 and Flux pipelines compute it."""
-    c = scheduler.config
-    slope = (c.max_shift - c.base_shift) / (c.max_image_seq_len - c.base_image_seq_len)
-    return image_seq_len * slope + c.base_shift - slope * c.base_image_seq_len
 
 
 # -- the family -----------------------------------------------------------------------------------
@@ -284,10 +307,14 @@ def build_family(
     denoiser.requires_grad_(False)
     vae.requires_grad_(False)
     vae.eval()
+    if config.decoder_checkpointing:
+        # Only a decode with a graph recomputes (the reward's backward); sampling and
+        # validation decodes run without one and are unchanged.
+        vae.enable_gradient_checkpointing()
     denoiser_config: Any = denoiser.config
     vae_config: Any = vae.config
     vae_factor = 2 ** (len(vae_config.block_out_channels) - 1)
-    if family == "sd_unet":
+    if family in UNET_FAMILIES:
         grid = 2 ** (len(denoiser_config.block_out_channels) - 1)
     else:
         grid = 2 if family == "flux" else int(denoiser_config.patch_size)
@@ -295,7 +322,7 @@ def build_family(
         raise RecipeConfigError(
             f"setting resolution={config.resolution} is invalid: this model needs a multiple "
             f"of {vae_factor * grid} (the VAE downsamples {vae_factor}x, the "
-            f"{'UNet' if family == 'sd_unet' else 'transformer'} {grid}x more); use "
+            f"{'UNet' if family in UNET_FAMILIES else 'transformer'} {grid}x more); use "
             f"{max(1, config.resolution // (vae_factor * grid)) * vae_factor * grid}"
         )
     side = config.resolution // vae_factor
@@ -317,14 +344,14 @@ def build_family(
     fixed: dict[str, Any] = {}
     options: dict[str, Any] = {}
     sampler: Any
-    if family == "sd_unet":
+    if family in UNET_FAMILIES:
         sampler = DDIM.from_scheduler(scheduler, config.num_inference_steps, eta=config.eta)
         inner: nn.Module = DiffusersVelocity.for_sampler(denoiser, sampler)
     else:
         if config.eta:
             raise RecipeConfigError(
                 f"setting eta={config.eta!r} is invalid for the {family} recipe: eta is DDIM's "
-                f"noise (sd_unet); flow-matching Euler sampling is deterministic. Set eta = 0"
+                f"noise (sd_unet, sdxl); flow-matching Euler sampling is deterministic. Set eta = 0"
             )
         if family == "flux":
             import numpy as np
@@ -344,9 +371,6 @@ def build_family(
                 "txt_ids": _text_ids(embeddings).to(device),
             }
         inner = DiffusersVelocity(denoiser, fixed_kwargs=fixed)
-    velocity = (
-        ClassifierFreeGuidance(inner, config.guidance_scale) if guided(family, config) else inner
-    )
     if family == "flux":
         if not denoiser_config.guidance_embeds and config.guidance_scale != 1.0:
             raise RecipeConfigError(
@@ -354,6 +378,12 @@ def build_family(
                 f"model: it has no guidance embedding (config.guidance_embeds=False, e.g. "
                 f"FLUX.1-schnell) and the Flux recipe runs no CFG; set guidance_scale = 1"
             )
+        if denoiser_config.guidance_embeds:
+            inner = EmbeddedGuidance(inner, config.guidance_scale)
+    velocity = (
+        ClassifierFreeGuidance(inner, config.guidance_scale) if guided(family, config) else inner
+    )
+    if family == "flux":
         latent_shape: tuple[int, ...] = ((side // 2) ** 2, channels * 4)
 
         def to_vae_latents(z: Tensor) -> Tensor:
@@ -369,15 +399,23 @@ def build_family(
         cond: dict[str, Any] = {"encoder_hidden_states": emb.rows("prompt_embeds", index)}
         if family in ("sd3", "flux"):
             cond["pooled_projections"] = emb.rows("pooled_prompt_embeds", index)
+        if family == "sdxl":
+            cond["added_cond_kwargs"] = {
+                "text_embeds": emb.rows("pooled_prompt_embeds", index),
+                "time_ids": sdxl_time_ids(config.resolution, config.resolution, batch),
+            }
         if guided(family, config):
             cond[NEGATIVE_PREFIX + "encoder_hidden_states"] = emb.negative("prompt_embeds", batch)
             if family == "sd3":
                 cond[NEGATIVE_PREFIX + "pooled_projections"] = emb.negative(
                     "pooled_prompt_embeds", batch
                 )
-        if family == "flux" and denoiser_config.guidance_embeds:
-            cond["guidance"] = torch.full((batch,), config.guidance_scale)
-        return {k: v.to(device=device, dtype=_cond_dtype(v)) for k, v in cond.items()}
+            if family == "sdxl":
+                cond[NEGATIVE_PREFIX + "added_cond_kwargs"] = {
+                    "text_embeds": emb.negative("pooled_prompt_embeds", batch),
+                    "time_ids": sdxl_time_ids(config.resolution, config.resolution, batch),
+                }
+        return map_tensors(cond, lambda v: v.to(device=device, dtype=_cond_dtype(v)))
 
     return Family(
         name=family,
@@ -387,7 +425,7 @@ def build_family(
         sampler=sampler,
         latent_shape=latent_shape,
         to_vae_latents=to_vae_latents,
-        lora_prefix="unet" if family == "sd_unet" else "transformer",
+        lora_prefix="unet" if family in UNET_FAMILIES else "transformer",
         make_cond=make_cond,
         scheduler=scheduler,
         schedule_options=options,

@@ -10,7 +10,8 @@
 from the local diffusers folder through the family's pipeline (its transformer / UNet and
 VAE are not loaded) and the pipeline's own ``encode_prompt`` writes the embeddings, so
 they are what the pipeline would feed the model: SD3's CLIP-L + CLIP-G + T5, Flux's CLIP
-+ T5, SD 1.x/2.x's CLIP. The file format is in :mod:`gradest_recipes.embeddings`.
++ T5, SD 1.x/2.x's CLIP, SDXL's CLIP-L + CLIP-G (and CLIP-G's pooled projection). The
+file format is in :mod:`gradest_recipes.embeddings`.
 
 Tested on CPU with tiny random saved pipelines of each family (CLIP and T5 encoders and
 tokenizers built in code: ``tests/test_recipe_prompts.py``, ``tests/test_recipes.py``);
@@ -44,6 +45,7 @@ PIPELINES = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
     "StableDiffusionPipeline": "sd_unet",
+    "StableDiffusionXLPipeline": "sdxl",
 }
 
 
@@ -139,6 +141,16 @@ def encode_prompts(
             keep(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
         assert text_ids is not None
         chunks["text_ids"] = [text_ids.float().cpu()]
+    elif family == "sdxl":
+        pipe = load(diffusers.StableDiffusionXLPipeline, unet=None, vae=None)
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+                prompt=batch, prompt_2=None, device=device, num_images_per_prompt=1,
+                do_classifier_free_guidance=True, negative_prompt=negative_prompt,
+            )  # fmt: skip
+            keep(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
+        keep(negative_prompt_embeds=negative[:1], negative_pooled_prompt_embeds=negative_pooled[:1])
     else:
         pipe = load(
             diffusers.StableDiffusionPipeline, unet=None, vae=None, safety_checker=None,

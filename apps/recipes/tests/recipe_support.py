@@ -69,8 +69,11 @@ def launch(command: list[str], tmp_path: Path) -> None:
 # The repository root (apps/recipes/tests/ -> the root) and the example recipe scripts.
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPTS = ROOT / "examples" / "recipes"
-FAMILIES = ["sd3", "flux", "sd_unet"]
-SCRIPT_OF = {"sd3": "sd3_reward", "flux": "flux_reward", "sd_unet": "sd_unet_reward"}
+FAMILIES = ["sd3", "flux", "sd_unet", "sdxl"]
+SCRIPT_OF = {"sd3": "sd3_reward", "flux": "flux_reward", "sd_unet": "sd_unet_reward",
+             "sdxl": "sdxl_reward"}  # fmt: skip
+#: The families whose denoiser is a UNet (LoRA prefix and subfolder ``unet``).
+UNET_FAMILIES = ("sd_unet", "sdxl")
 
 
 def script(family: str):
@@ -210,7 +213,8 @@ def documented_lora_load(family: str = "sd3") -> dict[str, Any]:
     docs/recipes.md gives for a recipe's LoRA files, read from the page, so that the tests
     run the documented call and not one of their own (a call that differs from what
     diffusers needs fails there, as it would for a reader). The page writes SD3's
-    ``prefix="transformer"``; for sd_unet the prefix is ``"unet"``, as the page says."""
+    ``prefix="transformer"``; for the UNet families (sd_unet, sdxl) the prefix is
+    ``"unet"``, as the page says."""
     text = (ROOT / "docs" / "recipes.md").read_text("utf-8")
     found = DOCUMENTED_LORA_LOAD.search(text)
     assert found is not None, "docs/recipes.md no longer shows load_lora_adapter(folder, ...)"
@@ -218,7 +222,7 @@ def documented_lora_load(family: str = "sd3") -> dict[str, Any]:
     assert isinstance(call, ast.Call) and [ast.unparse(a) for a in call.args] == ["folder"]
     keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
     assert keywords.get("prefix") == "transformer", keywords
-    if family == "sd_unet":
+    if family in UNET_FAMILIES:
         keywords["prefix"] = "unet"
     return keywords
 

@@ -29,7 +29,7 @@ pytestmark = RECIPE_WARNINGS
 from gradest_recipes import load_config  # noqa: E402
 from gradest_recipes.train import train  # noqa: E402
 
-FAMILIES = ["sd3", "flux", "sd_unet"]
+FAMILIES = ["sd3", "flux", "sd_unet", "sdxl"]
 TINY_STEPS = 3  # the tiny configs' num_inference_steps
 APPROXIMATE = ["jagg:window=3,tau=-1", "sdo", "truncated:k=1", "telescope:mean_depth=2", "draft_lv"]
 

@@ -290,3 +290,51 @@ def test_a_validation_prompt_is_encoded_with_the_pipelines_text_encoders(tmp_pat
         assert torch.equal(run.validation.tensors[key], value), key
     assert (out / "samples" / "step_000001.png").is_file()
     assert (out / "samples" / "step_000002.png").is_file()
+
+
+def tiny_sdxl_pipeline_folder(folder: Path) -> Path:
+    """SDXL: CLIP-L (width 4) + CLIP-G (width 12) concatenated = 16 = the UNet's
+    ``cross_attention_dim``; CLIP-G's projection 8 = the pooled ``text_embeds`` the tiny
+    UNet's ``text_time`` embedding takes."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        clip_l = transformers.CLIPTextModel(clip_config(4, 4))
+        clip_g = transformers.CLIPTextModelWithProjection(
+            clip_config(TINY_TEXT_DIM - 4, TINY_POOLED_DIM)
+        )
+    pipe = diffusers.StableDiffusionXLPipeline(
+        unet=tiny_denoiser("sdxl"), scheduler=tiny_scheduler("sdxl"), vae=tiny_vae(),
+        text_encoder=clip_l, tokenizer=clip_tokenizer(),
+        text_encoder_2=clip_g, tokenizer_2=clip_tokenizer(),
+    )  # fmt: skip
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def test_sdxl_prompts_match_the_pipeline_and_the_recipe_trains_on_them(tmp_path):
+    model = tiny_sdxl_pipeline_folder(tmp_path / "pipe")
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    argv = ["--family", "sdxl", "--pretrained", str(model), "--prompts",
+            str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "prompts.pt"),
+            "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    assert prompts.main(argv) == 0
+    data = torch.load(tmp_path / "prompts.pt", weights_only=True)
+    assert data["family"] == "sdxl" and data["prompts"] == PROMPTS
+    assert data["prompt_embeds"].shape == (3, CLIP_TOKENS, TINY_TEXT_DIM)
+    assert data["pooled_prompt_embeds"].shape == (3, TINY_POOLED_DIM)
+    assert data["negative_prompt_embeds"].shape == (1, CLIP_TOKENS, TINY_TEXT_DIM)
+    assert data["negative_pooled_prompt_embeds"].shape == (1, TINY_POOLED_DIM)
+
+    pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(str(model))
+    with torch.no_grad():  # as the pipeline's __call__
+        want, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=PROMPTS, prompt_2=None, device="cpu", do_classifier_free_guidance=True,
+            negative_prompt="",
+        )  # fmt: skip
+    assert torch.equal(data["prompt_embeds"], want)
+    assert torch.equal(data["pooled_prompt_embeds"], pooled)
+    assert torch.equal(data["negative_prompt_embeds"], negative[:1])
+    assert torch.equal(data["negative_pooled_prompt_embeds"], negative_pooled[:1])
+    assert not torch.equal(data["prompt_embeds"][0], data["prompt_embeds"][1])
+
+    train_on(tmp_path, "sdxl", model)

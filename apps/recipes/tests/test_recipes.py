@@ -36,6 +36,7 @@ from recipe_support import (  # noqa: E402
     LAUNCHER_ENV,
     RECIPE_WARNINGS,
     SCRIPTS,
+    UNET_FAMILIES,
     assert_run_outputs,
     comparable,
     documented_lora_load,
@@ -48,7 +49,7 @@ from recipe_support import (  # noqa: E402
 
 pytestmark = RECIPE_WARNINGS
 
-from gradest_recipes import ClassifierFreeGuidance, RecipeConfigError, load_config  # noqa: E402
+from gradest_recipes import RecipeConfigError, load_config  # noqa: E402
 from gradest_recipes.config import config_from_argv  # noqa: E402
 from gradest_recipes.embeddings import tiny_embeddings  # noqa: E402
 from gradest_recipes.families import (  # noqa: E402
@@ -65,6 +66,7 @@ from gradest_recipes.train import train  # noqa: E402
 import gradest  # noqa: E402
 from gradest.errors import InvalidValue  # noqa: E402
 from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler  # noqa: E402
+from gradest.integrations.guidance import ClassifierFreeGuidance, EmbeddedGuidance  # noqa: E402
 
 # -- 1. each recipe end to end ---------------------------------------------------------------
 
@@ -350,7 +352,7 @@ def test_pretrained_folders_and_embedding_files_load(family, tmp_path):
     """``--pretrained`` reads transformer|unet / vae / scheduler subfolders with
     from_pretrained and ``--embeddings`` a .pt file: the same run as ``--tiny``."""
     model = tmp_path / "model"
-    tiny_denoiser(family).save_pretrained(model / ("unet" if family == "sd_unet" else
+    tiny_denoiser(family).save_pretrained(model / ("unet" if family in UNET_FAMILIES else
                                                    "transformer"))  # fmt: skip
     tiny_vae().save_pretrained(model / "vae")
     tiny_scheduler(family).save_pretrained(model / "scheduler")
@@ -598,7 +600,10 @@ def test_flux_packing_ids_and_sigmas_are_the_pipelines():
     config = load_config("flux", overrides={"tiny": True})
     family = build_family("flux", config, tiny_embeddings("flux"))
     ids = FluxPipeline._prepare_latent_image_ids(2, 4, 4, "cpu", torch.float32)
-    assert torch.equal(family.velocity.fixed_kwargs["img_ids"], ids)
+    # The guidance embedding's wrapper (FLUX.1-dev) around the DiffusersVelocity.
+    assert isinstance(family.velocity, EmbeddedGuidance)
+    assert family.velocity.scale == config.guidance_scale
+    assert torch.equal(family.velocity.model.fixed_kwargs["img_ids"], ids)
     scheduler = tiny_scheduler("flux")
     c = scheduler.config
     n = config.num_inference_steps

@@ -31,6 +31,7 @@ from recipe_support import (  # noqa: E402
     LAUNCHER_ENV,
     RECIPE_WARNINGS,
     SCRIPTS,
+    UNET_FAMILIES,
     comparable,
     documented_lora_load,
     lora_export,
@@ -180,7 +181,7 @@ def test_diffusers_flags_resume_latest_and_diffusers_loadable_checkpoints(family
     for step_name in ("step_000002", "step_000003"):
         folder = straight / "checkpoints" / step_name
         checkpointed = lora_file(folder)  # the velocity wrapper's names: a prefix
-        prefix = "unet." if family == "sd_unet" else "transformer."
+        prefix = "unet." if family in UNET_FAMILIES else "transformer."
         exported = lora_export(folder)
         trained = {}
         for key in exported:  # no ".default", no "model." prefix: diffusers' own keys

@@ -9,8 +9,9 @@ nothing downloaded). Checked:
   embedding and with true CFG, SDXL with CFG, nested ``added_cond_kwargs`` and
   ``guidance_rescale``; float32).
 * Gradients: every built-in estimator (from the registry) differentiates through the
-  batched CFG wrapper (SD3) and CFG over SDXL's nested conditioning under DDIM, giving
-  the gradient it gives through a model that evaluates the two halves in separate calls;
+  batched CFG wrapper (SD3), CFG over SDXL's nested conditioning under DDIM and Flux's
+  guidance embedding, giving the gradient it gives through a model that evaluates the two
+  halves in separate calls (Flux: that takes ``guidance`` from the caller);
   ``exact`` equals a hand-written loop's ``loss.backward()`` (float64).
 * ``ClassifierFreeGuidance(rescale=)`` is diffusers' ``rescale_noise_cfg``.
 * Bad input at the boundary: one line naming the argument, the value and the fix.
@@ -132,8 +133,23 @@ def specs() -> list[str]:
     return runnable
 
 
+class GuidanceInCond(nn.Module):
+    """Flux's guidance embedding written out: ``cond['guidance']`` passed by the caller."""
+
+    def __init__(self, model: nn.Module, scale: float):
+        super().__init__()
+        self.model, self.scale = model, scale
+
+    def forward(self, z, t, **cond):
+        guidance = torch.full((z.shape[0],), self.scale, dtype=torch.float32)
+        return self.model(z, t, **cond, guidance=guidance)
+
+
+BUILD = {"sd3": tiny_sd3_pipeline, "sdxl": tiny_sdxl_pipeline, "flux": tiny_flux_pipeline}
+
+
 def _float64_setup(family: str) -> dict:
-    pipe = (tiny_sd3_pipeline if family == "sd3" else tiny_sdxl_pipeline)().to(torch.float64)
+    pipe = BUILD[family]().to(torch.float64)
     if family == "sdxl":
         # float64 tables, so that DDIMScheduler.step is float64-accurate (tests/test_ddim.py).
         pipe.scheduler.alphas_cumprod = pipe.scheduler.alphas_cumprod.to(torch.float64)
@@ -141,22 +157,39 @@ def _float64_setup(family: str) -> dict:
     scale = 3.0
     parts = from_pipeline(pipe, PROMPTS, num_inference_steps=STEPS, height=SIDE, width=SIDE,
                           guidance_scale=scale)  # fmt: skip
-    assert isinstance(parts.velocity, ClassifierFreeGuidance)
+    wrapper = EmbeddedGuidance if family == "flux" else ClassifierFreeGuidance
+    assert isinstance(parts.velocity, wrapper)
+    written_out = (GuidanceInCond if family == "flux" else TwoCalls)(parts.velocity.model, scale)
     noise = parts.noise(torch.Generator().manual_seed(5), dtype=torch.float64)
     weights = torch.randn(noise.shape, generator=torch.Generator().manual_seed(6)).double()
     objective = gradest.TerminalObjective(
         lambda z: torch.sin(weights * z).pow(2).sum() + 0.1 * z.pow(2).sum()
     )
     return {"pipe": pipe, "parts": parts, "noise": noise, "objective": objective,
-            "two_calls": TwoCalls(parts.velocity.model, scale), "scale": scale}  # fmt: skip
+            "written_out": written_out, "scale": scale}  # fmt: skip
 
 
 def _handwritten_gradient(family: str, setup: dict) -> torch.Tensor:
     """The pipeline's loop written out with autograd: two denoiser calls per step, the
-    guidance formula, the scheduler's own ``step``."""
+    guidance formula, the scheduler's own ``step`` (Flux: one call with the guidance
+    embedding's input, FluxPipeline's ``timestep / 1000``)."""
     pipe, parts, scale = setup["pipe"], setup["parts"], setup["scale"]
     cond = parts.cond
-    denoiser = pipe.transformer if family == "sd3" else pipe.unet
+    denoiser = pipe.unet if family == "sdxl" else pipe.transformer
+    if family == "flux":
+        fixed = parts.velocity.model.fixed_kwargs
+        guidance = torch.full((setup["noise"].shape[0],), scale, dtype=torch.float32)
+        times, z = parts.sampler.times.tolist(), setup["noise"]
+        for k in range(STEPS):
+            timestep = torch.full((z.shape[0],), times[k], dtype=torch.float64)
+            out = denoiser(hidden_states=z, timestep=timestep, guidance=guidance, **cond,
+                           **fixed, return_dict=False)[0]  # fmt: skip
+            z = z + (times[k + 1] - times[k]) * out
+        denoiser.zero_grad(set_to_none=True)
+        setup["objective"].loss_fn(z).backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in denoiser.parameters() if p.grad is not None])
+        denoiser.zero_grad(set_to_none=True)
+        return grad
     scheduler = pipe.scheduler
     scheduler.set_timesteps(STEPS)
     z = setup["noise"]
@@ -189,7 +222,7 @@ def _handwritten_gradient(family: str, setup: dict) -> torch.Tensor:
     return grad
 
 
-@pytest.fixture(scope="module", params=["sd3", "sdxl"])
+@pytest.fixture(scope="module", params=["sd3", "sdxl", "flux"])
 def guided(request):
     setup = _float64_setup(request.param)
     setup["family"] = request.param
@@ -203,7 +236,7 @@ def test_every_estimator_differentiates_through_the_guidance(guided, spec):
     est = gradest.estimator(spec)
     got = est.estimate(parts.velocity, parts.sampler, objective, noise=noise, cond=parts.cond,
                        generator=torch.Generator().manual_seed(1))  # fmt: skip
-    want = est.estimate(guided["two_calls"], parts.sampler, objective, noise=noise,
+    want = est.estimate(guided["written_out"], parts.sampler, objective, noise=noise,
                         cond=parts.cond, generator=torch.Generator().manual_seed(1))  # fmt: skip
     assert torch.isfinite(got.flat()).all() and float(got.flat().norm()) > 0
     assert relative_error(got.flat(), want.flat()) <= AGREEMENT, spec

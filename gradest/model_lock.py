@@ -136,9 +136,21 @@ def has_compiled_code(model: nn.Module) -> bool:
     """Whether ``model`` is or holds a ``torch.compile``'d module (``torch.compile(m)``, an
     ``OptimizedModule``, or ``m.compile()`` in place)."""
     return any(
-        hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+        _has_attribute(module, "_orig_mod")
+        or getattr(module, "_compiled_call_impl", None) is not None
         for module in model.modules()
     )
+
+
+def _has_attribute(module: nn.Module, name: str) -> bool:
+    """``hasattr(module, name)`` without ``Module.__getattr__``'s raise and catch for a
+    missing name (a few microseconds per module, on every estimate): where ``hasattr``
+    looks, the instance, its registered slots and its class."""
+    if name in module.__dict__ or name in module._modules:
+        return True
+    if name in module._parameters or name in module._buffers:
+        return True
+    return hasattr(type(module), name) and hasattr(module, name)
 
 
 _stance_lock = threading.Lock()

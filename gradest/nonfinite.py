@@ -107,6 +107,10 @@ def _all_finite(tensors: Iterable[Tensor]) -> bool:
     items = list(tensors)
     if not items:
         return True
+    if len(items) == 1:  # one tensor (the noise checked up front): its sum alone, no stack
+        (t,) = items
+        total = t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+        return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
     sums = torch.stack(
         [
             (t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()).to(torch.float64)

@@ -2,12 +2,15 @@
 
 Every preset at its pipeline's resolution and step count, bf16, batch 1, full
 fine-tuning and LoRA rank 16, with and without diffusers' gradient checkpointing; the
-default estimators of `gradest cost`. One JSON per setting (what `gradest cost --json`
-writes) and a markdown table::
+default estimators of `gradest cost`; the whole step of a pixel reward (the family's
+VAE decode and the aesthetic predictor's CLIP ViT-L/14, `--reward aesthetic`), the VAE
+with its own gradient checkpointing where the transformer has it
+(`--decoder-checkpointing`). One JSON per setting (what `gradest cost --json` writes)
+and a markdown table::
 
     python -m benchmarks.cost_presets --out docs/results/cost_presets
 
-About 25 minutes on a 2-core CPU (all traced on the meta device, no GPU).
+All traced on the meta device, no GPU (`"seconds"` in each JSON: the time of each).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from tqdm import tqdm
 from gradest.cli import main as gradest_main
 from gradest.integrations.diffusers_presets import PRESETS
 
+_REWARD = ["--reward", "aesthetic"]
+_GC = ["--gradient-checkpointing", "--decoder-checkpointing"]
 SETTINGS = {
-    "full": [],
-    "full+gc": ["--gradient-checkpointing"],
-    "lora16": ["--lora-rank", "16"],
-    "lora16+gc": ["--lora-rank", "16", "--gradient-checkpointing"],
+    "full": _REWARD,
+    "full+gc": _REWARD + _GC,
+    "lora16": _REWARD + ["--lora-rank", "16"],
+    "lora16+gc": _REWARD + ["--lora-rank", "16", *_GC],
 }
 MEMORIES = (24, 48, 80)
 
@@ -47,8 +52,10 @@ def table(folder: Path) -> str:
             f"### {preset}",
             "",
             f"{first['height']}x{first['width']}, {first['steps']} steps, "
-            f"{first['prompt_tokens']} prompt tokens, bf16, batch 1. Cells: peak GiB "
-            "(smallest of 24 / 48 / 80 GiB it fits). FLOPs per training step.",
+            f"{first['prompt_tokens']} prompt tokens, bf16, batch 1, reward "
+            f"{first['reward']} on the VAE-decoded images. Cells: the whole step's peak GiB "
+            "(smallest of 24 / 48 / 80 GiB it fits), in brackets the transformer's alone "
+            "(a reward on the latents). FLOPs per training step, decode and reward included.",
             "",
             "| estimator | TFLOP full | TFLOP LoRA | full | full + GC | LoRA 16 | LoRA 16 + GC |",
             "|---|---|---|---|---|---|---|",
@@ -63,7 +70,8 @@ def table(folder: Path) -> str:
                 text = f"{peak / 2**30:,.1f}"
                 if high != est["peak_range"][0]:
                     text += f" (to {high / 2**30:,.1f})"
-                cells.append(f"{text} ({_smallest_fit(high)})")
+                alone = est.get("transformer", est)["peak_bytes"] / 2**30
+                cells.append(f"{text} ({_smallest_fit(high)}) [{alone:,.1f}]")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -6,11 +6,18 @@ or one of gradest's embedded models (``mlp``, ``dit``). One training step per es
 traced (:func:`gradest.harness.training_cost.training_step_cost`) and the FLOPs, the
 retained activation bytes and the peak bytes are printed, with whether the step fits
 each ``--memory``. :func:`predict_costs` is the same as a Python call.
+
+With a pixel ``--reward`` (a learned reward's model, default ``aesthetic`` for a diffusers
+model) the step decodes with the family's VAE and scores with the reward model: each is
+priced as its own line (:mod:`gradest.harness.pixel_cost`) beside the transformer's, and
+the whole step is traced with all of them (:func:`predict_step_costs`); ``--reward
+latent`` is the transformer's step alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import time
@@ -26,7 +33,13 @@ from gradest.conditioning import map_tensors
 from gradest.errors import InvalidValue
 from gradest.files import atomic_write_text, check_output_file
 from gradest.harness.call_replay import ReplayCalls
-from gradest.harness.training_cost import TrainingCost, decisions_vary, training_step_cost
+from gradest.harness.pixel_cost import PartCost, PixelSetup, part_cost, pixel_setup
+from gradest.harness.training_cost import (
+    TrainingCost,
+    decisions_vary,
+    prepare_optimizer,
+    training_step_cost,
+)
 from gradest.integers import WholeNumber, whole_number_problem
 from gradest.objectives import StepwiseObjective, TerminalObjective
 from gradest.samplers import RectifiedFlow
@@ -38,7 +51,9 @@ __all__ = [
     "default_estimators",
     "model_setup",
     "parse_bytes",
+    "StepCosts",
     "predict_costs",
+    "predict_step_costs",
     "run",
 ]
 
@@ -81,6 +96,7 @@ class ModelSetup:
     steps: int
     dtype: torch.dtype
     settings: dict[str, Any]
+    family: str | None = None  # sd3 / flux / unet (its VAE decodes); None: embedded
 
 
 def model_setup(
@@ -167,8 +183,20 @@ def model_setup(
         height=height, width=width, steps=n, prompt_tokens=tokens, model_class=config["_class_name"]
     )
     return ModelSetup(
-        model, shapes.velocity, shapes.latent_shape, shapes.cond, n, torch_dtype, settings
-    )
+        model, shapes.velocity, shapes.latent_shape, shapes.cond, n, torch_dtype, settings,
+        shapes.family,
+    )  # fmt: skip
+
+
+@attrs.frozen
+class StepCosts:
+    """One estimator's training step: the transformer alone (a reward on the latents) and,
+    with a pixel reward, the whole step (decoder and reward model included) and how many
+    times the step evaluated them (with and without a graph)."""
+
+    transformer: TrainingCost
+    whole: TrainingCost | None = None
+    calls: dict[str, int] | None = None
 
 
 def predict_costs(
@@ -181,8 +209,39 @@ def predict_costs(
     show_progress: bool = False,
 ) -> dict[str, TrainingCost]:
     """One traced training step per estimator on ``setup``'s model (spec -> cost)."""
+    return {
+        spec: cost.transformer
+        for spec, cost in predict_step_costs(
+            setup, estimators, objective=objective, draws=draws, attention=attention,
+            show_progress=show_progress,
+        ).items()
+    }  # fmt: skip
+
+
+def predict_step_costs(
+    setup: ModelSetup,
+    estimators: Sequence[Any],
+    *,
+    pixels: PixelSetup | None = None,
+    objective: str = "terminal",
+    draws: int = 4,
+    attention: str = "fused",
+    show_progress: bool = False,
+    replay: bool = True,
+) -> dict[str, StepCosts]:
+    """Each estimator's step on ``setup``'s model, and with ``pixels`` the whole step.
+
+    The transformer's calls, the optimizer's step and the pixel loss (decode and reward
+    as one call) are each traced once and replayed in every estimator's step
+    (``replay=False`` traces everything, for the tests that compare the two).
+    """
     if objective not in ("terminal", "stepwise"):
         raise InvalidValue(f"--objective must be 'terminal' or 'stepwise', got {objective!r}")
+    if pixels is not None and objective != "terminal":
+        raise InvalidValue(
+            "--objective stepwise scores sampled paths without a graph through the reward; "
+            "a pixel --reward is priced for the terminal objective: pass --reward latent"
+        )
     sampler = RectifiedFlow(steps=setup.steps)
     # A reward on the final latents / a per-step loss on the velocities: their own cost is
     # elementwise (no FLOPs), so every estimator is priced for the model's work alone.
@@ -199,24 +258,54 @@ def predict_costs(
     # Every estimator is tried on a stand-in first: one that cannot be traced (jagg's
     # gate, auto) fails now, not after minutes of tracing the others.
     varies = {spec: decisions_vary(est, sampler, goal) for spec, est in built.items()}
-    # One replaying wrapper for every estimator: each call signature is traced once.
-    model = ReplayCalls(setup.velocity)
-    costs: dict[str, TrainingCost] = {}
-    for spec, est in tqdm(
-        built.items(), desc="gradest cost", disable=not show_progress, leave=False
-    ):
-        costs[spec] = training_step_cost(
-            est,
-            model,
-            sampler,
-            goal,
-            noise=noise,
-            cond=setup.cond,
-            draws=draws,
-            attention=attention,
-            varies=varies[spec],
-        )
+    # One replaying wrapper for every estimator: each call signature is traced once; one
+    # optimizer, its state made and its step traced once (the same in every step).
+    model: torch.nn.Module = ReplayCalls(setup.velocity) if replay else setup.velocity
+    optimizer = prepare_optimizer(model)
+    pixel_goal = None
+    if pixels is not None:
+        loss = pixels.loss()
+        # The decode and the reward are one call of fixed shapes: traced once too.
+        traced_loss: torch.nn.Module = ReplayCalls(loss) if replay else loss
+        when = torch.zeros((), device=noise.device)
+
+        def pixel_loss(z: torch.Tensor) -> torch.Tensor:
+            loss.count(z)
+            return traced_loss(z, when)
+
+        pixel_goal = TerminalObjective(pixel_loss)
+    costs: dict[str, StepCosts] = {}
+    # Every step collects garbage before it is measured: with the model's objects frozen
+    # out of the collector's walk that takes milliseconds, not a second per step.
+    gc.collect()
+    gc.freeze()
+    try:
+        for spec, est in tqdm(
+            built.items(), desc="gradest cost", disable=not show_progress, leave=False
+        ):
+            common: dict[str, Any] = dict(
+                noise=noise, cond=setup.cond, optimizer=optimizer, draws=draws,
+                attention=attention, varies=varies[spec], replay=replay,
+            )  # fmt: skip
+            transformer = training_step_cost(est, model, sampler, goal, **common)
+            if pixel_goal is None or pixels is None:
+                costs[spec] = StepCosts(transformer)
+                continue
+            loss.calls.update(graph=0, no_graph=0)
+            whole = training_step_cost(
+                est, model, sampler, pixel_goal, frozen=[pixels.decoder, *_present(pixels.reward)],
+                **common,
+            )  # fmt: skip
+            # Calls per step: the draws' mean (each draw evaluates the same number here).
+            calls = {k: round(v / whole.draws) for k, v in loss.calls.items()}
+            costs[spec] = StepCosts(transformer, whole, calls)
+    finally:
+        gc.unfreeze()
     return costs
+
+
+def _present(module: torch.nn.Module | None) -> list[torch.nn.Module]:
+    return [] if module is None else [module]
 
 
 def _fmt_flops(value: float) -> str:
@@ -259,6 +348,71 @@ def format_table(costs: dict[str, TrainingCost], memories: Sequence[tuple[str, i
             _with_range(cost.peak_bytes, *cost.peak_range, _fmt_bytes),
         ]
         row += ["yes" if cost.fits(limit) else "no" for _, limit in memories]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _part_flops(part: PartCost, calls: dict[str, int]) -> int:
+    return calls["graph"] * part.flops + calls["no_graph"] * part.forward_flops
+
+
+def format_step_table(
+    costs: dict[str, StepCosts],
+    parts: dict[str, PartCost],
+    memories: Sequence[tuple[str, int]],
+) -> str:
+    """Markdown, per estimator: the transformer's line (its step with a reward on the
+    latents), one line per pixel part (its FLOPs over the step's calls; retained and peak
+    of one call, its own parameters included) and the whole step's (its peak: everything
+    resident and live at once), which is what must fit."""
+    exact = costs.get("exact")
+    exact_whole = exact.whole if exact is not None else None
+    header = ["estimator", "part", "FLOPs / step", "x exact", "retained", "peak"]
+    header += [f"fits {label}" for label, _ in memories]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    dash = ["-"] * len(memories)
+    for spec, step in costs.items():
+        t = step.transformer
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{spec}`",
+                    "transformer",
+                    _with_range(t.flops, *t.flops_range, _fmt_flops),
+                    "-",
+                    _with_range(t.retained_bytes, *t.retained_range, _fmt_bytes),
+                    _with_range(t.peak_bytes, *t.peak_range, _fmt_bytes),
+                    *dash,
+                ]
+            )
+            + " |"
+        )
+        assert step.whole is not None and step.calls is not None
+        for name, part in parts.items():
+            row = [
+                "",
+                f"{name} (x{step.calls['graph']}"
+                + (f", +{step.calls['no_graph']} no graph" if step.calls["no_graph"] else "")
+                + ")",
+                _fmt_flops(_part_flops(part, step.calls)),
+                "-",
+                _fmt_bytes(part.retained_bytes),
+                _fmt_bytes(part.peak_bytes),
+                *dash,
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+        w = step.whole
+        ratio = f"{w.flops / exact_whole.flops:.3f}" if exact_whole and exact_whole.flops else "-"
+        row = [
+            "",
+            "**whole step**",
+            _with_range(w.flops, *w.flops_range, _fmt_flops),
+            ratio,
+            _with_range(w.retained_bytes, *w.retained_range, _fmt_bytes),
+            "**" + _with_range(w.peak_bytes, *w.peak_range, _fmt_bytes) + "**",
+        ]
+        row += ["yes" if w.fits(limit) else "no" for _, limit in memories]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -339,6 +493,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fused",
         help="fused (a GPU's flash / memory-efficient kernel, default) or math",
     )
+    parser.add_argument(
+        "--reward",
+        default=None,
+        help="what the terminal reward scores: a learned reward's model (aesthetic, "
+        "pickscore, hpsv2, imagereward) or a reward config .json, on the VAE-decoded images; "
+        "pixels (an elementwise reward on the decoded images: the decoder alone); latent "
+        "(on the latents: the transformer alone). Default aesthetic for diffusers models "
+        "with the terminal objective, else latent",
+    )
+    parser.add_argument(
+        "--decoder",
+        default=None,
+        help="the VAE that decodes for a pixel reward: an AutoencoderKL folder (or a "
+        "pipeline folder with vae/) or config.json (default: the family's published VAE)",
+    )
+    parser.add_argument(
+        "--decoder-checkpointing",
+        action="store_true",
+        help="the VAE's enable_gradient_checkpointing(): its blocks recompute in backward",
+    )
+    parser.add_argument(
+        "--decoder-tile",
+        type=WholeNumber(8),
+        default=None,
+        help="decode in tiles of this many pixels (the VAE's enable_tiling()); with "
+        "--decoder-checkpointing one tile's block is the largest graph held",
+    )
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -359,9 +540,26 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype, prompt_tokens=args.prompt_tokens, cfg=args.cfg,
         lora_rank=args.lora_rank, gradient_checkpointing=args.gradient_checkpointing,
     )  # fmt: skip
-    costs = predict_costs(
+    reward = _reward_choice(args, setup)
+    pixels = None
+    parts: dict[str, PartCost] = {}
+    if reward != "latent":
+        assert setup.family is not None
+        pixels = pixel_setup(
+            family=setup.family, latent_shape=setup.noise_shape,
+            height=setup.settings["height"], width=setup.settings["width"], dtype=setup.dtype,
+            reward=reward, decoder=args.decoder, checkpointing=args.decoder_checkpointing,
+            tile=args.decoder_tile,
+        )  # fmt: skip
+        latents = torch.zeros(setup.noise_shape, dtype=setup.dtype, device="meta")
+        images = torch.zeros(pixels.image_shape, device="meta")
+        parts["decoder"] = part_cost(pixels.decoder, latents, attention=args.attention)
+        if pixels.reward is not None:
+            parts["reward"] = part_cost(pixels.reward, images, attention=args.attention)
+    steps = predict_step_costs(
         setup,
         specs,
+        pixels=pixels,
         objective=args.objective,
         draws=args.draws,
         attention=args.attention,
@@ -371,21 +569,71 @@ def run(args: argparse.Namespace) -> int:
     settings = ", ".join(f"{k}={v}" for k, v in setup.settings.items() if v is not None)
     print(
         f"# gradest cost: {args.model} ({settings}), objective={args.objective}, "
-        f"attention={args.attention}, traced in {seconds:.0f} s\n"
+        f"reward={reward}, attention={args.attention}, traced in {seconds:.0f} s\n"
     )
-    print(format_table(costs, memories))
+    if pixels is None:
+        print(format_table({spec: step.transformer for spec, step in steps.items()}, memories))
+    else:
+        for name, label in (("decoder", pixels.decoder_name), ("reward", pixels.reward_name)):
+            if name in parts:
+                part = parts[name]
+                print(
+                    f"- {name}: {label}, {part.parameters / 1e6:,.1f} M parameters "
+                    f"({_fmt_bytes(part.parameter_bytes)}), one call {_fmt_flops(part.flops)} "
+                    f"forward and backward"
+                )
+        print()
+        print(format_step_table(steps, parts, memories))
     if args.json is not None:
+
+        def entry(step: StepCosts) -> dict[str, Any]:
+            cost = step.whole or step.transformer
+            out = cost.as_dict() | {"fits": {label: cost.fits(limit) for label, limit in memories}}
+            if step.whole is not None and step.calls is not None:
+                out["transformer"] = step.transformer.as_dict()
+                out["calls"] = step.calls
+                out["parts_flops"] = {n: _part_flops(p, step.calls) for n, p in parts.items()}
+            return out
+
         payload = {
             "model": args.model,
-            "settings": setup.settings | {"objective": args.objective, "attention": args.attention},
-            "memory": {label: limit for label, limit in memories},
-            "estimators": {
-                spec: cost.as_dict()
-                | {"fits": {label: cost.fits(limit) for label, limit in memories}}
-                for spec, cost in costs.items()
+            "settings": setup.settings
+            | {
+                "objective": args.objective,
+                "attention": args.attention,
+                "reward": reward,
+                "decoder": pixels.decoder_name if pixels is not None else None,
+                "decoder_checkpointing": args.decoder_checkpointing,
+                "decoder_tile": args.decoder_tile,
             },
+            "memory": {label: limit for label, limit in memories},
+            "parts": {name: part.as_dict() for name, part in parts.items()},
+            "estimators": {spec: entry(step) for spec, step in steps.items()},
             "seconds": seconds,
             "torch": torch.__version__,
         }
         atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
     return 0
+
+
+def _reward_choice(args: argparse.Namespace, setup: ModelSetup) -> str:
+    """``--reward`` as given, or its default: a learned reward on the decoded images for
+    a diffusers model's terminal objective, the latents otherwise."""
+    pixel_flags = args.decoder is not None or args.decoder_checkpointing or args.decoder_tile
+    if args.reward is None:
+        reward = (
+            "aesthetic" if setup.family is not None and args.objective == "terminal" else ("latent")
+        )
+    else:
+        reward = args.reward
+    if reward != "latent" and setup.family is None:
+        raise InvalidValue(
+            f"--reward {reward!r} decodes with a VAE; the embedded model {args.model!r} has "
+            f"none: pass --reward latent (or a diffusers model)"
+        )
+    if reward == "latent" and pixel_flags:
+        raise InvalidValue(
+            "--decoder, --decoder-checkpointing and --decoder-tile price the VAE decode of "
+            "a pixel reward; --reward latent has none (drop them, or pass --reward aesthetic)"
+        )
+    return reward

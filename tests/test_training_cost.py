@@ -273,6 +273,7 @@ def test_cli_on_a_config_folder_writes_json(tmp_path, capsys) -> None:
         "cost", "--model", str(tmp_path), "--steps", str(STEPS), "--height", "64", "--width",
         "64", "--batch", str(BATCH), "--prompt-tokens", str(TOKENS), "--dtype", "fp32",
         "--estimators", "exact,sdo", "--attention", "math", "--memory", "1MiB,1GiB",
+        "--reward", "latent",
         "--json", str(out), "--quiet",
     ])  # fmt: skip
     assert code == 0

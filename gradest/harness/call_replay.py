@@ -254,6 +254,8 @@ class ReplayCalls(nn.Module):
         self.model = model
         self._calibrations: dict[tuple, _Calibration] = {}
         self._no_grad: dict[tuple, tuple[_Cost, torch.Size, torch.dtype]] = {}
+        # The model's parameters, listed once (a module walk per call cost seconds).
+        self._listed_parameters = tuple(model.parameters())
 
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
         # Every tensor of cond, nested ones too (SDXL's added_cond_kwargs): all are inputs
@@ -262,7 +264,7 @@ class ReplayCalls(nn.Module):
         tensors = [z, t, *leaves]
         if z.device.type != "meta" or any(c.requires_grad for c in tensors[1:]):
             return self.model(z, t, **cond)
-        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        parameters = [p for p in self._listed_parameters if p.requires_grad]
         records_graph = torch.is_grad_enabled() and (z.requires_grad or bool(parameters))
         key = (
             _signature(tensors, cond),

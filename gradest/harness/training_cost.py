@@ -23,7 +23,9 @@ numbers (``tests/test_training_cost.py`` compares them). A model call that recor
 graph (sampling without gradient) has FLOPs and transients fixed by its input shapes, so
 on the meta device its first occurrence is traced and the repeats are replayed from that
 trace (:class:`_ReplayNoGradCalls`), which changes no count and saves most of the time of
-estimators that sample without a graph.
+estimators that sample without a graph. The optimizer's step is elementwise and the same in
+every training step of a model, so on the meta device it is traced once
+(:func:`prepare_optimizer`) and each step reports that trace's FLOPs and transient peak.
 """
 
 from __future__ import annotations
@@ -40,17 +42,19 @@ from torch import Tensor, nn
 
 from gradest._checks import check_surrogate
 from gradest.errors import InvalidValue
-from gradest.harness.call_replay import ReplayCalls, active_counters
+from gradest.harness.call_replay import ReplayCalls, active_counters, report
 from gradest.harness.cost import _FlopCounter, _StorageTracker
 from gradest.harness.fused_attention import MODEL_FLOP_FORMULAS, fused_attention
 from gradest.objectives import Objective, StepwiseObjective, TerminalObjective
 from gradest.trajectory import rollout
 
 __all__ = [
+    "PreparedOptimizer",
     "StepCost",
     "TrainingCost",
     "decisions_vary",
     "measure_step",
+    "prepare_optimizer",
     "training_step_cost",
 ]
 
@@ -194,6 +198,69 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@attrs.frozen(eq=False)
+class PreparedOptimizer:
+    """An optimizer with the state every step after the first carries, and (on the meta
+    device) its step's cost, traced once.
+
+    Attributes:
+        optimizer: the optimizer over ``trained``.
+        trained: the parameters it updates.
+        state_tensors: its state (excluded from the step's storages, like parameters).
+        optimizer_bytes: the state's bytes.
+        step_flops, step_transient: one ``optimizer.step()``'s FLOPs and its peak above
+            the level it starts at, with every gradient present; None on real tensors
+            (there the step runs).
+    """
+
+    optimizer: torch.optim.Optimizer
+    trained: list[nn.Parameter]
+    state_tensors: list[Tensor]
+    optimizer_bytes: int
+    step_flops: int | None
+    step_transient: int | None
+
+    def step(self) -> None:
+        """``optimizer.step()``, or on the meta device its traced cost reported."""
+        if self.step_flops is None or self.step_transient is None:
+            self.optimizer.step()
+        else:
+            report(self.step_flops, self.step_transient)
+
+
+def prepare_optimizer(
+    model: nn.Module,
+    optimizer: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer] | None = None,
+) -> PreparedOptimizer:
+    """``optimizer(trained parameters)`` (default AdamW) with its state created from zero
+    gradients, and on the meta device one step traced (every step's is the same: the
+    same elementwise operators on the same shapes)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if not trained:
+        raise InvalidValue(
+            f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train"
+        )
+    make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-4))
+    opt = make_optimizer(trained)
+    # The state every later step carries: created once from zero gradients.
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    step_flops = step_transient = None
+    if all(p.device.type == "meta" for p in trained):
+        flops, storages = _FlopCounter(MODEL_FLOP_FORMULAS), _StorageTracker(count_meta=True)
+        with storages, flops:
+            opt.step()
+        step_flops, step_transient = flops.total, storages.peak
+    opt.zero_grad(set_to_none=True)
+    state_tensors = [
+        v for state in opt.state.values() for v in state.values() if isinstance(v, Tensor)
+    ]
+    return PreparedOptimizer(
+        opt, trained, state_tensors, _nbytes(state_tensors), step_flops, step_transient
+    )
+
+
 def training_step_cost(
     estimator: Any,
     model: nn.Module,
@@ -202,12 +269,15 @@ def training_step_cost(
     *,
     noise: Tensor,
     cond: Mapping[str, Any] | None = None,
-    optimizer: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    optimizer: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]
+    | PreparedOptimizer
+    | None = None,
     draws: int = 4,
     seed: int = 0,
     attention: str = "fused",
     varies: bool | None = None,
     replay: bool = True,
+    frozen: Sequence[nn.Module] = (),
 ) -> TrainingCost:
     """Measure one training step of ``estimator`` on ``model`` (meta or real tensors).
 
@@ -222,7 +292,8 @@ def training_step_cost(
         model: the model; its parameters with ``requires_grad=True`` are trained.
         sampler, objective, noise, cond: as for ``surrogate``.
         optimizer: ``optimizer(params) -> torch.optim.Optimizer`` (default AdamW, which
-            keeps two state tensors per trained parameter).
+            keeps two state tensors per trained parameter), or one
+            :func:`prepare_optimizer` made for ``model`` (several estimators share it).
         draws: draws of a stochastic estimator to average; an estimator whose draws do
             not vary with the generator (checked on a stand-in model) is traced once.
         seed: generator seed of draw 0 (draw ``d`` uses ``seed + d``).
@@ -234,28 +305,23 @@ def training_step_cost(
         replay: on the meta device, trace each model-call signature once and replay it
             (:mod:`gradest.harness.call_replay`; same FLOPs and saved bytes, minutes
             faster on SD3 / Flux). False traces every call.
+        frozen: models the objective runs that are not trained (a VAE decoder, a reward
+            model): their parameters and buffers are resident (in ``parameter_bytes``)
+            and never count as saved activations.
     """
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise InvalidValue(f"draws must be an int >= 1, got draws={draws!r}")
     if attention not in ("fused", "math"):
         raise InvalidValue(f"attention must be 'fused' or 'math', got attention={attention!r}")
-    trained = [p for p in model.parameters() if p.requires_grad]
-    if not trained:
-        raise InvalidValue(
-            f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train"
-        )
-    make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-4))
-    opt = make_optimizer(trained)
-    # The state every later step carries: created once from zero gradients.
-    for p in trained:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    state_tensors = [
-        v for state in opt.state.values() for v in state.values() if isinstance(v, Tensor)
-    ]
-    optimizer_bytes = _nbytes(state_tensors)
+    prepared = (
+        optimizer
+        if isinstance(optimizer, PreparedOptimizer)
+        else prepare_optimizer(model, optimizer)
+    )
+    opt, trained, state_tensors = prepared.optimizer, prepared.trained, prepared.state_tensors
+    optimizer_bytes = prepared.optimizer_bytes
     persistent = list(model.parameters()) + list(model.buffers())
+    persistent += [t for part in frozen for t in (*part.parameters(), *part.buffers())]
     parameter_bytes = _nbytes(persistent)
     if isinstance(model, ReplayCalls) or not replay or noise.device.type != "meta":
         wrapped = model  # a ReplayCalls shared by several estimators keeps its traces
@@ -288,7 +354,7 @@ def training_step_cost(
                 )
             # A plugin's surrogate is checked before its backward (one line naming it).
             check_surrogate(estimator, sur).loss.backward()
-            opt.step()
+            prepared.step()
             opt.zero_grad(set_to_none=True)
 
         counters = (_FlopCounter(MODEL_FLOP_FORMULAS), _StorageTracker(count_meta=True))

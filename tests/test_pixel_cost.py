@@ -11,10 +11,10 @@ path, so the predictions here use ``attention="math"``.
 from __future__ import annotations
 
 import json
-import weakref
 
 import pytest
 import torch
+from saved_tensor_bytes import saved_bytes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -72,41 +72,6 @@ TINY_REWARDS = {
 SIZE, STEPS, BATCH, TOKENS = 32, 3, 2, 5
 
 
-def _saved_bytes(modules, step) -> int:
-    """Peak bytes of distinct storages held by saved tensors, weights excluded (hooks)."""
-    excluded = {
-        t.untyped_storage()._cdata for m in modules for t in (*m.parameters(), *m.buffers())
-    }
-    holders: dict[int, int] = {}
-    state = {"now": 0, "peak": 0}
-
-    class Box:
-        def __init__(self, t):
-            self.t = t
-
-    def release(key, nbytes):
-        holders[key] -= 1
-        if not holders[key]:
-            state["now"] -= nbytes
-
-    def pack(t):
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in excluded:
-            return t
-        if not holders.get(key):
-            state["now"] += storage.nbytes()
-            state["peak"] = max(state["peak"], state["now"])
-        holders[key] = holders.get(key, 0) + 1
-        box = Box(t)
-        weakref.finalize(box, release, key, storage.nbytes())
-        return box
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t if isinstance(b, Box) else b):
-        step()
-    return state["peak"]
-
-
 def _decoder(device: str, **options):
     torch.manual_seed(0)
     return pixel_decoder(
@@ -125,7 +90,7 @@ def _by_hand(module, example):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         step()
     with sdpa_kernel(SDPBackend.MATH):
-        saved = _saved_bytes([module], step)
+        saved = saved_bytes([module], step)
     return counter.get_total_flops(), saved
 
 
@@ -208,7 +173,7 @@ def test_whole_step_equals_a_handwritten_loop() -> None:
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         step()
     with sdpa_kernel(SDPBackend.MATH):
-        saved = _saved_bytes([model, pixels.decoder, pixels.reward], step)
+        saved = saved_bytes([model, pixels.decoder, pixels.reward], step)
     meta_setup, meta_pixels = _setup("meta")
     predicted = predict_step_costs(meta_setup, ["exact"], pixels=meta_pixels, attention="math")
     whole = predicted["exact"].whole

@@ -12,10 +12,10 @@ kernel has no FLOP formula in PyTorch), so the meta predictions here use
 from __future__ import annotations
 
 import json
-import weakref
 
 import pytest
 import torch
+from saved_tensor_bytes import saved_bytes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -138,40 +138,6 @@ def _handwritten_step(family: str, device: str):
     return model, step
 
 
-def _saved_bytes(model, step) -> int:
-    """Peak bytes of distinct non-parameter storages held by saved tensors (hooks)."""
-    excluded = {p.untyped_storage()._cdata for p in model.parameters()}
-    excluded |= {b.untyped_storage()._cdata for b in model.buffers()}
-    holders: dict[int, int] = {}
-    state = {"now": 0, "peak": 0}
-
-    class Box:
-        def __init__(self, t):
-            self.t = t
-
-    def release(key, nbytes):
-        holders[key] -= 1
-        if not holders[key]:
-            state["now"] -= nbytes
-
-    def pack(t):
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in excluded:
-            return t
-        if not holders.get(key):
-            state["now"] += storage.nbytes()
-            state["peak"] = max(state["peak"], state["now"])
-        holders[key] = holders.get(key, 0) + 1
-        box = Box(t)
-        weakref.finalize(box, release, key, storage.nbytes())
-        return box
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t if isinstance(b, Box) else b):
-        step()
-    return state["peak"]
-
-
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_exact_prediction_equals_a_handwritten_loop(family: str) -> None:
     """The acceptance check of the issue: gradest cost's exact on the meta device has the
@@ -181,7 +147,7 @@ def test_exact_prediction_equals_a_handwritten_loop(family: str) -> None:
         step()
     model, step = _handwritten_step(family, "cpu")
     with sdpa_kernel(SDPBackend.MATH):
-        saved = _saved_bytes(model, step)
+        saved = saved_bytes([model], step)
     predicted = _cost("exact", family, "meta", _terminal())
     assert predicted.flops == counter.get_total_flops()
     assert predicted.retained_bytes == saved

@@ -81,7 +81,8 @@ def rendered() -> dict[str, str]:
 def test_a_number_edited_by_hand_inside_a_block_fails(
     page: Path, match: re.Match[str], rendered: dict[str, str], monkeypatch
 ) -> None:
-    """Changing a digit of a block's first decimal number, plain or in bold, is caught."""
+    """Changing a digit of a block's first decimal number (or, in a block of counts, its
+    first count), plain or in bold, is caught."""
     real_render = quoting.render
 
     def render_once(root: Path, args: str) -> str:
@@ -92,8 +93,10 @@ def test_a_number_edited_by_hand_inside_a_block_fails(
     monkeypatch.setattr(quoting, "render", render_once)
     text = page.read_text(encoding="utf-8")
     body_start, body = match.start("body"), match["body"]
-    number = next((n for n in quoting._NUMBER.finditer(body) if "." in n.group()), None)
-    assert number is not None, f"{page.name}: a race-quote block without a decimal number"
+    # The first decimal figure; a block of counts only (the tally) has its first count.
+    numbers = list(quoting._NUMBER.finditer(body))
+    number = next((n for n in numbers if "." in n.group()), numbers[0] if numbers else None)
+    assert number is not None, f"{page.name}: a race-quote block without a number"
     token = number.group()
     digits = token.rstrip("%")
     edited = digits[:-1] + str((int(digits[-1]) + 3) % 10) + token[len(digits) :]

@@ -183,35 +183,28 @@ def tiny_denoiser(family: str) -> nn.Module:
                 guidance_embeds=True,
                 axes_dims_rope=(2, 2, 4),
             )
+        # The two UNet families share one tiny UNet; they differ in where cross-attention
+        # sits and in SDXL's extra embedding.
+        unet: dict[str, Any] = {
+            "sample_size": 8, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
+            "block_out_channels": (8, 16), "cross_attention_dim": TINY_TEXT_DIM,
+            "attention_head_dim": 2, "norm_num_groups": 4,
+        }  # fmt: skip
         if family == "sdxl":
             # SDXL's layout (cross-attention in the lower blocks) and its text_time
             # embedding: the pooled text embedding + 6 size / crop ids.
             return diffusers.UNet2DConditionModel(
-                sample_size=8,
-                in_channels=4,
-                out_channels=4,
-                layers_per_block=1,
-                block_out_channels=(8, 16),
+                **unet,
                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                cross_attention_dim=TINY_TEXT_DIM,
-                attention_head_dim=2,
-                norm_num_groups=4,
                 addition_embed_type="text_time",
                 addition_time_embed_dim=4,
                 projection_class_embeddings_input_dim=SDXL_TIME_IDS * 4 + TINY_POOLED_DIM,
             )
         return diffusers.UNet2DConditionModel(
-            sample_size=8,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=1,
-            block_out_channels=(8, 16),
+            **unet,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=TINY_TEXT_DIM,
-            attention_head_dim=2,
-            norm_num_groups=4,
         )
 
 

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from gradest.conditioning import map_tensors, tensor_leaves, with_tensor_leaves
 from gradest.harness.cost import _FlopCounter, _StorageTracker
 from gradest.harness.fused_attention import MODEL_FLOP_FORMULAS
+from gradest.harness.repeated_blocks import Measurement, measure_with_short_runs
 
 __all__ = ["ReplayCalls", "active_counters", "report"]
 
@@ -84,7 +85,19 @@ class _Calibration:
     saved_fresh: tuple[int, ...]  # bytes of each distinct storage the call creates and saves
     out_shape: torch.Size
     out_dtype: torch.dtype
-    backward: Mapping[tuple[bool, bool], _Cost]  # (state needed, parameters needed)
+    backward: dict[tuple[bool, bool], _Cost]  # (state needed, parameters needed)
+    # Measures another backward pattern (a forward and that backward, in a thread).
+    measure: Callable[[tuple[bool, bool]], tuple[_Calibration, _Cost]] | None = None
+
+    def backward_cost(self, pattern: tuple[bool, bool]) -> tuple[int, int]:
+        """The FLOPs and transient bytes of the backward pass ``pattern`` asks for,
+        measured the first time a backward pass needs it."""
+        cost = self.backward.get(pattern)
+        if cost is None:
+            assert self.measure is not None
+            measure = self.measure
+            cost = self.backward[pattern] = _in_thread(lambda: measure(pattern)[1])
+        return cost.flops, cost.transient
 
 
 class _SavedStorages:
@@ -121,65 +134,116 @@ def _calibrate(
     parameters: Sequence[nn.Parameter],
     call: Callable[[Sequence[Tensor]], Tensor],
 ) -> _Calibration:
-    """Run the call for real (meta tensors) and measure it; in a thread of its own."""
-    input_keys = {t.untyped_storage()._cdata: i for i, t in enumerate(inputs)}
-    patterns = [
-        (s, p)
-        for s in (False, True)
-        for p in (False, True)
-        if (s or p) and (not s or state_requires_grad) and (not p or parameters)
-    ]
-    backward: dict[tuple[bool, bool], _Cost] = {}
-    forward = None
-    saved_inputs: tuple[int, ...] = ()
-    saved_fresh: tuple[int, ...] = ()
-    out_shape, out_dtype = torch.Size(), torch.float32
-    for needs_state, needs_params in patterns:
-        state = inputs[0].detach().requires_grad_(state_requires_grad)
-        args = [state, *inputs[1:]]
-        counter = _FlopCounter(MODEL_FLOP_FORMULAS)
-        recorder = _SavedStorages(counter)
-        # One storage tracker over forward and backward: the backward frees the forward's
-        # activations as it goes, and its peak is measured from the level they leave.
-        storages = _StorageTracker(count_meta=True)
-        with storages, counter:
-            with (
-                torch.enable_grad(),
-                torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
-            ):
-                out = call(args)
-            forward_cost = _Cost(counter.total, storages.peak)
-            level = storages.current
-            grad_out = torch.empty_like(out)
-            level += grad_out.untyped_storage().nbytes()
-            storages.peak = storages.current
-            flops_before = counter.total
-            wanted = [state] if needs_state else []
-            wanted += list(parameters) if needs_params else []
-            if forward is None:
-                forward = forward_cost
-                until_last_save = recorder.flops_at_last_save
-                param_keys = {p.untyped_storage()._cdata for p in model.parameters()}
-                param_keys |= {b.untyped_storage()._cdata for b in model.buffers()}
-                # The state's detached copy shares its storage: it counts as input 0.
-                saved_inputs = tuple(
-                    sorted({input_keys[k] for k in recorder.saved if k in input_keys})
-                )
-                saved_fresh = tuple(
-                    nbytes for k, nbytes in recorder.saved.items()
-                    if k not in input_keys and k not in param_keys
-                )  # fmt: skip
-                out_shape, out_dtype = out.shape, out.dtype
-            del recorder
-            grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
-            backward[(needs_state, needs_params)] = _Cost(
-                counter.total - flops_before, storages.peak - level
+    """Run the call for real (meta tensors) and measure its forward, and the backward a
+    step most often takes first (every input that requires grad); the other backward
+    patterns are measured when a backward pass first needs them."""
+    pattern = (state_requires_grad, bool(parameters))
+
+    def measure(pattern: tuple[bool, bool]) -> tuple[_Calibration, _Cost]:
+        # A model with long runs of identical blocks is measured on short runs.
+        def once() -> Measurement:
+            return _as_measurement(
+                *_measure(model, inputs, state_requires_grad, parameters, call, pattern)
             )
-            del out, grad_out, grads
-    assert forward is not None
-    return _Calibration(
-        forward, until_last_save, saved_inputs, saved_fresh, out_shape, out_dtype, backward
+
+        return _from_measurement(measure_with_short_runs(model, once))
+
+    forward, backward = measure(pattern)
+    return attrs.evolve(forward, backward={pattern: backward}, measure=measure)
+
+
+def _as_measurement(calibration: _Calibration, backward: _Cost) -> Measurement:
+    numbers = (
+        calibration.forward.flops,
+        calibration.forward.transient,
+        calibration.flops_until_last_save,
+        sum(calibration.saved_fresh),
+        backward.flops,
+        backward.transient,
     )
+    structure = (calibration.saved_inputs, calibration.out_shape, calibration.out_dtype)
+    return Measurement(numbers, structure)
+
+
+def _from_measurement(measured: Measurement) -> tuple[_Calibration, _Cost]:
+    flops, transient, until_last_save, fresh, backward_flops, backward_transient = measured.numbers
+    saved_inputs, out_shape, out_dtype = measured.structure
+    calibration = _Calibration(
+        _Cost(flops, transient),
+        until_last_save,
+        saved_inputs,
+        (fresh,) if fresh else (),  # (their storages live and die together: one total)
+        out_shape,
+        out_dtype,
+        {},
+    )
+    return calibration, _Cost(backward_flops, backward_transient)
+
+
+def _measured_forward(
+    model: nn.Module, call: Callable[[], Tensor]
+) -> tuple[_Cost, torch.Size, torch.dtype]:
+    """A call without a graph, measured (on short runs of identical blocks)."""
+
+    def once() -> Measurement:
+        out, cost = _measured(call)
+        return Measurement((cost.flops, cost.transient), (out.shape, out.dtype))
+
+    measured = measure_with_short_runs(model, once)
+    shape, dtype = measured.structure
+    return _Cost(*measured.numbers), shape, dtype
+
+
+def _measure(
+    model: nn.Module,
+    inputs: Sequence[Tensor],
+    state_requires_grad: bool,
+    parameters: Sequence[nn.Parameter],
+    call: Callable[[Sequence[Tensor]], Tensor],
+    pattern: tuple[bool, bool],
+) -> tuple[_Calibration, _Cost]:
+    """One forward with a graph and one backward pass of ``pattern`` (state needed,
+    parameters needed), measured: the forward's calibration and the backward's cost."""
+    needs_state, needs_params = pattern
+    input_keys = {t.untyped_storage()._cdata: i for i, t in enumerate(inputs)}
+    state = inputs[0].detach().requires_grad_(state_requires_grad)
+    args = [state, *inputs[1:]]
+    counter = _FlopCounter(MODEL_FLOP_FORMULAS)
+    recorder = _SavedStorages(counter)
+    # One storage tracker over forward and backward: the backward frees the forward's
+    # activations as it goes, and its peak is measured from the level they leave.
+    storages = _StorageTracker(count_meta=True)
+    with storages, counter:
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
+        ):
+            out = call(args)
+        forward_cost = _Cost(counter.total, storages.peak)
+        level = storages.current
+        grad_out = torch.empty_like(out)
+        level += grad_out.untyped_storage().nbytes()
+        storages.peak = storages.current
+        flops_before = counter.total
+        wanted = [state] if needs_state else []
+        wanted += list(parameters) if needs_params else []
+        until_last_save = recorder.flops_at_last_save
+        param_keys = {p.untyped_storage()._cdata for p in model.parameters()}
+        param_keys |= {b.untyped_storage()._cdata for b in model.buffers()}
+        # The state's detached copy shares its storage: it counts as input 0.
+        saved_inputs = tuple(sorted({input_keys[k] for k in recorder.saved if k in input_keys}))
+        saved_fresh = tuple(
+            nbytes for k, nbytes in recorder.saved.items()
+            if k not in input_keys and k not in param_keys
+        )  # fmt: skip
+        calibration = _Calibration(
+            forward_cost, until_last_save, saved_inputs, saved_fresh, out.shape, out.dtype, {}
+        )
+        del recorder
+        grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+        backward = _Cost(counter.total - flops_before, storages.peak - level)
+        del out, grad_out, grads
+    return calibration, backward
 
 
 class _ReplayedCall(torch.autograd.Function):
@@ -192,14 +256,24 @@ class _ReplayedCall(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, calibration: _Calibration, count: int, *tensors: Tensor) -> Tensor:
+    def forward(
+        ctx: Any,
+        calibration: _Calibration,
+        count: int,
+        gradients: _ParameterGradients,
+        *tensors: Tensor,
+    ) -> Tensor:
         report(calibration.flops_until_last_save, calibration.forward.transient)
         inputs = tensors[:count]
         kept = [inputs[i] for i in calibration.saved_inputs]
-        kept += [torch.empty(n, dtype=torch.uint8, device="meta") for n in calibration.saved_fresh]
+        # The storages the call creates and saves live and die together (with this
+        # node): one storage of their total size holds the same bytes for as long.
+        if calibration.saved_fresh:
+            kept.append(torch.empty(sum(calibration.saved_fresh), dtype=torch.uint8, device="meta"))
         ctx.save_for_backward(*kept)
         ctx.calibration = calibration
         ctx.count = count
+        ctx.gradients = gradients
         ctx.likes = [(t.shape, t.dtype) for t in tensors]
         return torch.empty(calibration.out_shape, dtype=calibration.out_dtype, device="meta")
 
@@ -211,23 +285,61 @@ class _ReplayedCall(torch.autograd.Function):
         # state only skips the weight gradients, as it does in the real model).
         needed = [
             node is not None and torch._C._will_engine_execute_node(node) for node in nodes
-        ]  # one node per tensor input (calibration and count are not tensors)
+        ]  # one node per tensor input (calibration, count and gradients are not tensors)
+        count = ctx.count
         needs_state = needed[0]
-        needs_params = any(needed[ctx.count :])
-        cost = ctx.calibration.backward.get((needs_state, needs_params))
-        if cost is not None:
-            report(cost.flops, cost.transient)
+        needs_params = any(needed[count:])
+        if needs_state or needs_params:
+            report(*ctx.calibration.backward_cost((needs_state, needs_params)))
         saved = ctx.saved_tensors  # unpacked as the real backward would
         del saved
+        # The parameters' gradients leave the first replayed call of a backward pass;
+        # every later call's would only be summed into them in place (no FLOPs, no new
+        # storage), so those calls report their gradients' bytes as a transient (alive
+        # until summed, the call's activations already freed) instead of returning
+        # gradients the engine adds one operator at a time: thousands of operators per
+        # step, most of a replayed step's time.
+        first = needs_params and ctx.gradients.first_in_backward()
+        if needs_params and not first:
+            new = sum(
+                _nbytes(shape, dtype)
+                for (shape, dtype), need in zip(ctx.likes[count:], needed[count:], strict=True)
+                if need
+            )
+            report(0, new - sum(ctx.calibration.saved_fresh))
         # A real backward frees each layer's activations before the next layer's
         # gradients exist; the replayed activations are freed only after this returns,
         # so the gradients are allocated as if they were gone already.
         with _discounted(sum(ctx.calibration.saved_fresh)):
             grads = [
-                torch.empty(shape, dtype=dtype, device="meta") if need else None
-                for (shape, dtype), need in zip(ctx.likes, needed, strict=True)
+                torch.empty(shape, dtype=dtype, device="meta")
+                if need and (i < count or first)
+                else None
+                for i, ((shape, dtype), need) in enumerate(zip(ctx.likes, needed, strict=True))
             ]
-        return (None, None, *grads)
+        return (None, None, None, *grads)
+
+
+class _ParameterGradients:
+    """Which backward pass (autograd graph task) has had the parameters' gradients.
+
+    One per :class:`ReplayCalls`: its calls share the parameters.
+    """
+
+    def __init__(self) -> None:
+        self.task: int | None = None
+
+    def first_in_backward(self) -> bool:
+        """True once per backward pass: at its first replayed call needing them."""
+        task = torch._C._current_graph_task_id()
+        if task == self.task:
+            return False
+        self.task = task
+        return True
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * dtype.itemsize
 
 
 class _ReplayedTail(torch.autograd.Function):
@@ -256,6 +368,7 @@ class ReplayCalls(nn.Module):
         self._no_grad: dict[tuple, tuple[_Cost, torch.Size, torch.dtype]] = {}
         # The model's parameters, listed once (a module walk per call cost seconds).
         self._listed_parameters = tuple(model.parameters())
+        self._gradients = _ParameterGradients()
 
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
         # Every tensor of cond, nested ones too (SDXL's added_cond_kwargs): all are inputs
@@ -280,9 +393,8 @@ class ReplayCalls(nn.Module):
         if not records_graph:
             known = self._no_grad.get(key)
             if known is None:
-                out, cost = _in_thread(lambda: _measured(lambda: call(tensors)))
-                self._no_grad[key] = (cost, out.shape, out.dtype)
-                known = self._no_grad[key]
+                known = _in_thread(lambda: _measured_forward(self.model, lambda: call(tensors)))
+                self._no_grad[key] = known
             cost, shape, dtype = known
             report(cost.flops, cost.transient)
             return torch.empty(shape, dtype=dtype, device="meta")
@@ -293,8 +405,11 @@ class ReplayCalls(nn.Module):
             )
             self._calibrations[key] = calibration
         # Views give every differentiable input a node of its own (see backward).
-        differentiable = [t.view_as(t) if t.requires_grad else t for t in tensors + parameters]
-        out = _ReplayedCall.apply(calibration, len(tensors), *differentiable)
+        # (Views allocate nothing: made out of sight of the step's counters, which would
+        # otherwise spend milliseconds per call on a few hundred of them.)
+        with torch._C._DisableTorchDispatch():
+            differentiable = [t.view_as(t) if t.requires_grad else t for t in tensors + parameters]
+        out = _ReplayedCall.apply(calibration, len(tensors), self._gradients, *differentiable)
         tail = calibration.forward.flops - calibration.flops_until_last_save
         return _ReplayedTail.apply(tail, out)
 

@@ -34,9 +34,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._C import DispatchKey
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from gradest.errors import InvalidValue
@@ -68,12 +68,33 @@ class _FlopCounter(TorchDispatchMode):
         # Formulas that replace torch's own for some operators (a cost trace counts a
         # fused attention backward as the math path does, without its recomputation).
         self.formulas = dict(formulas or {})
+        # Per operator overload: its formula and whether it decomposes. Both are fixed
+        # by the operator, and asking the dispatcher on every call made a meta trace of
+        # SD3 spend most of its time here.
+        self._plans: dict[Any, tuple[Callable[..., int] | None, bool]] = {}
+
+    def _plan(self, func: Any) -> tuple[Callable[..., int] | None, bool]:
+        plan = self._plans.get(func)
+        if plan is None:
+            packet = func._overloadpacket
+            formula = self.formulas.get(packet) or flop_registry.get(packet)
+            # What OpOverload.decompose tries: a Python or a C++ composite kernel.
+            composite = DispatchKey.CompositeImplicitAutograd
+            decomposes = (
+                formula is None
+                and func is not torch.ops.prim.device.default
+                and (
+                    composite in func.py_kernels
+                    or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), composite)
+                )
+            )
+            plan = self._plans[func] = (formula, decomposes)
+        return plan
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        packet = func._overloadpacket
-        formula = self.formulas.get(packet) or flop_registry.get(packet)
-        if formula is None and func is not torch.ops.prim.device.default:
+        formula, decomposes = self._plan(func)
+        if decomposes:
             # As FlopCounterMode does: a composite operator without a formula may
             # decompose into ones that have one.
             with self:
@@ -104,6 +125,28 @@ def count_flops(fn: Callable[[], Any]) -> int:
 # -- memory ---------------------------------------------------------------------------------
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or outputs.
+
+    Operators take and return tensors, lists and tuples of them, and dicts (kwargs):
+    walked directly, as ``tree_flatten`` would, without its generic node lookups (this
+    runs on every operator of a cost trace).
+    """
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
+
+
 class _GraphRecording(TorchFunctionMode):
     """Whether the torch function running now records an autograd graph.
 
@@ -121,7 +164,7 @@ class _GraphRecording(TorchFunctionMode):
         kwargs = kwargs or {}
         previous = self.active
         self.active = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0]
+            t.requires_grad for t in _tensors((args, kwargs))
         )
         try:
             return func(*args, **kwargs)
@@ -174,11 +217,11 @@ class _StorageTracker(TorchDispatchMode):
             return out
         inputs = {
             t.untyped_storage()._cdata
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and (self.count_meta or not t.is_meta)
+            for t in _tensors((args, kwargs))
+            if self.count_meta or not t.is_meta
         }
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or (tensor.is_meta and not self.count_meta):
+        for tensor in _tensors(out):
+            if tensor.is_meta and not self.count_meta:
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from gradest.harness.cost import _FlopCounter, _StorageTracker
 from gradest.harness.fused_attention import MODEL_FLOP_FORMULAS, fused_attention
+from gradest.harness.repeated_blocks import Measurement, measure_with_short_runs
 from gradest.harness.training_cost import measure_step
 
 __all__ = ["PartCost", "PixelLoss", "PixelSetup", "part_cost", "pixel_setup", "resident_bytes"]
@@ -64,26 +65,34 @@ def part_cost(module: nn.Module, example: Tensor, *, attention: str = "fused") -
     (``"fused"`` traces a GPU's fused attention kernel on the meta device).
     """
     persistent = [*module.parameters(), *module.buffers()]
-    mode = fused_attention() if attention == "fused" else contextlib.nullcontext()
+    mode = fused_attention if attention == "fused" else contextlib.nullcontext
 
     def forward_and_backward() -> None:
         x = example.detach().requires_grad_(True)
         module(x).float().sum().backward()
 
-    with mode:
-        # The model's FLOPs, as the step's counters count them (a fused attention
-        # backward without its recomputation of the scores).
-        counters = (_FlopCounter(MODEL_FLOP_FORMULAS), _StorageTracker(count_meta=True))
-        step = measure_step(forward_and_backward, excluded=persistent, counters=counters)
-        counter = _FlopCounter(MODEL_FLOP_FORMULAS)
-        with torch.no_grad(), _StorageTracker(count_meta=True), counter:
-            module(example.detach())
+    def once() -> Measurement:
+        with mode():
+            # The model's FLOPs, as the step's counters count them (a fused attention
+            # backward without its recomputation of the scores).
+            counters = (_FlopCounter(MODEL_FLOP_FORMULAS), _StorageTracker(count_meta=True))
+            step = measure_step(forward_and_backward, excluded=persistent, counters=counters)
+            counter = _FlopCounter(MODEL_FLOP_FORMULAS)
+            with torch.no_grad(), _StorageTracker(count_meta=True), counter:
+                module(example.detach())
+        numbers = (step.flops, step.retained_bytes, step.step_peak_bytes, counter.total)
+        return Measurement(numbers, ())
+
+    # A reward model's long stack of identical layers is measured on short stacks (on
+    # the meta device; real tensors are measured as they are).
+    measured = measure_with_short_runs(module, once) if example.device.type == "meta" else once()
+    flops, retained, step_peak, forward_flops = measured.numbers
     nbytes = resident_bytes(module)
     return PartCost(
-        flops=step.flops,
-        forward_flops=counter.total,
-        retained_bytes=step.retained_bytes,
-        peak_bytes=nbytes + step.step_peak_bytes,
+        flops=flops,
+        forward_flops=forward_flops,
+        retained_bytes=retained,
+        peak_bytes=nbytes + step_peak,
         parameter_bytes=nbytes,
         parameters=sum(p.numel() for p in module.parameters()),
     )

@@ -330,7 +330,7 @@ def training_step_cost(
 
     stepwise = isinstance(objective, StepwiseObjective)
     # The draws a stochastic estimator takes are the same on any model with this sampler
-    # and kind of objective, so a two-parameter stand-in tells cheaply whether one traced
+    # and kind of objective, so a one-weight stand-in tells cheaply whether one traced
     # draw is enough (exact, truncated:k=1, ...) or the cost must be averaged.
     if varies is None and draws > 1:
         varies = decisions_vary(estimator, sampler, objective, seed=seed)
@@ -386,17 +386,27 @@ def training_step_cost(
     )
 
 
+class _StandIn(nn.Module):
+    """The cheapest velocity an estimator can run on the meta device: one weight, one
+    multiply per call (a real layer's meta kernels cost a millisecond per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones((), dtype=torch.float64, device="meta"))
+
+    def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
+        return z * self.weight
+
+
 def decisions_vary(estimator: Any, sampler: Any, objective: Objective, *, seed: int = 0) -> bool:
     """Whether two generators give ``estimator`` different decisions.
 
-    Asked on a two-parameter stand-in model on the meta device with an objective of the
+    Asked on a one-weight stand-in model on the meta device with an objective of the
     same kind: the draws depend on the sampler's steps and the kind of objective, not on
     the model, and the stand-in costs milliseconds. An estimator that cannot run on the
     meta device (jagg with its gate on, auto) raises here, before any long trace.
     """
-    from gradest.testing.problems import tiny_mlp
-
-    model = tiny_mlp(2, hidden=2, depth=1).to("meta")
+    model = _StandIn()
     noise = torch.zeros(1, 2, dtype=torch.float64, device="meta")
     stand_in: Objective
     inputs: dict[str, Any]

@@ -82,7 +82,9 @@ class _Calibration:
     forward: _Cost
     flops_until_last_save: int  # what a checkpoint's recomputation runs before it stops
     saved_inputs: tuple[int, ...]  # indices of inputs whose storage the call saves
-    saved_fresh: tuple[int, ...]  # bytes of each distinct storage the call creates and saves
+    # Bytes of the distinct storages the call creates and saves: they live and die
+    # together (with the call's node), so one storage of their total stands for them.
+    saved_fresh: int
     out_shape: torch.Size
     out_dtype: torch.dtype
     backward: dict[tuple[bool, bool], _Cost]  # (state needed, parameters needed)
@@ -157,7 +159,7 @@ def _as_measurement(calibration: _Calibration, backward: _Cost) -> Measurement:
         calibration.forward.flops,
         calibration.forward.transient,
         calibration.flops_until_last_save,
-        sum(calibration.saved_fresh),
+        calibration.saved_fresh,
         backward.flops,
         backward.transient,
     )
@@ -172,7 +174,7 @@ def _from_measurement(measured: Measurement) -> tuple[_Calibration, _Cost]:
         _Cost(flops, transient),
         until_last_save,
         saved_inputs,
-        (fresh,) if fresh else (),  # (their storages live and die together: one total)
+        fresh,
         out_shape,
         out_dtype,
         {},
@@ -232,7 +234,7 @@ def _measure(
         param_keys |= {b.untyped_storage()._cdata for b in model.buffers()}
         # The state's detached copy shares its storage: it counts as input 0.
         saved_inputs = tuple(sorted({input_keys[k] for k in recorder.saved if k in input_keys}))
-        saved_fresh = tuple(
+        saved_fresh = sum(
             nbytes for k, nbytes in recorder.saved.items()
             if k not in input_keys and k not in param_keys
         )  # fmt: skip
@@ -266,10 +268,8 @@ class _ReplayedCall(torch.autograd.Function):
         report(calibration.flops_until_last_save, calibration.forward.transient)
         inputs = tensors[:count]
         kept = [inputs[i] for i in calibration.saved_inputs]
-        # The storages the call creates and saves live and die together (with this
-        # node): one storage of their total size holds the same bytes for as long.
         if calibration.saved_fresh:
-            kept.append(torch.empty(sum(calibration.saved_fresh), dtype=torch.uint8, device="meta"))
+            kept.append(torch.empty(calibration.saved_fresh, dtype=torch.uint8, device="meta"))
         ctx.save_for_backward(*kept)
         ctx.calibration = calibration
         ctx.count = count
@@ -306,11 +306,11 @@ class _ReplayedCall(torch.autograd.Function):
                 for (shape, dtype), need in zip(ctx.likes[count:], needed[count:], strict=True)
                 if need
             )
-            report(0, new - sum(ctx.calibration.saved_fresh))
+            report(0, new - ctx.calibration.saved_fresh)
         # A real backward frees each layer's activations before the next layer's
         # gradients exist; the replayed activations are freed only after this returns,
         # so the gradients are allocated as if they were gone already.
-        with _discounted(sum(ctx.calibration.saved_fresh)):
+        with _discounted(ctx.calibration.saved_fresh):
             grads = [
                 torch.empty(shape, dtype=dtype, device="meta")
                 if need and (i < count or first)

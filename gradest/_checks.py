@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradest.errors import InvalidType, InvalidValue
+from gradest.conditioning import suspect_leaves
+from gradest.errors import GradestError, InvalidType, InvalidValue
 from gradest.nonfinite import NonFiniteError, _all_finite, defer_finite
 
 # Re-exported: the engine's modules take these two from the boundary checks.
@@ -167,19 +168,37 @@ def check_model_output(v: Any, z: Tensor, *, step: int | None = None) -> None:
 
 
 def first_model_call(
-    model: Callable[..., Tensor], z: Tensor, t: Tensor, cond: Mapping[str, Any]
+    model: Callable[..., Tensor],
+    z: Tensor,
+    t: Tensor,
+    cond: Mapping[str, Any],
+    *,
+    cond_given: Mapping[str, Any] | None = None,
+    batch_size: int | None = None,
 ) -> Tensor:
-    """Call the model once with a readable error if the state does not fit it."""
+    """Call the model once with a readable error if the state does not fit it.
+
+    ``cond`` is the call's keyword arguments; ``cond_given`` the caller's ``cond`` they
+    were made from (default: ``cond``), for a batch of ``batch_size`` (default: ``z``'s
+    rows). A failure names the tensors of ``cond_given`` that may have caused it (rows
+    that are not the batch's, another device than the state's)."""
     try:
         v = model(z, t, **cond)
-    except (RuntimeError, IndexError, TypeError) as err:
-        if "saved tensor hooks" in str(err).lower():
-            raise  # not a shape problem: the engine explains it (gradest.vjp)
+    except (RuntimeError, IndexError, TypeError, ValueError) as err:
+        if isinstance(err, GradestError) or "saved tensor hooks" in str(err).lower():
+            raise  # already one line, or not a shape problem (gradest.vjp explains it)
+        rows = z.shape[0] if batch_size is None else batch_size
+        suspects = suspect_leaves(cond if cond_given is None else cond_given, rows, z.device)
+        hint = (
+            "; ".join(suspects)
+            if suspects
+            else "Check that the noise has the shape the model expects ([B, ...]) and that "
+            "cond holds the model's keyword arguments"
+        )
+        shown = " ".join(str(err).split()) or type(err).__name__
         raise InvalidValue(
             f"model(z, t, **cond) failed on a state of shape {tuple(z.shape)} "
-            f"(dtype {z.dtype}) with cond keys {sorted(cond)}: {err}. "
-            f"Check that the noise has the shape the model expects ([B, ...]) "
-            f"and that cond holds the model's keyword arguments"
+            f"(dtype {z.dtype}) with cond keys {sorted(cond)}: {shown}. {hint}"
         ) from err
     check_model_output(v, z)
     return v

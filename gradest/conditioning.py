@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
+import torch
 from torch import Tensor
 
 from gradest.errors import InvalidType, InvalidValue
@@ -179,6 +180,33 @@ def with_tensor_leaves(value: Any, tensors: list[Tensor]) -> Any:
     out = map_leaves(value, lambda v, _: next(replacements) if isinstance(v, Tensor) else v)
     assert next(replacements, None) is None, "more tensors than tensor leaves"
     return out
+
+
+def suspect_leaves(cond: Mapping[str, Any], batch_size: int, device: torch.device) -> list[str]:
+    """Phrases naming the tensor leaves of ``cond`` that may be why a model call failed:
+    those passed unrepeated (not a per-sample leaf) though their first dimension is
+    neither the batch nor 1, and those on another device than the state. Only a hint for
+    an error message: a leaf shared on purpose may have any first dimension."""
+    found: list[str] = []
+
+    def leaf(v: Any, path: Path) -> Any:
+        if not isinstance(v, Tensor) or v.ndim == 0:
+            return v
+        where = format_path(path)
+        if v.shape[0] not in (batch_size, 1):
+            found.append(
+                f"{where} has {v.shape[0]} rows (shape {tuple(v.shape)}) where the batch has "
+                f"{batch_size}: a per-sample tensor needs {batch_size} rows (a tensor shared by "
+                f"every sample can be wrapped in gradest.SharedCondition)"
+            )
+        if v.device != device:
+            found.append(
+                f"{where} is on {v.device}, the state on {device}: pass it .to('{device}')"
+            )
+        return v
+
+    map_leaves(cond, leaf)
+    return found
 
 
 def check_cond(cond: Any, batch_size: int) -> dict[str, Any]:

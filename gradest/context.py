@@ -34,6 +34,7 @@ from gradest.symbolic import host_value
 from gradest.trajectory import (
     SamplerSteps,
     Trajectory,
+    check_model_fits_sampler,
     check_sampler,
     check_trajectory_matches,
     draw_step_noise,
@@ -127,6 +128,7 @@ class EstimationContext:
                 "around the call is fine)"
             )
         check_sampler(sampler)
+        check_model_fits_sampler(model, sampler)
         if not isinstance(objective, TerminalObjective | StepwiseObjective):
             raise InvalidType(
                 "objective must be gradest.TerminalObjective(loss_fn) or "

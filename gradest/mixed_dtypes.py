@@ -110,13 +110,16 @@ def first_call(
     cond: Mapping[str, Any],
     *,
     owner: Any = None,
+    cond_given: Mapping[str, Any] | None = None,
+    batch_size: int | None = None,
 ) -> Tensor:
     """:func:`gradest._checks.first_model_call`, with a dtype mismatch inside the model
     raised as its own one-line :class:`~gradest.errors.InvalidValue` (naming autocast and
     ``mixed_precision``), not as a shape problem. ``owner``: the module whose parameters
-    the message lists when ``model`` is a function calling it (default: ``model``)."""
+    the message lists when ``model`` is a function calling it (default: ``model``);
+    ``cond_given`` and ``batch_size`` as in ``first_model_call``."""
     try:
-        return first_model_call(model, z, t, cond)
+        return first_model_call(model, z, t, cond, cond_given=cond_given, batch_size=batch_size)
     except InvalidValue as err:
         cause = err.__cause__
         if not isinstance(cause, RuntimeError):  # torch raises its dtype errors as these

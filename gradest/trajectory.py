@@ -53,6 +53,18 @@ class Trajectory:
         return self.states.shape[1]
 
 
+def check_model_fits_sampler(model: Any, sampler: Any) -> None:
+    """A model that knows how it must be sampled says so: one with a
+    ``check_sampler(sampler)`` method (under a DDP wrapper too), such as
+    :class:`~gradest.integrations.DiffusersVelocity`, which knows the timesteps it calls
+    its network at, refuses a sampler that would call it at others."""
+    for candidate in (model, getattr(model, "module", None)):
+        check = getattr(candidate, "check_sampler", None)
+        if callable(check):
+            check(sampler)
+            return
+
+
 def check_sampler(sampler: Any) -> None:
     if isinstance(sampler, type) and callable(getattr(sampler, "coefficients", None)):
         raise InvalidType(
@@ -273,6 +285,7 @@ def rollout(
     from gradest._checks import check_allocation, check_generator, check_noise
 
     check_sampler(sampler)
+    check_model_fits_sampler(model, sampler)
     check_noise(model, noise)
     # The recording holds N+1 states and N velocities of the noise's size.
     check_allocation(
@@ -294,7 +307,9 @@ def rollout(
 
     def velocity(k: int, z: Tensor) -> Tensor:
         t = model_time(times[k], z.shape[0], z)
-        return first_call(model, z, t, kwargs) if k == 0 else model(z, t, **kwargs)
+        if k == 0:
+            return first_call(model, z, t, kwargs, cond_given=cond, batch_size=noise.shape[0])
+        return model(z, t, **kwargs)
 
     with torch.no_grad():
         states, velocities = integrate(

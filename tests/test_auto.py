@@ -361,3 +361,30 @@ def test_an_unparenthesised_candidate_list_is_refused_with_the_fix():
         gradest.estimator("auto:candidates=exact,jagg:window=4")
     with pytest.raises(InvalidValue, match="unclosed '\\('"):
         gradest.estimator("auto:candidates=(exact,sdo")
+
+
+def test_candidates_that_cannot_run_here_are_said_with_why(setup, caplog):
+    """A candidate the chain is too short for, or that takes no such objective, is not
+    measured: ``info`` and the plan's log line name it with the reason."""
+    import logging
+
+    model, flow, objective = setup
+    too_many = f"sdo:samples={STEPS + 1}"
+    est = Auto(candidates=("exact", too_many, "truncated:k=1"), draws=2)
+    with caplog.at_level(logging.INFO, logger="gradest.auto"):
+        info = est.estimate(model, flow, objective, noise=noise(0)).info
+    (skipped,) = info["auto_probe_skipped"].split(" | ")
+    assert skipped.startswith(f"{too_many} (") and str(STEPS) in skipped
+    assert too_many not in info["auto_measurements"]
+    assert any(f"cannot run here: {too_many}" in r.getMessage() for r in caplog.records)
+    stepwise = gradest.StepwiseObjective(lambda k, v, trajectory: v.pow(2).mean())
+    path = gradest.rollout(model, flow, noise(1))
+    info = (
+        Auto(candidates=("exact", "alignprop"), draws=2)
+        .estimate(model, flow, stepwise, trajectory=path)
+        .info
+    )
+    assert info["auto_probe_skipped"] == "alignprop (takes no stepwise objective)"
+    # The next call uses the choice and probes nothing: nothing skipped.
+    after = est.estimate(model, flow, objective, noise=noise(2)).info
+    assert after["auto_probe_units"] == 0.0 and after["auto_probe_skipped"] == ""

@@ -42,6 +42,7 @@ from gradest.diffusion_samplers import DDIM
 from gradest.errors import InvalidType, InvalidValue
 from gradest.integrations.diffusers_schedulers import flow_match_schedule
 from gradest.samplers import RectifiedFlow, StochasticFlowMatch, flow_match_sampler
+from gradest.symbolic import outside_fake_mode
 
 # DDIM and StochasticFlowMatch are re-exported for convenience (their home is gradest's
 # sampler modules).
@@ -164,6 +165,7 @@ class DiffusersVelocity(nn.Module):
         unet = "sample" in parameters and "hidden_states" not in parameters
         self.input_name = "sample" if unet else "hidden_states"
         self.required_cond = _required_conditioning(inner, parameters, self.input_name)
+        self.required_added_cond = _required_added_conditions(inner, parameters)
 
     @classmethod
     def for_sampler(
@@ -262,7 +264,8 @@ class DiffusersVelocity(nn.Module):
             )
 
     def check_cond(self, cond: Mapping[str, Any]) -> None:
-        """Raise a ValueError naming the conditioning keys the model needs and lacks."""
+        """Raise a ValueError naming the conditioning keys the model needs and lacks (also
+        those inside ``added_cond_kwargs`` that an SDXL-style UNet's config asks for)."""
         missing = [k for k in self.required_cond if k not in cond and k not in self.fixed_kwargs]
         if missing:
             raise InvalidValue(
@@ -270,6 +273,50 @@ class DiffusersVelocity(nn.Module):
                 f"{sorted(cond)}); pass cond={{{', '.join(repr(k) + ': ...' for k in missing)}}} "
                 f"(the prompt encodings, one row per sample) to estimate / surrogate / rollout"
             )
+        if self.required_added_cond:
+            self._check_added_cond(cond.get("added_cond_kwargs", self.fixed_kwargs.get(_ADDED)))
+
+    def _check_added_cond(self, added: Any) -> None:
+        needed = self.required_added_cond
+        kind = self.config.addition_embed_type
+        example = ", ".join(f"{key!r}: ..." for key in needed)
+        if not isinstance(added, Mapping):
+            got = "nothing" if added is None else type(added).__name__
+            raise InvalidValue(
+                f"{type(self.model).__name__} has config.addition_embed_type={kind!r} and "
+                f"needs cond['added_cond_kwargs'], a dict with {', '.join(needed)}; got {got}; "
+                f"pass cond={{..., 'added_cond_kwargs': {{{example}}}}} (one row per sample)"
+            )
+        missing = [key for key in needed if key not in added]
+        if missing:
+            raise InvalidValue(
+                f"{type(self.model).__name__} has config.addition_embed_type={kind!r} and "
+                f"needs {', '.join(missing)} in cond['added_cond_kwargs'] (got keys "
+                f"{sorted(added)}); pass cond['added_cond_kwargs'] = {{{example}}}"
+            )
+
+    def check_sampler(self, sampler: Any) -> None:
+        """Raise a ValueError when ``sampler`` is a :class:`~gradest.DDIM` whose scheduler
+        calls the model at other timesteps than this wrapper does at its grid (a wrapper
+        built without :meth:`for_sampler`): the velocities would be the model's at the
+        wrong noise levels, silently. gradest calls it once per estimate and rollout."""
+        if not isinstance(sampler, DDIM):
+            return
+        with outside_fake_mode():  # the grid is a host object
+            times = sampler.times[:-1].tolist()
+            wanted = sampler.model_timesteps().tolist()
+        for k, (t, want) in enumerate(zip(times, wanted, strict=True)):
+            got = t * self.timestep_scale + self.timestep_shift
+            if self.integer_timesteps:
+                got = float(round(got))
+            if abs(got - want) > 1e-3:
+                raise InvalidValue(
+                    f"DiffusersVelocity calls {type(self.model).__name__} at timestep "
+                    f"{got:g} at step {k} (timestep_scale={self.timestep_scale:g}, "
+                    f"timestep_shift={self.timestep_shift:g}) where the sampler's scheduler "
+                    f"calls it at {want:g}; build the wrapper with "
+                    f"DiffusersVelocity.for_sampler(model, sampler)"
+                )
 
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
         self.check_latents(z)
@@ -313,6 +360,28 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
         model = inner
     return model
+
+
+_ADDED = "added_cond_kwargs"
+
+# What UNet2DConditionModel's ``get_aug_embed`` reads from ``added_cond_kwargs`` for each
+# ``config.addition_embed_type`` (diffusers raises deep inside its forward without them).
+_ADDED_CONDITIONS = {
+    "text_time": ("text_embeds", "time_ids"),  # SDXL
+    "text_image": ("image_embeds",),
+    "image": ("image_embeds",),
+    "image_hint": ("image_embeds", "hint"),
+}
+
+
+def _required_added_conditions(
+    model: nn.Module, parameters: Mapping[str, inspect.Parameter]
+) -> tuple[str, ...]:
+    """The keys ``added_cond_kwargs`` must hold for ``model`` (none for other models)."""
+    if _ADDED not in parameters:
+        return ()
+    kind = getattr(getattr(model, "config", None), "addition_embed_type", None)
+    return _ADDED_CONDITIONS.get(kind, ()) if isinstance(kind, str) else ()
 
 
 def _required_conditioning(

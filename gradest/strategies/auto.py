@@ -52,7 +52,9 @@ parallelism rank 0's choice is taken by every rank. ``info`` says what was used 
 ``auto_probing``), what was picked and why (``auto_selected``, ``auto_reason``), every
 candidate's measurements (``auto_measurements``) and the probe's work
 (``auto_probe_planned_units``, ``auto_probe_units``, ``auto_probe_draws``,
-``auto_probe_dropped``; zero and empty on calls that do not probe);
+``auto_probe_dropped``; zero and empty on calls that do not probe), and the candidates
+that cannot run on this objective or chain, each with why (``auto_probe_skipped``,
+separated by `` | ``);
 ``result.decisions`` is :class:`AutoDecisions` (the choice and its own decisions).
 """
 
@@ -550,20 +552,24 @@ class Auto(EstimatorBase):
 
     # -- probing and choosing ---------------------------------------------------------------
 
-    def _eligible(self, sampler: AffineSampler, kind: str) -> list[str]:
+    def _eligible(self, sampler: AffineSampler, kind: str) -> tuple[list[str], list[str]]:
+        """The candidates that can run on this objective and chain (``exact`` when none
+        can), and a phrase per candidate that cannot, with why."""
         from gradest.registry import estimator
 
-        eligible = []
+        eligible, skipped = [], []
         for spec in self.candidates:
             est = estimator(spec)
             if not supports(est, kind):
+                skipped.append(f"{spec} (takes no {kind} objective)")
                 continue
             try:
                 check_steps(est, sampler.num_steps)
-            except InvalidValue:
+            except InvalidValue as err:
+                skipped.append(f"{spec} ({err})")
                 continue
             eligible.append(spec)
-        return eligible or ["exact"]
+        return eligible or ["exact"], skipped
 
     def _probe(
         self,
@@ -624,7 +630,7 @@ class Auto(EstimatorBase):
             noise_units = float(from_noise.cost.model_units())
         exact_units = noise_units if sampled is not None else path_units
 
-        eligible = self._eligible(sampler, kind)
+        eligible, skipped = self._eligible(sampler, kind)
         reused = [spec for spec in eligible if estimator(spec) == exact_est]
         drawn = [spec for spec in eligible if spec not in reused]
         draws, kept = self._plan(units_spent(), path_units + noise_units, drawn)
@@ -637,7 +643,7 @@ class Auto(EstimatorBase):
         )
         _LOG.info(
             "auto: probing %d candidate(s) x %d draws on this call: planned %.0f model units "
-            "(%.1fx an exact call's %.0f; %s)%s",
+            "(%.1fx an exact call's %.0f; %s)%s%s",
             len(kept),
             draws,
             planned,
@@ -645,6 +651,7 @@ class Auto(EstimatorBase):
             path_units,
             budget,
             f"; dropped to fit: {', '.join(dropped)}" if dropped else "",
+            f"; cannot run here: {' | '.join(skipped)}" if skipped else "",
         )
 
         measured: dict[str, tuple[list[torch.Tensor], float]] = {
@@ -709,6 +716,7 @@ class Auto(EstimatorBase):
             "auto_probe_units": float(total.model_units()),
             "auto_probe_draws": draws,
             "auto_probe_dropped": ",".join(dropped),
+            "auto_probe_skipped": " | ".join(skipped),
         }
         return exact, total, info
 
@@ -722,7 +730,7 @@ class Auto(EstimatorBase):
         from gradest.registry import estimator
 
         exact_est = estimator("exact")
-        drawn = [spec for spec in self._eligible(sampler, kind) if estimator(spec) != exact_est]
+        drawn = [spec for spec in self._eligible(sampler, kind)[0] if estimator(spec) != exact_est]
         sources = 2 if sampled else 1  # on the path, and from the noise when sampling
         unit = 3.0 * sampler.num_steps
         budget = "no probe_budget"
@@ -826,6 +834,7 @@ def _no_probe() -> dict[str, Any]:
         "auto_probe_units": 0.0,
         "auto_probe_draws": 0,
         "auto_probe_dropped": "",
+        "auto_probe_skipped": "",
     }
 
 

@@ -162,4 +162,12 @@ class ModelCalls:
     def checked_first(self, call: Call, z: Tensor, t: Tensor) -> Tensor:
         """``call(z, t)`` as an estimate's first model call: a state the model does not fit,
         an output of another shape, or mixed dtypes become one readable error."""
-        return first_call(partial(_without_kwargs, call), z, t, self._one_state, owner=self.module)
+        return first_call(
+            partial(_without_kwargs, call),
+            z,
+            t,
+            self._one_state,
+            owner=self.module,
+            cond_given=self.cond,
+            batch_size=self.batch_size,
+        )

@@ -337,8 +337,12 @@ sys.argv = {argv!r}
         (["python"], "import gradest"),
         (["gradest", "--help"], "from gradest.cli import main; main()"),
         (["gradest", "list"], "from gradest.cli import main; sys.exit(main())"),
+        (
+            ["python -m gradest", "--help"],
+            "import runpy; runpy.run_module('gradest', run_name='__main__')",
+        ),
     ],
-    ids=["import gradest", "gradest --help", "gradest list"],
+    ids=["import gradest", "gradest --help", "gradest list", "python -m gradest --help"],
 )
 def test_no_heavy_imports(argv, run):
     script = LOADED_AT_EXIT.format(heavy=HEAVY, argv=argv, run=run)

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import Tensor
 
 from gradest._checks import check_surrogate
 from gradest.objectives import Objective, StepwiseObjective
-from gradest.protocol import Decisions, Definition, GradientEstimate, supports
+from gradest.protocol import Decisions, Definition, GradientEstimate, SamplingInputs, supports
 from gradest.reference.decisions import decisions_mismatch
 from gradest.reference.definitions import definition_at, expected_decisions
 from gradest.reference.dense import dense_chain, relative_error
@@ -202,26 +202,21 @@ def assert_matches_definition(
     sampler: Any,
     objective: Objective,
     *,
-    trajectory: Trajectory | None = None,
-    noise: Tensor | None = None,
-    cond: Mapping[str, Any] | None = None,
-    generator: torch.Generator | None = None,
     rtol: float = DEFINITION_RTOL,
     surrogate: bool = True,
+    **inputs: Unpack[SamplingInputs],
 ) -> GradientEstimate:
     """Assert that ``estimator`` computes what its own dense definition states.
 
-    Runs :func:`definition_errors` (arguments as there; ``estimator`` an instance or a
-    spec string) and raises ``AssertionError`` naming what differs when the estimate's
-    decisions differ from the re-derived ones, or an estimate (on the path, from the
-    noise, its noise gradient, its surrogate's gradient) is more than ``rtol`` (relative,
-    in norm) from the definition. The model should be small (dense Jacobians) and in
-    float64 for the default ``rtol``. Returns the estimate on the path.
+    Runs :func:`definition_errors` (arguments as there: ``trajectory`` or ``noise``,
+    ``cond``, ``generator``; ``estimator`` an instance or a spec string) and raises
+    ``AssertionError`` naming what differs when the estimate's decisions differ from the
+    re-derived ones, or an estimate (on the path, from the noise, its noise gradient, its
+    surrogate's gradient) is more than ``rtol`` (relative, in norm) from the definition.
+    The model should be small (dense Jacobians) and in float64 for the default ``rtol``.
+    Returns the estimate on the path.
     """
-    errors = definition_errors(
-        estimator, model, sampler, objective, trajectory=trajectory, noise=noise,
-        cond=cond, generator=generator, surrogate=surrogate,
-    )  # fmt: skip
+    errors = definition_errors(estimator, model, sampler, objective, surrogate=surrogate, **inputs)
     result = errors.pop("estimate")
     mismatches = errors.pop("decisions")
     name = repr(estimator) if not isinstance(estimator, str) else estimator

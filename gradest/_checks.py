@@ -105,13 +105,16 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
         f"{name} is empty (shape {tuple(noise.shape)}): there is nothing to sample; pass at "
         f"least one sample with a non-empty state",
     )
-    floating = [p for p in model.parameters() if p.is_floating_point()]
-    if floating:
+    floating = (p for p in model.parameters() if p.is_floating_point())
+    first = next(floating, None)
+    if first is not None:
         # A model may keep some parameters in another precision (float32 norms beside
-        # bfloat16 weights) and cast inside; the noise must match one of them.
-        first = floating[0]
-        if not any(noise.dtype == p.dtype for p in floating):
-            dtypes = sorted({str(p.dtype) for p in floating})  # the message only
+        # bfloat16 weights) and cast inside; the noise must match one of them (read
+        # further than the first parameter only when it does not match it).
+        if noise.dtype != first.dtype and not any(noise.dtype == p.dtype for p in floating):
+            dtypes = sorted(
+                {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
+            )  # the message only
             raise InvalidType(
                 f"{name} has dtype {noise.dtype} but the model's parameters are "
                 f"{' / '.join(dtypes)}; pass {name}.to({first.dtype}) or convert the model"

@@ -46,7 +46,7 @@ from torch import Tensor
 
 import gradest
 from gradest.models.dit import DiT
-from gradest.strategies.jagg_gate import group_cosine
+from gradest.strategies.jagg_gate import gate_cosines
 from gradest.strategies.jagg_layout import lagrange_weights, layout_groups
 from gradest.testing.problems import tiny_mlp
 
@@ -199,9 +199,15 @@ def _cosine_float64(group, weights, velocities) -> float:
     return float(torch.cat(values).min())
 
 
+def _gate_cosine(group, weights, velocities) -> float:
+    """The gate's min cosine of the one group, as jagg computes it (all groups at once)."""
+    (cosine,) = gate_cosines([group], [weights.tolist()], velocities, "min")
+    return cosine
+
+
 def test_jagg_gate_upcasts_bf16_velocities_to_float32():
     group, weights, velocities = _gate_case(torch.bfloat16)
-    cosine = group_cosine(group, weights, velocities, "min")
+    cosine = _gate_cosine(group, weights, velocities)
     # float32 arithmetic on bf16 inputs: agrees with float64 to ~1e-7, where bf16
     # arithmetic would be off by ~1e-3.
     assert cosine == pytest.approx(_cosine_float64(group, weights, velocities), abs=1e-6)
@@ -209,7 +215,7 @@ def test_jagg_gate_upcasts_bf16_velocities_to_float32():
 
 def test_jagg_gate_ignores_autocast():
     group, weights, velocities = _gate_case(torch.float32)
-    plain = group_cosine(group, weights, velocities, "min")
+    plain = _gate_cosine(group, weights, velocities)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = group_cosine(group, weights, velocities, "min")
+        autocast = _gate_cosine(group, weights, velocities)
     assert autocast == pytest.approx(plain, abs=1e-6)

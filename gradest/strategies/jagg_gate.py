@@ -28,65 +28,14 @@ def interpolated_count(group: Group, batch: int) -> int:
     return batch * len(group.interpolated_steps)
 
 
-def group_cosine(
-    group: Group,
-    weights: Tensor,
-    velocities: Sequence[Tensor],
-    aggregate: str,
-    on_device: bool = False,
-) -> float | Tensor | None:
-    """The aggregated cosine of ``group`` (None for an exact group or ``aggregate="off"``).
-
-    ``on_device=True`` returns it as a 0-dim tensor (no host sync), for deciding every
-    group at once (:func:`host_cosines`).
-
-    Args:
-        group: the group's steps and nodes.
-        weights: ``[len(steps), len(nodes)]`` Lagrange weights ``L_j(t_k)``.
-        velocities: every step's velocity ``[B, ...]``, indexed by step.
-        aggregate: ``"min"``, ``"mean"`` or ``"off"``.
-    """
-    if aggregate == "off" or group.is_exact:
-        return None
-    rows = [row for row, k in enumerate(group.steps) if k not in group.nodes]
-    reference = velocities[group.steps[0]]
-    # The gate decides exact vs approximate: compute it in float32 or better even under
-    # autocast, which would otherwise run the interpolation einsum in bfloat16.
-    with torch.autocast(device_type=reference.device.type, enabled=False):
-        dtype = torch.promote_types(reference.dtype, torch.float32)
-        batch = reference.shape[0]
-        node_v = torch.stack([velocities[j] for j in group.nodes]).to(dtype)
-        actual = torch.stack([velocities[group.steps[row]] for row in rows]).to(dtype)
-        predicted = torch.einsum(
-            "qm,mbd->qbd",
-            weights[rows].to(dtype=dtype, device=node_v.device),
-            node_v.reshape(len(group.nodes), batch, -1),
-        )
-        actual = actual.reshape(len(rows), batch, -1)
-        cosine = (actual * predicted).sum(-1) / (
-            actual.norm(dim=-1) * predicted.norm(dim=-1) + COSINE_EPS
-        )
-        value = cosine.min() if aggregate == "min" else cosine.mean()
-        return value if on_device else float(value)
-
-
-def host_cosines(cosines: Sequence[float | Tensor | None]) -> list[float | None]:
-    """Every group's cosine as a float, in one transfer for all device values."""
-    tensors = [c for c in cosines if isinstance(c, Tensor)]
-    if not tensors:
-        return [c if c is None else float(c) for c in cosines]
-    device = tensors[0].device
-    values = iter(torch.stack([c.to(device=device, dtype=torch.float64) for c in tensors]).tolist())
-    return [next(values) if isinstance(c, Tensor) else c for c in cosines]
-
-
 def gate_cosines(
     groups: Sequence[Group],
     weights: Sequence[Sequence[Sequence[float]]],
     velocities: Tensor | Sequence[Tensor],
     aggregate: str,
 ) -> list[float | None]:
-    """Every group's aggregated cosine (:func:`group_cosine`) as a host float, or None.
+    """Every group's aggregated cosine of actual to interpolated velocities as a host
+    float, or None (an exact group, or ``aggregate="off"``).
 
     Groups with the same number of interpolated steps and nodes (all but a shorter last
     group, usually) are evaluated together, a handful of ops for all of them instead of a
@@ -112,8 +61,8 @@ def gate_cosines(
     reference = velocities[0]
     batch = reference.shape[0]
     device = reference.device
-    # The gate decides exact vs approximate: float32 or better even under autocast (as
-    # group_cosine).
+    # The gate decides exact vs approximate: compute it in float32 or better even under
+    # autocast, which would otherwise run the interpolation einsum in bfloat16.
     with torch.autocast(device_type=device.type, enabled=False):
         dtype = torch.promote_types(reference.dtype, torch.float32)
         stacked = velocities if isinstance(velocities, Tensor) else torch.stack(list(velocities))

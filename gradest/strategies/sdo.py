@@ -114,17 +114,9 @@ def full_sum_option() -> bool:
 
 
 def host_products_after(alpha: list[float]) -> list[float]:
-    """:func:`products_after` on host floats (the same float64 products, in the same order)."""
+    """``prod_{j>k} alpha_j`` for each ``k`` on host floats (the last entry is 1)."""
     products = [1.0] * len(alpha)
     for k in reversed(range(len(alpha) - 1)):
-        products[k] = products[k + 1] * alpha[k + 1]
-    return products
-
-
-def products_after(alpha: Tensor) -> Tensor:
-    """``prod_{j>k} alpha_j`` for each ``k`` (``[N]``, the last entry is 1)."""
-    products = torch.ones_like(alpha)
-    for k in reversed(range(alpha.numel() - 1)):
         products[k] = products[k + 1] * alpha[k + 1]
     return products
 
@@ -194,7 +186,7 @@ class ShortcutDiffusion(EstimatorBase):
         terminal_adjoint = ctx.terminal_adjoint()
         alpha, beta, _ = ctx.host_coefficients
         # c~_k = w_k a_N: the model-detached chain's derivative of z_N in v_k. Schedule
-        # math on host floats (the float64 products of products_after, no op per step).
+        # math on host floats (host_products_after: no op per step).
         after = host_products_after(alpha)
         host_weights = [b * a for b, a in zip(beta, after, strict=True)]
         first_scale = alpha[0] * after[0]

@@ -43,6 +43,7 @@ APPLICATION_DEPENDENCIES = ("sklearn", "torch_fidelity", "torchvision", "tensorb
 OPTIONAL = ("diffusers", "peft", "accelerate", "matplotlib", "scipy", "transformers")
 # The outer layers, built on the core: nothing in the core imports them (but LEAVES).
 OUTER = (
+    "gradest.__main__",  # python -m gradest: the command line
     "gradest.cli",
     "gradest.check",
     "gradest.commands",

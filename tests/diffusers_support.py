@@ -1,6 +1,6 @@
 """Tiny diffusers models shared by the diffusers tests (test_diffusers.py,
-test_training_stack.py); diffusers is imported where used, so importing this module does
-not need it."""
+test_training_stack.py, test_diffusers_mistakes.py, test_nested_conditioning.py);
+diffusers is imported where used, so importing this module does not need it."""
 
 from __future__ import annotations
 
@@ -55,3 +55,29 @@ def tiny_transformer(kind: str, dtype=torch.float64, **overrides):
             )
             model = diffusers.FluxTransformer2DModel(**{**options, **overrides})
     return model.to(dtype).eval()
+
+
+def tiny_sdxl_unet(pooled: int, dtype=torch.float64):
+    """A seeded micro SDXL-style ``UNet2DConditionModel`` in eval mode: 8x8x2 latents,
+    cross-attention dim 6, ``addition_embed_type="text_time"`` (``added_cond_kwargs``:
+    ``text_embeds [B, pooled]`` and six ``time_ids``)."""
+    import diffusers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = diffusers.UNet2DConditionModel(
+            sample_size=8,
+            in_channels=2,
+            out_channels=2,
+            layers_per_block=1,
+            block_out_channels=(4, 8),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=6,
+            attention_head_dim=2,
+            norm_num_groups=2,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=4,
+            projection_class_embeddings_input_dim=6 * 4 + pooled,
+        )
+    return unet.to(dtype).eval()

@@ -22,7 +22,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 diffusers = pytest.importorskip("diffusers")
 
-from diffusers_support import tiny_transformer  # noqa: E402
+from diffusers_support import tiny_sdxl_unet, tiny_transformer  # noqa: E402
 
 import gradest  # noqa: E402
 from gradest.errors import InvalidType, InvalidValue  # noqa: E402
@@ -143,27 +143,6 @@ def test_a_user_module_holding_a_transformer_is_not_refused():
 SDXL_BATCH, SDXL_POOLED = 2, 8
 
 
-def tiny_sdxl_unet():
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        unet = diffusers.UNet2DConditionModel(
-            sample_size=8,
-            in_channels=2,
-            out_channels=2,
-            layers_per_block=1,
-            block_out_channels=(4, 8),
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            cross_attention_dim=6,
-            attention_head_dim=2,
-            norm_num_groups=2,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=4,
-            projection_class_embeddings_input_dim=6 * 4 + SDXL_POOLED,
-        )
-    return unet.eval()
-
-
 def sdxl_cond(rows=SDXL_BATCH, nested_rows=SDXL_BATCH):
     return {
         "encoder_hidden_states": torch.randn(rows, 3, 6),
@@ -181,7 +160,7 @@ def ddim(steps_offset=1):
 
 @pytest.fixture(scope="module")
 def sdxl_velocity():
-    return DiffusersVelocity.for_sampler(tiny_sdxl_unet(), ddim())
+    return DiffusersVelocity.for_sampler(tiny_sdxl_unet(SDXL_POOLED, torch.float32), ddim())
 
 
 @pytest.mark.parametrize(
@@ -250,7 +229,7 @@ def test_a_plain_wrapper_at_other_timesteps_than_the_ddim_scheduler_is_refused()
     """With ``steps_offset=0`` the scheduler's last timestep is 0, the grid is shifted by
     one training step, and only ``for_sampler`` knows it: the plain wrapper would call the
     UNet one timestep off at every step, silently."""
-    unet, sampler = tiny_sdxl_unet(), ddim(steps_offset=0)
+    unet, sampler = tiny_sdxl_unet(SDXL_POOLED, torch.float32), ddim(steps_offset=0)
     noise, cond = torch.randn(SDXL_BATCH, 2, 8, 8), sdxl_cond()
     for call in (
         lambda model: gradest.estimator("exact").estimate(

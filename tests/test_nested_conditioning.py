@@ -35,6 +35,7 @@ import attrs
 import pytest
 import torch
 from _hypothesis_profiles import examples
+from diffusers_support import tiny_sdxl_unet
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -406,28 +407,6 @@ UNET_STEPS, UNET_BATCH = 4, 2
 UNET_POOLED = 16  # projection_class_embeddings_input_dim 40 = 16 + 6 time ids x 4
 
 
-def tiny_sdxl_unet():
-    diffusers = pytest.importorskip("diffusers")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        unet = diffusers.UNet2DConditionModel(
-            sample_size=8,
-            in_channels=2,
-            out_channels=2,
-            layers_per_block=1,
-            block_out_channels=(4, 8),
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            cross_attention_dim=6,
-            attention_head_dim=2,
-            norm_num_groups=2,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=4,
-            projection_class_embeddings_input_dim=6 * 4 + UNET_POOLED,
-        )
-    return unet.to(torch.float64).eval()
-
-
 def ddim_scheduler():
     import diffusers
 
@@ -456,7 +435,7 @@ def sdxl():
     pytest.importorskip("diffusers")
     from gradest.integrations.diffusers import DiffusersVelocity
 
-    unet = tiny_sdxl_unet()
+    unet = tiny_sdxl_unet(UNET_POOLED)
     sampler = gradest.DDIM.from_scheduler(ddim_scheduler(), UNET_STEPS)
     noise = seeded_normal((UNET_BATCH, 2, 8, 8), 31)
     flat = {

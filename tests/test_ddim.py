@@ -33,6 +33,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
 ]
 
+from diffusers_support import tiny_unet  # noqa: E402
+
 import gradest  # noqa: E402
 from gradest import check  # noqa: E402
 from gradest.diffusion_samplers import DDIM  # noqa: E402
@@ -52,25 +54,6 @@ BATCH, STEPS = 2, 4
 # float64 round-off of a few steps through a UNet, relative to the states' size.
 EXACTNESS = 1e-12
 DEFINITION = 1e-10
-
-
-def tiny_unet(dtype=torch.float64):
-    """A seeded micro UNet2DConditionModel (8x8x2 latents, cross-attention dim 6)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        unet = diffusers.UNet2DConditionModel(
-            sample_size=8,
-            in_channels=2,
-            out_channels=2,
-            layers_per_block=1,
-            block_out_channels=(8, 16),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=6,
-            attention_head_dim=2,
-            norm_num_groups=4,
-        )
-    return unet.to(dtype).eval()
 
 
 def unet_inputs(dtype=torch.float64):

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,16 @@ from gradest.files import (
 ROOT = os.name == "posix" and os.geteuid() == 0
 
 
+# The child sets its own file-size limit after its imports (which may write bytecode) and
+# just before the write under test; a preexec_fn would run Python code in a fork of this
+# multi-threaded process, which can deadlock before the exec. SIGXFSZ ignored: EFBIG
+# instead of a kill.
+FILE_SIZE_LIMIT = (
+    "import resource, signal\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+)
+
 # A child that cannot import this checkout's gradest.files as nobody exits with this code.
 UNREACHABLE = 77
 
@@ -45,11 +53,6 @@ def run_unprivileged(code: str) -> subprocess.CompletedProcess:
     parent) or the child cannot import this checkout's ``gradest.files`` (it exits with
     ``UNREACHABLE`` before running ``code``).
     """
-
-    def drop() -> None:
-        if ROOT:
-            os.setgid(65534)
-            os.setuid(65534)
 
     import gradest.files
 
@@ -65,8 +68,11 @@ def run_unprivileged(code: str) -> subprocess.CompletedProcess:
         f"    sys.exit({UNREACHABLE})\n"
     )
     try:
+        # user= and group=, not a preexec_fn: those are set in C between fork and exec,
+        # where Python code in a fork of this multi-threaded process can deadlock.
+        nobody = {"user": 65534, "group": 65534} if ROOT else {}
         done = subprocess.run(
-            [sys.executable, "-c", probe + code], capture_output=True, text=True, preexec_fn=drop
+            [sys.executable, "-c", probe + code], capture_output=True, text=True, **nobody
         )
     except PermissionError as err:
         if not ROOT:
@@ -122,19 +128,14 @@ def test_a_full_disk_is_one_clear_line_and_keeps_the_previous_file(tmp_path):
     script = (
         "import sys, torch\n"
         "from gradest.files import atomic_save, OutputError\n"
+        f"{FILE_SIZE_LIMIT.format(limit=4096)}"
         "try:\n"
         f"    atomic_save({{'big': torch.zeros(16384)}}, {str(target)!r})\n"
         "except OutputError as err:\n"
         "    print(err); sys.exit(2)\n"
     )
 
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
-
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, preexec_fn=limit
-    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert done.stdout.strip().startswith(f"cannot write {str(target)!r}: the file is larger")
     assert "previous file is unchanged" in done.stdout
@@ -203,23 +204,17 @@ def test_json_log_appends_whole_records_and_drops_a_torn_tail(tmp_path):
 def test_json_log_cuts_back_a_short_write(tmp_path):
     path = tmp_path / "log.jsonl"
     JsonLog(path).append({"step": 0})
+    size = path.stat().st_size
     script = (
         "import sys\n"
         "from gradest.files import JsonLog, OutputError\n"
+        f"{FILE_SIZE_LIMIT.format(limit=size + 100)}"
         "try:\n"
         f"    JsonLog({str(path)!r}).append({{'step': 1, 'pad': 'x' * 5000}})\n"
         "except OutputError as err:\n"
         "    print(err); sys.exit(2)\n"
     )
-    size = path.stat().st_size
-
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 100, size + 100))
-
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, preexec_fn=limit
-    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert "previous records are intact" in done.stdout
     assert JsonLog(path).records() == [{"step": 0}]

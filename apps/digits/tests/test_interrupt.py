@@ -23,10 +23,20 @@ ARGV = [
 ]  # fmt: skip
 
 
-def _default_sigint() -> None:
-    """In the child: SIGINT at its default, so Python turns it into KeyboardInterrupt (a
-    shell starts background jobs with SIGINT ignored, and children inherit that)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _start_with_sigint_at_default(command: list[str], **popen_args) -> subprocess.Popen:
+    """Start ``command`` with SIGINT at its default, so Python in the child turns it into
+    KeyboardInterrupt (a shell starts background jobs with SIGINT ignored, and an ignored
+    signal stays ignored across exec; a handled one is reset to the default).
+
+    The handler is set here, in the parent, for the moment of the fork: a ``preexec_fn``
+    would run Python code in a fork of this multi-threaded process (torch's threads), which
+    can deadlock before the exec: a child with no output and no checkpoint, ever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(command, **popen_args)
+    finally:
+        if previous is not None:  # None: a handler not set from Python, left alone
+            signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path):
@@ -38,24 +48,30 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path):
     from gradest.cli import main
 
     out = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gradest.cli", *ARGV, "--out", str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
-    )  # fmt: skip
-    first = out / "checkpoints" / "step_000001.pt"
-    deadline = time.monotonic() + 180
-    while not first.is_file():
-        if process.poll() is not None or time.monotonic() > deadline:
+    # Files, not pipes: nothing reads a pipe while the test waits for the first checkpoint,
+    # and a child that fills one blocks before it gets there.
+    out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out_file.open("w") as stdout_sink, err_file.open("w") as stderr_sink:
+        process = _start_with_sigint_at_default(
+            [sys.executable, "-m", "gradest.cli", *ARGV, "--out", str(out)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=stdout_sink,
+            stderr=stderr_sink, text=True,
+        )  # fmt: skip
+        first = out / "checkpoints" / "step_000001.pt"
+        deadline = time.monotonic() + 180
+        while not first.is_file():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                pytest.fail(f"no first checkpoint: {err_file.read_text()[-3000:]}")
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
             process.kill()
-            pytest.fail(f"no first checkpoint: {process.communicate()[1][-3000:]}")
-        time.sleep(0.1)
-    process.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    try:
-        _, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
+            raise
+    stderr = err_file.read_text()
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "nothing was written" not in stderr, stderr[-3000:]
     (step, path), *_ = checkpoints_in(out / "checkpoints")

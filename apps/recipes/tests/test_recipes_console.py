@@ -36,10 +36,20 @@ def _environment() -> dict[str, str]:
     return {**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _default_sigint() -> None:
-    """In the child: SIGINT at its default, so Python turns it into KeyboardInterrupt (a
-    shell starts background jobs with SIGINT ignored, and children inherit that)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _start_with_sigint_at_default(command: list[str], **popen_args) -> subprocess.Popen:
+    """Start ``command`` with SIGINT at its default, so Python in the child turns it into
+    KeyboardInterrupt (a shell starts background jobs with SIGINT ignored, and an ignored
+    signal stays ignored across exec; a handled one is reset to the default).
+
+    The handler is set here, in the parent, for the moment of the fork: a ``preexec_fn``
+    would run Python code in a fork of this multi-threaded process (torch's threads), which
+    can deadlock before the exec: a child with no output and no checkpoint, ever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(command, **popen_args)
+    finally:
+        if previous is not None:  # None: a handler not set from Python, left alone
+            signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_ends_with_the_resume_command_and_the_run_continues(tmp_path):
@@ -52,13 +62,15 @@ def test_ctrl_c_ends_with_the_resume_command_and_the_run_continues(tmp_path):
     # child that fills one (a progress bar) blocks before it gets there.
     out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out_file.open("w") as stdout_sink, err_file.open("w") as stderr_sink:
-        process = subprocess.Popen(
-            command, env=_environment(), stdout=stdout_sink, stderr=stderr_sink,
-            text=True, preexec_fn=_default_sigint,
-        )  # fmt: skip
-        first = out / "checkpoints" / "step_000001" / "recipe_state.json"
+        process = _start_with_sigint_at_default(
+            command, env=_environment(), stdout=stdout_sink, stderr=stderr_sink, text=True
+        )
+        # Any complete checkpoint, not step 1's: the run keeps its 2 newest, so step 1's is
+        # deleted two steps (~0.2 s on the tiny model) after it is written, and a poll on a
+        # busy machine can miss it and then wait for a file that will never come back.
+        complete = out / "checkpoints"
         deadline = time.monotonic() + 300
-        while not first.is_file():
+        while not any(complete.glob("step_*/recipe_state.json")):
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
                 process.wait()

@@ -36,6 +36,11 @@ distribution of a discrete decision (needs scipy).
 samplers small enough for dense Jacobians (:func:`tiny_mlp`, :class:`AffineVelocity`,
 :class:`NoisyAffineSampler`, :func:`smooth_terminal_objective`,
 :func:`random_stepwise_objective`, ...).
+
+Shared by gradest's own test suites and its applications', imported from their modules
+(not re-exported here): :mod:`gradest.testing.fixtures` (pytest fixtures) and
+:mod:`gradest.testing.processes` (a child process started as a terminal starts it, for
+the Ctrl-C tests).
 """
 
 from gradest.testing.checks import (

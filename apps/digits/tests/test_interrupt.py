@@ -14,6 +14,7 @@ import time
 import pytest
 
 from gradest.files import JsonLog
+from gradest.testing.processes import start_with_sigint_at_default
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child: POSIX")
 
@@ -21,22 +22,6 @@ ARGV = [
     "finetune", "--estimator", "sdo", "--steps", "100000", "--batch-size", "4",
     "--sampler-steps", "2", "--checkpoint-every", "1", "--quiet",
 ]  # fmt: skip
-
-
-def _start_with_sigint_at_default(command: list[str], **popen_args) -> subprocess.Popen:
-    """Start ``command`` with SIGINT at its default, so Python in the child turns it into
-    KeyboardInterrupt (a shell starts background jobs with SIGINT ignored, and an ignored
-    signal stays ignored across exec; a handled one is reset to the default).
-
-    The handler is set here, in the parent, for the moment of the fork: a ``preexec_fn``
-    would run Python code in a fork of this multi-threaded process (torch's threads), which
-    can deadlock before the exec: a child with no output and no checkpoint, ever."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        return subprocess.Popen(command, **popen_args)
-    finally:
-        if previous is not None:  # None: a handler not set from Python, left alone
-            signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path):
@@ -52,7 +37,7 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path):
     # and a child that fills one blocks before it gets there.
     out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out_file.open("w") as stdout_sink, err_file.open("w") as stderr_sink:
-        process = _start_with_sigint_at_default(
+        process = start_with_sigint_at_default(
             [sys.executable, "-m", "gradest.cli", *ARGV, "--out", str(out)],
             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=stdout_sink,
             stderr=stderr_sink, text=True,

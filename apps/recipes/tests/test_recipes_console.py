@@ -25,6 +25,8 @@ pytest.importorskip("tensorboard")
 
 from recipe_support import LAUNCHER_ENV, RECIPE_WARNINGS, SCRIPTS, records, script  # noqa: E402
 
+from gradest.testing.processes import start_with_sigint_at_default  # noqa: E402
+
 pytestmark = [
     *RECIPE_WARNINGS,
     pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process: POSIX"),
@@ -34,22 +36,6 @@ pytestmark = [
 def _environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     return {**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-def _start_with_sigint_at_default(command: list[str], **popen_args) -> subprocess.Popen:
-    """Start ``command`` with SIGINT at its default, so Python in the child turns it into
-    KeyboardInterrupt (a shell starts background jobs with SIGINT ignored, and an ignored
-    signal stays ignored across exec; a handled one is reset to the default).
-
-    The handler is set here, in the parent, for the moment of the fork: a ``preexec_fn``
-    would run Python code in a fork of this multi-threaded process (torch's threads), which
-    can deadlock before the exec: a child with no output and no checkpoint, ever."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        return subprocess.Popen(command, **popen_args)
-    finally:
-        if previous is not None:  # None: a handler not set from Python, left alone
-            signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_ends_with_the_resume_command_and_the_run_continues(tmp_path):
@@ -62,7 +48,7 @@ def test_ctrl_c_ends_with_the_resume_command_and_the_run_continues(tmp_path):
     # child that fills one (a progress bar) blocks before it gets there.
     out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out_file.open("w") as stdout_sink, err_file.open("w") as stderr_sink:
-        process = _start_with_sigint_at_default(
+        process = start_with_sigint_at_default(
             command, env=_environment(), stdout=stdout_sink, stderr=stderr_sink, text=True
         )
         # Any complete checkpoint, not step 1's: the run keeps its 2 newest, so step 1's is

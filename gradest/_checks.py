@@ -7,6 +7,7 @@ so users never see a torch traceback from deep inside a sampling loop.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,6 +34,16 @@ def all_finite(value: Tensor) -> bool:
 def require(condition: bool, message: str, error: type[Exception] = InvalidValue) -> None:
     if not condition:
         raise error(message)
+
+
+def finite_number(name: str, value: Any, minimum: float, maximum: float = math.inf) -> float:
+    """``value`` as a float if it is a real number (not a bool) in ``[minimum, maximum]``,
+    else one line naming the argument, its bounds and the value given."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not minimum <= value <= maximum:
+        bound = f">= {minimum:g}" if maximum == math.inf else f"in [{minimum:g}, {maximum:g}]"
+        raise InvalidValue(f"{name} must be a finite number {bound}, got {name}={value!r}")
+    return float(value)
 
 
 def check_model(model: Any) -> None:

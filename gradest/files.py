@@ -159,6 +159,22 @@ def read_text(path: str | os.PathLike[str], *, what: str) -> str:
         ) from None
 
 
+def read_json(path: str | os.PathLike[str], *, what: str) -> Any:
+    """The JSON value in a file gradest reads (a config), or one line naming it: the file
+    rule of :func:`read_text` (a regular file of UTF-8 text), then JSON.
+
+    Raises:
+        MissingFile: nothing is there.
+        InvalidValue: not a regular file, not UTF-8, or not JSON (with the parser's
+            position).
+    """
+    text = read_text(path, what=what)
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise InvalidValue(f"{what} {str(path)!r} is not JSON: {err}") from None
+
+
 def check_output_dir(path: str | os.PathLike[str], *, what: str, create: bool = True) -> Path:
     """Prove the folder ``path`` writable (creating it and its parents), before any work.
 

@@ -264,3 +264,33 @@ def test_reward_config_fields_are_checked(tmp_path) -> None:
     config, _ = reward_config(str(bad))
     with pytest.raises(InvalidValue, match="needs a 'text' config"):
         reward_model(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("option", "contents", "problem"),
+    [
+        ("--reward", b"{not json", "is not JSON"),
+        ("--decoder", b"{not json", "is not JSON"),
+        ("--model", b"{not json", "is not JSON"),
+        ("--reward", b"\xff\xfe", "is not UTF-8"),
+        ("--decoder", b"\xff\xfe", "is not UTF-8"),
+        ("--model", b"\xff\xfe", "is not UTF-8"),
+    ],
+)
+def test_a_config_that_is_not_json_text_is_one_line_naming_it(
+    option, contents, problem, tmp_path, capsys
+) -> None:
+    """Every config file gradest cost reads back (the model's, the decoder's, the
+    reward's) goes through one reader: a file that is not UTF-8 JSON is one line naming
+    the option and the file."""
+    path = tmp_path / "config.json"
+    path.write_bytes(contents)
+    argv = {
+        "--reward": ["--model", "sd3-medium", "--reward", str(path)],
+        "--decoder": ["--model", "sd3-medium", "--decoder", str(path)],
+        "--model": ["--model", str(path)],
+    }[option]
+    assert main(["cost", *argv, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert problem in err and str(path) in err, err

@@ -16,7 +16,6 @@ with checkpointing a tile's block is the largest graph held).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from gradest.errors import InvalidValue
+from gradest.files import read_json
 from gradest.integers import whole_number_problem
 
 __all__ = ["VAE_PRESETS", "PixelDecoder", "decoder_config", "pixel_decoder"]
@@ -86,10 +86,7 @@ def decoder_config(family: str, source: str | Path | None = None) -> tuple[dict[
         raise InvalidValue(
             f"--decoder {str(source)!r} is not an AutoencoderKL folder or config.json file"
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise InvalidValue(f"--decoder: cannot read {path} as JSON: {err}") from err
+    config = read_json(path, what="--decoder")
     if not isinstance(config, dict) or config.get("_class_name", "AutoencoderKL") != (
         "AutoencoderKL"
     ):

@@ -41,6 +41,7 @@ from torch import nn
 
 from gradest.conditioning import repeat_per_sample
 from gradest.errors import InvalidValue, MissingDependency
+from gradest.files import read_json
 from gradest.integers import whole_number_problem
 
 __all__ = [
@@ -224,10 +225,7 @@ def load_config(source: str | Path) -> tuple[dict[str, Any], ModelPreset | None]
             f"model={text!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
             f"diffusers config folder or config.json file"
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise InvalidValue(f"cannot read {path} as JSON: {err}") from err
+    config = read_json(path, what="model config")
     if not isinstance(config, dict):
         raise InvalidValue(f"{path} must hold a JSON object (a diffusers config), got {config!r}")
     name = config.get("_class_name")

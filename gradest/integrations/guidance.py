@@ -23,12 +23,12 @@ halves: their per-sample tensors, nested ones too, are repeated for the second h
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gradest._checks import finite_number
 from gradest.conditioning import repeat_per_sample, tensor_leaves, with_tensor_leaves
 from gradest.errors import InvalidType, InvalidValue
 
@@ -36,14 +36,6 @@ __all__ = ["NEGATIVE_PREFIX", "ClassifierFreeGuidance", "EmbeddedGuidance"]
 
 #: ``cond[NEGATIVE_PREFIX + k]`` is the unconditional value of ``cond[k]``.
 NEGATIVE_PREFIX = "negative_"
-
-
-def _number(name: str, value: Any, minimum: float, maximum: float = math.inf) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not minimum <= value <= maximum:
-        bound = f">= {minimum:g}" if maximum == math.inf else f"in [{minimum:g}, {maximum:g}]"
-        raise InvalidValue(f"{name} must be a finite number {bound}, got {name}={value!r}")
-    return float(value)
 
 
 def _module(model: Any) -> nn.Module:
@@ -79,8 +71,8 @@ class ClassifierFreeGuidance(nn.Module):
     def __init__(self, model: nn.Module, scale: float, *, rescale: float = 0.0):
         super().__init__()
         self.model = _module(model)
-        self.scale = _number("scale", scale, 0.0)
-        self.rescale = _number("rescale", rescale, 0.0, 1.0)
+        self.scale = finite_number("scale", scale, 0.0)
+        self.rescale = finite_number("rescale", rescale, 0.0, 1.0)
 
     def forward(self, z: Tensor, t: Tensor, **cond: Any) -> Tensor:
         negatives = {
@@ -177,7 +169,7 @@ class EmbeddedGuidance(nn.Module):
     def __init__(self, model: nn.Module, scale: float, *, name: str = "guidance"):
         super().__init__()
         self.model = _module(model)
-        self.scale = _number("scale", scale, 0.0)
+        self.scale = finite_number("scale", scale, 0.0)
         self.name = name
         config = getattr(model, "config", None)
         if getattr(config, "guidance_embeds", True) is False:

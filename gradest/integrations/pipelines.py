@@ -35,7 +35,6 @@ too, for loops that start from precomputed prompt embeddings (the recipes).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest._checks import finite_number
 from gradest.errors import InvalidType, InvalidValue, MissingDependency
 from gradest.integrations.guidance import NEGATIVE_PREFIX, ClassifierFreeGuidance, EmbeddedGuidance
 
@@ -214,14 +214,6 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _finite(name: str, value: Any, minimum: float, maximum: float = math.inf) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not minimum <= value <= maximum:
-        bound = f">= {minimum:g}" if maximum == math.inf else f"in [{minimum:g}, {maximum:g}]"
-        raise InvalidValue(f"{name} must be a finite number {bound}, got {name}={value!r}")
-    return float(value)
-
-
 def from_pipeline(
     pipe: Any,
     prompt: str | Sequence[str],
@@ -271,12 +263,12 @@ def from_pipeline(
     steps = _positive_int(
         "num_inference_steps", default_steps if num_inference_steps is None else num_inference_steps
     )
-    scale = _finite(
+    scale = finite_number(
         "guidance_scale", default_scale if guidance_scale is None else guidance_scale, 0
     )
-    rescale = _finite("guidance_rescale", guidance_rescale, 0.0, 1.0)
-    true_cfg = _finite("true_cfg_scale", true_cfg_scale, 0.0)
-    eta = _finite("eta", eta, 0.0, 1.0)
+    rescale = finite_number("guidance_rescale", guidance_rescale, 0.0, 1.0)
+    true_cfg = finite_number("true_cfg_scale", true_cfg_scale, 0.0)
+    eta = finite_number("eta", eta, 0.0, 1.0)
     if family not in ("sdxl", "sd"):
         for name, value, default in (("guidance_rescale", rescale, 0.0), ("eta", eta, 0.0)):
             if value != default:

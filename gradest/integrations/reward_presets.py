@@ -28,7 +28,6 @@ A config file: ``{"kind": "aesthetic" | "clip-score" | "blip-score", "vision": {
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradest.errors import InvalidValue, MissingDependency
+from gradest.files import read_json
 from gradest.integers import whole_number_problem
 
 __all__ = ["REWARD_KINDS", "REWARD_PRESETS", "RewardModel", "reward_config", "reward_model"]
@@ -122,10 +122,7 @@ def reward_config(source: str) -> tuple[dict[str, Any], str]:
             f"--reward {source!r} is neither a learned reward ({', '.join(REWARD_PRESETS)}), "
             f"'latent' (the transformer alone) nor a reward config .json file"
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise InvalidValue(f"--reward: cannot read {path} as JSON: {err}") from err
+    config = read_json(path, what="--reward")
     if not isinstance(config, dict) or config.get("kind") not in REWARD_KINDS:
         kind = config.get("kind") if isinstance(config, dict) else config
         raise InvalidValue(

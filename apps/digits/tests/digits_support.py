@@ -6,6 +6,7 @@ import time or in a subprocess."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from gradest_digits.finetune import finetune
 from gradest_digits.finetune_cli import add_finetune_arguments
 from torch import Tensor, nn
 
+from gradest.cli import main
 from gradest.models.dit import DiT
 
 TARGET, STEPS, BATCH = 1, 4, 4
@@ -111,3 +113,30 @@ def shipped_assets():
     if missing:
         pytest.skip(f"shipped checkpoints missing: {', '.join(missing)}")
     return assets
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    """``gradest ARGV`` in this process: its exit code and what it wrote to stderr."""
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def finetune_cli(capsys, *argv: str) -> tuple[int, str]:
+    """``gradest finetune ARGV`` in this process (see :func:`run_cli`)."""
+    return run_cli(capsys, "finetune", *argv)
+
+
+def one_line(err: str) -> str:
+    """The one line a refusal prints (no traceback, nothing else)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (locks and temporaries included) with its bytes."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and not path.is_symlink()
+    }

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from digits_support import parse_finetune_args
+from digits_support import finetune_cli, parse_finetune_args, snapshot
 from gradest_digits.run_state import checkpoints_in, load_checkpoint
 
-from gradest.cli import main
 from gradest.config_file import explicit_settings
 
 # Non-default settings throughout, so that a bare resume taking the defaults would show.
@@ -32,13 +31,8 @@ RUN = (
 ).split()
 
 
-def cli(capsys, *argv: str) -> tuple[int, str]:
-    code = main(["finetune", *argv])
-    return code, capsys.readouterr().err
-
-
 def ok(capsys, *argv: str) -> None:
-    code, err = cli(capsys, *argv)
+    code, err = finetune_cli(capsys, *argv)
     assert code == 0, err
 
 
@@ -96,7 +90,7 @@ def test_a_bare_resume_continues_bitwise_with_the_runs_settings(tmp_path, capsys
 
 def test_explicit_differing_flags_are_refused_naming_each(tmp_path, capsys, two_steps):
     before = {p.name: p.read_bytes() for p in two_steps.iterdir() if p.is_file()}
-    code, err = cli(
+    code, err = finetune_cli(
         capsys,
         *("--resume", str(two_steps), "--steps", "4", "--lr", "0.02", "--target", "1"),
         *("--estimator", "exact", "--labels", "target"),
@@ -116,7 +110,7 @@ def test_explicit_differing_flags_are_refused_naming_each(tmp_path, capsys, two_
     # A --config file's settings are given ones too.
     config = tmp_path / "run.toml"
     config.write_text("batch_size = 4\n")
-    code, err = cli(capsys, "--config", str(config), "--resume", str(two_steps))
+    code, err = finetune_cli(capsys, "--config", str(config), "--resume", str(two_steps))
     assert code == 2 and "--batch-size 3 (given 4)" in err, err
 
 
@@ -142,7 +136,7 @@ def test_resume_of_a_folder_without_a_run_is_one_line_and_creates_nothing(tmp_pa
     elif kind == "file":
         folder.write_text("x")
     listing = sorted(tmp_path.rglob("*"))
-    code, err = cli(capsys, "--resume", str(folder), "--quiet")
+    code, err = finetune_cli(capsys, "--resume", str(folder), "--quiet")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"gradest finetune: error: --resume {str(folder)!r}: ")
     expected = {
@@ -165,10 +159,6 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_its_settings(
     assert same(final_model(two_steps), want)
 
 
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-
-
 @pytest.mark.parametrize("kept", [(), ("settings.json",)])
 def test_an_older_folder_without_run_json_is_not_a_gradest_runs(tmp_path, capsys, two_steps, kept):
     # Written by a gradest before run.json existed (with or without settings.json): it is
@@ -177,11 +167,11 @@ def test_an_older_folder_without_run_json_is_not_a_gradest_runs(tmp_path, capsys
     for name in {"settings.json"} - set(kept):
         (two_steps / name).unlink()
     before = snapshot(two_steps)
-    code, err = cli(capsys, "--resume", str(two_steps), "--steps", "3")
+    code, err = finetune_cli(capsys, "--resume", str(two_steps), "--steps", "3")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "holds files that are not a gradest run's (checkpoints, log.jsonl" in err, err
     assert "no run.json" in err and "--out NEW" in err, err
-    code, err = cli(capsys, *RUN, "--steps", "3", "--out", str(two_steps))
+    code, err = finetune_cli(capsys, *RUN, "--steps", "3", "--out", str(two_steps))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "holds files that are not a gradest run's" in err and "new --out" in err, err
     assert snapshot(two_steps) == before
@@ -192,13 +182,13 @@ def test_a_run_stopped_before_its_settings_resumes_with_its_run_record(tmp_path,
     # every setting a resume may not change; how far the run goes is asked for.
     recorded = settings(two_steps)
     (two_steps / "settings.json").unlink()
-    code, err = cli(capsys, "--resume", str(two_steps))
+    code, err = finetune_cli(capsys, "--resume", str(two_steps))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "the run does not record --steps" in err
     assert "--batch-size" not in err and "--lr" not in err  # run.json records those
     assert "--estimator" not in err and "--target" not in err
     # Given explicitly, the estimator is still compared with the run's (its run.json).
-    code, err = cli(
+    code, err = finetune_cli(
         capsys, "--resume", str(two_steps), "--steps", "3", "--estimator", "exact", "--target", "2"
     )
     assert code == 2 and "--estimator 'sdo:samples=2' (given 'exact')" in err, err

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from digits_support import snapshot
 from gradest_digits import assets
 from gradest_digits.finetune_cli import RUN_SETTINGS, read_result
 from gradest_digits.run_state import (
@@ -186,14 +187,6 @@ def json_bytes(data: Any) -> bytes:
 
 
 # -- the commands --------------------------------------------------------------------------
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {
-        str(path.relative_to(folder)): path.read_bytes()
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and not path.is_symlink()
-    }
 
 
 @pytest.fixture

@@ -27,11 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from digits_support import parse_finetune_args
+from digits_support import one_line, parse_finetune_args, run_cli, snapshot
 from gradest_digits.finetune_cli import run_record, run_settings
 from gradest_digits.run_state import checkpoints_in
 
-from gradest.cli import main
 from gradest.files import JsonLog
 from gradest.process_lock import read_holder, try_lock
 from gradest.run_folder import RUN_LOCK, RUN_RECORD, RunRecord, claim_run_folder
@@ -58,26 +57,6 @@ CHILD = textwrap.dedent(
     sys.exit(main(sys.argv[2:]))
     """
 )
-
-
-def cli(capsys, *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    return code, capsys.readouterr().err
-
-
-def one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under ``folder`` (the lock and temporaries included) with its bytes."""
-    return {
-        str(path.relative_to(folder)): path.read_bytes()
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and not path.is_symlink()
-    }
 
 
 def _start_finetune(out: Path, stderr: Path) -> subprocess.Popen[bytes]:
@@ -117,13 +96,13 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_killed_runs_lock_is_t
         assert json.loads((out / RUN_LOCK).read_text())["pid"] == child.pid
         # A second `gradest finetune --resume DIR`: refused under the lock, before it reads
         # the run's files.
-        code, err = cli(capsys, "finetune", "--resume", str(out), "--quiet")
+        code, err = run_cli(capsys, "finetune", "--resume", str(out), "--quiet")
         line = one_line(err)
         assert code == 2, line
         assert f"--out {str(out)!r} is in use by pid {child.pid} on " in line, line
         assert "(gradest finetune, since " in line and "wait for it to finish" in line, line
         # A second `--out DIR` too (it names the run there and --resume).
-        code, err = cli(capsys, "finetune", *RUN, "--steps", "3", "--out", str(out))
+        code, err = run_cli(capsys, "finetune", *RUN, "--steps", "3", "--out", str(out))
         assert code == 2 and "holds an earlier run" in one_line(err), err
         assert snapshot(out) == before  # nothing written, moved or removed
     finally:
@@ -133,7 +112,7 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_killed_runs_lock_is_t
     assert (out / RUN_LOCK).is_file() and read_holder(out / RUN_LOCK) is None
     record = (out / RUN_RECORD).read_bytes()
     (newest, _), *_ = checkpoints_in(out / "checkpoints")
-    code, err = cli(capsys, "finetune", "--resume", str(out), "--steps", str(newest + 1))
+    code, err = run_cli(capsys, "finetune", "--resume", str(out), "--steps", str(newest + 1))
     assert code == 0, err
     assert [r["step"] for r in JsonLog(out / "log.jsonl").records()] == list(range(newest + 1))
     assert checkpoints_in(out / "checkpoints")[0][0] == newest + 1
@@ -153,16 +132,16 @@ def test_a_folder_held_by_another_process_is_refused_for_out_and_resume(tmp_path
             ("--out", str(out), *RUN, "--steps", "2"),
             ("--resume", str(out), "--steps", "2"),
         ):
-            code, err = cli(capsys, "finetune", *argv)
+            code, err = run_cli(capsys, "finetune", *argv)
             line = one_line(err)
             assert code == 2 and f"is in use by pid {os.getpid()} on " in line, line
             assert snapshot(out) == before
     # Released: the run recorded there (nothing else yet) is continued by --resume only.
-    code, err = cli(capsys, "finetune", *RUN, "--steps", "2", "--out", str(out))
+    code, err = run_cli(capsys, "finetune", *RUN, "--steps", "2", "--out", str(out))
     assert code == 2
     assert f"continue it with gradest finetune --resume {out}" in one_line(err), err
     with pytest.warns(RuntimeWarning, match="starting it over from step 0"):
-        code, err = cli(capsys, "finetune", "--resume", str(out), "--steps", "2")
+        code, err = run_cli(capsys, "finetune", "--resume", str(out), "--steps", "2")
     assert code == 0, err
     assert [r["step"] for r in JsonLog(out / "log.jsonl").records()] == [0, 1]
 
@@ -176,12 +155,12 @@ def test_out_of_a_folder_holding_another_commands_run_is_refused(tmp_path, capsy
         (out / "shards" / "seed-0.json").write_text('{"loss": 1.0}\n')
         (out / "log.jsonl").write_text('{"step": 0}\n')  # a file of the same name as ours
     before = snapshot(out)
-    code, err = cli(capsys, "finetune", *RUN, "--steps", "1", "--out", str(out))
+    code, err = run_cli(capsys, "finetune", *RUN, "--steps", "1", "--out", str(out))
     line = one_line(err)
     assert code == 2
     assert "holds a 'gradest race' run, not a 'gradest finetune' run" in line, line
     assert "new --out" in line
-    code, err = cli(capsys, "finetune", "--resume", str(out), "--steps", "1")
+    code, err = run_cli(capsys, "finetune", "--resume", str(out), "--steps", "1")
     line = one_line(err)
     assert code == 2 and "holds a 'gradest race' run, not a 'gradest finetune' run" in line
     assert snapshot(out) == before
@@ -205,12 +184,12 @@ def test_a_foreign_non_empty_folder_is_refused_and_kept_byte_for_byte(tmp_path, 
         (out / name).write_bytes(content)
     before = snapshot(out)
     mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    code, err = cli(capsys, "finetune", *RUN, "--steps", "1", "--out", str(out))
+    code, err = run_cli(capsys, "finetune", *RUN, "--steps", "1", "--out", str(out))
     line = one_line(err)
     assert code == 2
     assert "holds files that are not a gradest run's" in line and "no run.json" in line, line
     assert "new --out" in line
-    code, err = cli(capsys, "finetune", "--resume", str(out), "--steps", "1")
+    code, err = run_cli(capsys, "finetune", "--resume", str(out), "--steps", "1")
     line = one_line(err)
     assert code == 2 and "not a gradest run's" in line and "--out NEW" in line, line
     assert snapshot(out) == before
@@ -229,7 +208,7 @@ def test_a_second_pretrain_to_the_same_file_is_refused_naming_the_first(tmp_path
     held = try_lock(out.parent / ".digits_dit.pt.lock", command="gradest pretrain --what dit")
     assert held is not None
     try:
-        code, err = cli(capsys, *PRETRAIN, "--out", str(out), "--quiet")
+        code, err = run_cli(capsys, *PRETRAIN, "--out", str(out), "--quiet")
         line = one_line(err)
         assert code == 2
         assert line.startswith("gradest pretrain: error: "), line
@@ -239,7 +218,7 @@ def test_a_second_pretrain_to_the_same_file_is_refused_naming_the_first(tmp_path
     finally:
         held.release()
     # Free again: it writes (and releases its own lock).
-    code, err = cli(capsys, *PRETRAIN, "--out", str(out), "--quiet")
+    code, err = run_cli(capsys, *PRETRAIN, "--out", str(out), "--quiet")
     assert code == 0, err
     assert torch.load(out, weights_only=True)["kind"] == "digits_dit"
     assert sorted(p.name for p in out.parent.iterdir()) == ["digits_dit.pt"]
@@ -277,7 +256,7 @@ def test_pretrain_never_replaces_a_file_that_is_not_its_kind_of_checkpoint(
     else:
         torch.save(torch.ones(3), out)
     before = out.read_bytes()
-    code, err = cli(capsys, *PRETRAIN, "--out", str(out), "--quiet")
+    code, err = run_cli(capsys, *PRETRAIN, "--out", str(out), "--quiet")
     line = one_line(err)
     assert code == 2
     assert f"out {str(out)!r} holds {named}, not a 'digits_dit' checkpoint" in line, line
@@ -288,10 +267,10 @@ def test_pretrain_never_replaces_a_file_that_is_not_its_kind_of_checkpoint(
 
 def test_pretrain_replaces_a_checkpoint_of_its_own_kind(tmp_path, capsys):
     out = tmp_path / "digits_dit.pt"
-    code, err = cli(capsys, *PRETRAIN, "--seed", "1", "--out", str(out), "--quiet")
+    code, err = run_cli(capsys, *PRETRAIN, "--seed", "1", "--out", str(out), "--quiet")
     assert code == 0, err
     first = out.read_bytes()
-    code, err = cli(capsys, *PRETRAIN, "--seed", "2", "--out", str(out), "--quiet")
+    code, err = run_cli(capsys, *PRETRAIN, "--seed", "2", "--out", str(out), "--quiet")
     assert code == 0, err
     assert out.read_bytes() != first
     assert torch.load(out, weights_only=True)["info"]["seed"] == 2

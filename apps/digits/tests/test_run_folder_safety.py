@@ -25,34 +25,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from digits_support import LinearClassifierReward, run_finetune, tiny_dit, without_timings
+from digits_support import (
+    LinearClassifierReward,
+    finetune_cli,
+    one_line,
+    run_finetune,
+    snapshot,
+    tiny_dit,
+    without_timings,
+)
 from gradest_digits.run_state import FORMAT, checkpoints_in, load_checkpoint
-
-from gradest.cli import main
 
 RUN = (
     "--estimator sdo --batch-size 2 --sampler-steps 2 --target 1 --lr 0.01 "
     "--checkpoint-every 1 --quiet --no-tensorboard"
 ).split()
-
-
-def cli(capsys, *argv: str) -> tuple[int, str]:
-    code = main(["finetune", *argv])
-    return code, capsys.readouterr().err
-
-
-def one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {
-        str(path.relative_to(folder)): path.read_bytes()
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and not path.is_symlink()
-    }
 
 
 def records(folder: Path) -> list[dict]:
@@ -72,7 +59,7 @@ def same(a: dict, b: dict) -> bool:
 @pytest.fixture
 def two_steps(tmp_path, capsys, tiny_digits_assets) -> Path:
     folder = tmp_path / "run"
-    code, err = cli(capsys, *RUN, "--steps", "2", "--out", str(folder))
+    code, err = finetune_cli(capsys, *RUN, "--steps", "2", "--out", str(folder))
     assert code == 0, err
     return folder
 
@@ -89,7 +76,7 @@ def test_a_foreign_log_with_a_torn_last_line_keeps_its_bytes(
     (folder / "log.jsonl").write_bytes(content)
     (folder / ".notes.txt.abc.tmp").write_bytes(b"the other tool's temporary")
     before = snapshot(folder)
-    code, err = cli(capsys, *RUN, "--steps", "1", "--out", str(folder))
+    code, err = finetune_cli(capsys, *RUN, "--steps", "1", "--out", str(folder))
     assert code == 2
     # No run.json: not a gradest run's (not an earlier run to --resume), named file by file.
     line = one_line(err)
@@ -111,7 +98,7 @@ def test_a_symlinked_log_out_of_the_folder_is_refused_and_its_target_kept(
     log.symlink_to(victim)
     before = victim.read_bytes()
     argv = ("--resume", str(folder), "--steps", "3") if resume else (*RUN, "--out", str(folder))
-    code, err = cli(capsys, *argv)
+    code, err = finetune_cli(capsys, *argv)
     assert code == 2
     line = one_line(err)
     assert f"{str(log)!r} is a symbolic link" in line, line
@@ -123,7 +110,7 @@ def test_a_symlinked_checkpoints_folder_is_refused(tmp_path, capsys, two_steps):
     (two_steps / "checkpoints").rename(elsewhere)
     (two_steps / "checkpoints").symlink_to(elsewhere)
     before = snapshot(elsewhere)
-    code, err = cli(capsys, "--resume", str(two_steps), "--steps", "3")
+    code, err = finetune_cli(capsys, "--resume", str(two_steps), "--steps", "3")
     assert code == 2 and "checkpoints' is a symbolic link" in one_line(err)
     assert snapshot(elsewhere) == before
 
@@ -133,7 +120,7 @@ def test_a_corrupt_line_in_the_middle_of_the_log_is_one_line(tmp_path, capsys, t
     first, second = log.read_text().splitlines()
     log.write_text(f"{first}\nnot json at all\n{second}\n")
     before = snapshot(two_steps)
-    code, err = cli(capsys, "--resume", str(two_steps), "--steps", "3")
+    code, err = finetune_cli(capsys, "--resume", str(two_steps), "--steps", "3")
     assert code == 2
     assert f"{str(log)!r} line 2 is not a JSON record" in one_line(err)
     assert snapshot(two_steps) == before
@@ -155,7 +142,7 @@ def test_a_foreign_or_unreadable_newest_checkpoint_is_kept_and_the_resume_refuse
         newest.write_bytes(b"not a zip file at all")
         expected = rf"{newest.name}' does not load \(format unreadable"
     before = snapshot(two_steps)
-    code, err = cli(capsys, "--resume", str(two_steps), "--steps", "4")
+    code, err = finetune_cli(capsys, "--resume", str(two_steps), "--steps", "4")
     assert code == 2
     line = one_line(err)
     assert re.search(expected, line), line
@@ -223,11 +210,11 @@ def test_a_killed_and_resumed_auto_run_ends_bitwise_as_the_uninterrupted_one(
     # Each command builds its own estimator: the resumed one starts with no schedule and
     # has only the checkpoint's.
     argv = [*RUN, "--estimator", AUTO]
-    code, err = cli(capsys, *argv, "--steps", "5", "--out", str(tmp_path / "whole"))
+    code, err = finetune_cli(capsys, *argv, "--steps", "5", "--out", str(tmp_path / "whole"))
     assert code == 0, err
-    code, err = cli(capsys, *argv, "--steps", "2", "--out", str(tmp_path / "cut"))
+    code, err = finetune_cli(capsys, *argv, "--steps", "2", "--out", str(tmp_path / "cut"))
     assert code == 0, err
-    code, err = cli(capsys, "--resume", str(tmp_path / "cut"), "--steps", "5")
+    code, err = finetune_cli(capsys, "--resume", str(tmp_path / "cut"), "--steps", "5")
     assert code == 0, err
     whole, cut = records(tmp_path / "whole"), records(tmp_path / "cut")
     # The probes (calls 1 and 4) happened at the same steps, and the run is the same.
@@ -279,12 +266,12 @@ def test_an_absurd_batch_size_in_a_config_file_is_one_line_before_out_exists(
     config = tmp_path / "run.toml"
     config.write_text("batch_size = 9223372036854775807\n")
     out = tmp_path / "out"
-    code, err = cli(capsys, "--config", str(config), "--out", str(out), "--quiet")
+    code, err = finetune_cli(capsys, "--config", str(config), "--out", str(out), "--quiet")
     assert code == 2
     line = one_line(err)
     assert "--batch-size 9223372036854775807 is too large" in line and "use at most" in line
     assert not out.exists()
-    code, err = cli(capsys, "--sampler-steps", str(2**62), "--out", str(out), "--quiet")
+    code, err = finetune_cli(capsys, "--sampler-steps", str(2**62), "--out", str(out), "--quiet")
     assert code == 2 and "--sampler-steps" in one_line(err) and not out.exists()
 
 
@@ -294,16 +281,17 @@ def test_one_setting_under_both_spellings_in_a_config_file_is_refused(
     config = tmp_path / "run.toml"
     config.write_text("batch_size = 2\nbatch-size = 4\n")
     out = tmp_path / "out"
-    code, err = cli(capsys, "--config", str(config), "--out", str(out), "--quiet")
+    code, err = finetune_cli(capsys, "--config", str(config), "--out", str(out), "--quiet")
     assert code == 2
     assert "'batch_size' and 'batch-size' are the same setting" in one_line(err)
     assert not out.exists()
 
 
 def test_lora_rank_that_cannot_apply_is_one_line(tmp_path, capsys, two_steps):
-    code, err = cli(capsys, "--resume", str(two_steps), "--steps", "3", "--lora-rank", "4")
+    code, err = finetune_cli(capsys, "--resume", str(two_steps), "--steps", "3", "--lora-rank", "4")
     assert code == 2 and "--lora-rank 0 (given 4)" in one_line(err)
-    code, err = cli(capsys, *RUN, "--lora-rank", str(2**40), "--out", str(tmp_path / "lora"))
+    huge = str(2**40)
+    code, err = finetune_cli(capsys, *RUN, "--lora-rank", huge, "--out", str(tmp_path / "lora"))
     assert code == 2 and "is larger than the DiT's layers" in one_line(err)
 
 
@@ -320,6 +308,6 @@ def test_a_resume_never_imports_code_named_by_the_run_folder(tmp_path, capsys, t
     data = json.loads(path.read_text())
     data["settings"]["estimator"] = f"{two_steps / 'evil.py'}:fn"
     path.write_text(json.dumps(data))
-    code, err = cli(capsys, "--resume", str(two_steps), "--steps", "3")
+    code, err = finetune_cli(capsys, "--resume", str(two_steps), "--steps", "3")
     assert code == 2 and "estimator" in one_line(err)
     assert not marker.exists()

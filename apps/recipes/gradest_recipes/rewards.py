@@ -44,7 +44,14 @@ from gradest.objectives import TerminalObjective
 from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.learned_rewards import LEARNED_OPTIONS, LEARNED_REWARDS
 
-__all__ = ["BUILTIN_REWARDS", "Reward", "decode_images", "reward_objective", "resolve_reward"]
+__all__ = [
+    "BUILTIN_REWARDS",
+    "Reward",
+    "decode_images",
+    "decoded_reward",
+    "resolve_reward",
+    "reward_objective",
+]
 
 Reward = Callable[..., Tensor]
 
@@ -161,6 +168,31 @@ def decode_images(vae: nn.Module, latents: Tensor) -> Tensor:
     return (decoded.float() / 2 + 0.5).clamp(0, 1)
 
 
+def decoded_reward(
+    reward: Reward,
+    vae: nn.Module,
+    to_vae_latents: Callable[[Tensor], Tensor],
+    prompts: Sequence[str],
+    *,
+    autocast: Callable[[], Any] | None = None,
+) -> Callable[[Tensor], Any]:
+    """``z -> reward(decode(z))`` (the prompts passed when the reward takes them), what the
+    reward returned as it is: its caller checks the shape it needs.
+
+    ``autocast`` (e.g. ``accelerator.autocast``) is entered around the decode and the
+    reward, so they run in the training's mixed precision.
+    """
+    pass_prompts = _takes_prompts(reward)
+
+    def values(z: Tensor) -> Any:
+        context = autocast() if autocast is not None else contextlib.nullcontext()
+        with context:
+            images = decode_images(vae, to_vae_latents(z))
+            return reward(images, prompts=list(prompts)) if pass_prompts else reward(images)
+
+    return values
+
+
 def reward_objective(
     reward: Reward,
     vae: nn.Module,
@@ -169,18 +201,12 @@ def reward_objective(
     *,
     autocast: Callable[[], Any] | None = None,
 ) -> TerminalObjective:
-    """``TerminalObjective(z -> -mean(reward(decode(z))))`` for one batch of ``prompts``.
-
-    ``autocast`` (e.g. ``accelerator.autocast``) is entered around the decode and the
-    reward, so they run in the training's mixed precision.
-    """
-    pass_prompts = _takes_prompts(reward)
+    """``TerminalObjective(z -> -mean(reward(decode(z))))`` for one batch of ``prompts``
+    (``autocast``: see :func:`decoded_reward`)."""
+    scored = decoded_reward(reward, vae, to_vae_latents, prompts, autocast=autocast)
 
     def loss_fn(z: Tensor) -> Tensor:
-        context = autocast() if autocast is not None else contextlib.nullcontext()
-        with context:
-            images = decode_images(vae, to_vae_latents(z))
-            values = reward(images, prompts=list(prompts)) if pass_prompts else reward(images)
+        values = scored(z)
         if not isinstance(values, Tensor) or values.ndim > 1:
             raise InvalidValue(
                 f"the reward returned {type(values).__name__} of shape "

@@ -38,7 +38,6 @@ GRPO's reference or ``2N`` for the lean adjoint).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,7 +49,7 @@ from gradest.errors import InvalidValue
 from gradest_recipes.config import RecipeConfig
 from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.families import Family
-from gradest_recipes.rewards import Reward, _takes_prompts, decode_images
+from gradest_recipes.rewards import Reward, decoded_reward
 
 __all__ = ["GrpoRollout", "Prepared", "RLObjective", "per_sample_reward", "supports_stepwise"]
 
@@ -71,13 +70,10 @@ def per_sample_reward(
     autocast: Callable[[], Any] | None = None,
 ) -> PerSample:
     """``z [B, ...] -> reward(decode(z)) [B]`` in float32, differentiable in ``z``."""
-    pass_prompts = _takes_prompts(reward)
+    scored = decoded_reward(reward, vae, to_vae_latents, prompts, autocast=autocast)
 
     def rewards(z: Tensor) -> Tensor:
-        context = autocast() if autocast is not None else contextlib.nullcontext()
-        with context:
-            images = decode_images(vae, to_vae_latents(z))
-            values = reward(images, prompts=list(prompts)) if pass_prompts else reward(images)
+        values = scored(z)
         if not isinstance(values, Tensor) or tuple(values.shape) != (z.shape[0],):
             raise InvalidValue(
                 f"the reward returned {type(values).__name__} of shape "

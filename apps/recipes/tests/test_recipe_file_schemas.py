@@ -317,6 +317,19 @@ def in_copy(pristine: Path, tmp_path: Path, relative: Path, *, keep_done: bool =
     return place
 
 
+def in_fresh_folder(tmp_path: Path, name: str):
+    """``place`` for ``check``: a new folder holding only the variant, as ``name``."""
+    count = iter(range(10**6))
+
+    def place(variant: Variant) -> tuple[Path, Path]:
+        folder = tmp_path / f"variant{next(count)}"
+        folder.mkdir()
+        (folder / name).write_bytes(variant.data)
+        return folder, folder / name
+
+    return place
+
+
 def test_the_intact_run_resumes(pristine, tmp_path):
     """The baseline of the variants below: an intact copy without ``done.json`` resumes
     (it finishes its export at step 2); with it, it is done, and says so in one line."""
@@ -554,19 +567,11 @@ def test_config_toml(pristine, tmp_path):
                 continue
             text = "\n".join([*rest, f"{key} = {literal}"])
             variants.append(Variant(f"{key} = {literal}", text.encode(), name == "dict", key))
-    count = iter(range(10**6))
-
-    def place(variant: Variant) -> tuple[Path, Path]:
-        folder = tmp_path / f"variant{next(count)}"
-        folder.mkdir()
-        (folder / "config.toml").write_bytes(variant.data)
-        return folder, folder / "config.toml"
-
     check(
         variants,
         name="config.toml",
         marker=tmp_path / "MARKER",
-        place=place,
+        place=in_fresh_folder(tmp_path, "config.toml"),
         run=lambda folder: config_from_argv("sd3", ["--config", str(folder / "config.toml")]),
     )
 
@@ -589,19 +594,11 @@ def test_prompt_embeddings(tmp_path, family):
         fixed_lengths=True,
     ):
         variants.append(Variant(label, torch_bytes(value), refused, field))
-    count = iter(range(10**6))
-
-    def place(variant: Variant) -> tuple[Path, Path]:
-        folder = tmp_path / f"variant{next(count)}"
-        folder.mkdir()
-        (folder / "prompts.pt").write_bytes(variant.data)
-        return folder, folder / "prompts.pt"
-
     check(
         variants,
         name="prompts.pt",
         marker=marker,
-        place=place,
+        place=in_fresh_folder(tmp_path, "prompts.pt"),
         run=lambda folder: load_embeddings(folder / "prompts.pt", family, guided=True),
     )
     assert not marker.exists()

@@ -25,15 +25,14 @@ pytest.importorskip("tensorboard")
 
 from gradest_recipes import RecipeConfigError  # noqa: E402
 from gradest_recipes.config import ALIASES, config_from_argv, read_toml  # noqa: E402
-from gradest_recipes.families import tiny_denoiser  # noqa: E402
 from recipe_support import (  # noqa: E402
     FAMILIES,
     LAUNCHER_ENV,
     RECIPE_WARNINGS,
     SCRIPTS,
     UNET_FAMILIES,
+    assert_lora_loads_into_fresh_denoiser,
     comparable,
-    documented_lora_load,
     lora_export,
     lora_file,
     records,
@@ -122,19 +121,6 @@ def test_toml_keys_in_either_spelling_and_diffusers_names(tmp_path):
     assert set(ALIASES.values()) <= set(config.to_dict())
 
 
-def _load_into_fresh_denoiser(family: str, folder: Path, trained: dict[str, torch.Tensor]):
-    """``load_lora_adapter`` the checkpoint folder into a fresh tiny denoiser with diffusers:
-    every key matched, every weight the trained one (alpha is the rank: scale 1)."""
-    fresh = tiny_denoiser(family)
-    # The documented call (docs/recipes.md), its prefix the family's, the adapter named.
-    fresh.load_lora_adapter(str(folder), **documented_lora_load(family), adapter_name="reward")
-    loaded = {k.replace(".reward.", ".default."): v for k, v in fresh.state_dict().items()
-              if "lora_" in k}  # fmt: skip
-    assert set(loaded) == set(trained)  # no key unmatched, none missing
-    for key, value in trained.items():
-        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_diffusers_flags_resume_latest_and_diffusers_loadable_checkpoints(family, tmp_path):
     """A run with diffusers' flag names (underscore for sd3, hyphen for flux, both for
@@ -190,7 +176,7 @@ def test_diffusers_flags_resume_latest_and_diffusers_loadable_checkpoints(family
             (match,) = [k for k in checkpointed if k == own or k.endswith("." + own)]
             trained[own] = checkpointed[match]
         assert len(trained) == len(checkpointed) > 0
-        _load_into_fresh_denoiser(family, folder, trained)
+        assert_lora_loads_into_fresh_denoiser(family, folder, trained)
         for key, value in lora_file(split / "checkpoints" / step_name).items():
             assert torch.equal(value, checkpointed[key]), key
     # the EMA export is other weights than the trained ones, equal after resume

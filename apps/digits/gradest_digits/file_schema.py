@@ -16,41 +16,23 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradest.errors import InvalidValue
-
 # Re-exported for the readers here: the library's rule for quoting an error in one line.
 from gradest.errors import first_line as first_line
 
-# ``refuse(field, why)``: the reader's one-line error naming its file.
-Refuse = Callable[[str, str], InvalidValue]
-
-
-def describe(value: Any) -> str:
-    """A value as a message shows it: short values as written, others by their type."""
-    if value is None or isinstance(value, bool | int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 40 else f"a str of {len(value)} characters"
-    if isinstance(value, Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-def is_int(value: Any) -> bool:
-    """An integer that is not a bool (``True`` is an int to Python, not to a schema)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    """An int or a float, not a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+# The library's rules for describing a value and checking a field's kind, shared with the
+# recipes' readers.
+from gradest.file_schema import Refuse as Refuse
+from gradest.file_schema import describe as describe
+from gradest.file_schema import is_int as is_int
+from gradest.file_schema import is_number as is_number
+from gradest.file_schema import json_object as json_object
 
 
 def require(ok: bool, refuse: Refuse, field: str, value: Any, wanted: str) -> None:

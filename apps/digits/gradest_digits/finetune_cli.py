@@ -58,9 +58,9 @@ from gradest.run_folder import (
 from gradest_digits.file_schema import (
     Refuse,
     describe,
-    first_line,
     is_int,
     is_number,
+    json_object,
     require,
     require_fields,
 )
@@ -613,7 +613,7 @@ def read_settings(path: str | Path) -> RunSettings:
 
     if path.is_symlink():
         raise refuse("the file", "is a symbolic link; a run reads only its own files")
-    data = _json_object(read_text(path, what="the settings file"), refuse)
+    data = json_object(read_text(path, what="the settings file"), refuse)
     if data.get("format") != SETTINGS_FORMAT:
         raise refuse("format", f"is {describe(data.get('format'))}, not {SETTINGS_FORMAT!r}")
     settings = data.get("settings")
@@ -623,16 +623,6 @@ def read_settings(path: str | Path) -> RunSettings:
     recorded = {name: settings[name] for name in RUN_SETTINGS}
     check_settings(recorded, refuse)
     return RunSettings(path=path, settings=recorded)
-
-
-def _json_object(text: str, refuse: Refuse) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        raise refuse("the text", f"is not JSON ({first_line(err)})") from None
-    if not isinstance(data, dict):
-        raise refuse("the file", f"holds {describe(data)}, not an object")
-    return data
 
 
 @attrs.frozen
@@ -669,7 +659,7 @@ def read_result(path: str | Path) -> RunResult:
 
     if path.is_symlink():
         raise refuse("the file", "is a symbolic link; a run reads only its own files")
-    data = _json_object(read_text(path, what="the result file"), refuse)
+    data = json_object(read_text(path, what="the result file"), refuse)
     fields = [f.name for f in attrs.fields(RunResult) if f.name != "path"]
     require_fields(data, fields, refuse)
     for name in ("initial_reward", "final_reward", "final_reward_std"):

@@ -31,14 +31,16 @@ import os
 import pickle
 import stat
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradest.errors import InvalidValue
+# The library's rules for describing a value and checking a field's kind, shared with the
+# digits' readers.
+from gradest.file_schema import Refuse, describe, is_int, is_number, json_object, with_article
 
 __all__ = [
     "Refuse",
@@ -48,44 +50,15 @@ __all__ = [
     "first_line",
     "is_int",
     "is_number",
+    "json_object",
     "load_torch_bytes",
 ]
-
-# ``refuse(field, why)``: the reader's one-line error naming its file.
-Refuse = Callable[[str, str], InvalidValue]
 
 
 def first_line(err: BaseException) -> str:
     """``err``'s message on one line (at most 200 characters), or its type's name."""
     text = " ".join(str(err).split())
     return (text or type(err).__name__)[:200]
-
-
-def describe(value: Any) -> str:
-    """A value as a message shows it: short values as written, others by their type."""
-    if value is None or isinstance(value, bool | int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 40 else f"a str of {len(value)} characters"
-    if isinstance(value, Tensor):
-        return _a(f"{str(value.dtype).removeprefix('torch.')} tensor {tuple(value.shape)}")
-    if isinstance(value, list | tuple | dict):
-        return f"a {type(value).__name__} of {len(value)}"
-    return _a(type(value).__name__)
-
-
-def _a(noun: str) -> str:
-    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
-
-
-def is_int(value: Any) -> bool:
-    """An integer that is not a bool (``True`` is an int to Python, not to a schema)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    """An int or a float, not a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def file_bytes(path: Path, refuse: Refuse) -> bytes:
@@ -143,7 +116,8 @@ def load_torch_bytes(data: bytes, refuse: Refuse, *, safe_globals: Iterable[Any]
 
 def _kind(value: Any) -> str:
     if isinstance(value, Tensor):
-        return _a(f"{str(value.dtype).removeprefix('torch.')} tensor {tuple(value.shape)}")
+        dtype = str(value.dtype).removeprefix("torch.")
+        return with_article(f"{dtype} tensor {tuple(value.shape)}")
     if isinstance(value, bool):
         return "true or false"
     if isinstance(value, int):
@@ -158,7 +132,7 @@ def _kind(value: Any) -> str:
         return f"a list of {len(value)}"
     if value is None:
         return "None"
-    return _a(type(value).__name__)
+    return with_article(type(value).__name__)
 
 
 def _join(field: str, key: Any) -> str:

@@ -31,7 +31,7 @@ from gradest_recipes.config import (
     load_config,
     saved_setting_problem,
 )
-from gradest_recipes.file_schema import Refuse, describe, is_int
+from gradest_recipes.file_schema import describe, is_int, json_object
 
 __all__ = [
     "DONE_FILE",
@@ -57,16 +57,6 @@ DONE_FIELDS = ("step", "out", "processes", "parallel")
 #: How a run's model was data parallel (``done.json``'s ``parallel``).
 PARALLEL = ("fsdp2", "ddp", "fsdp1", "none")
 LOG_FILE = "log.jsonl"
-
-
-def _json_object(text: str, refuse: Refuse) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        raise refuse("the text", f"is not JSON ({' '.join(str(err).split())})") from None
-    if not isinstance(data, dict):
-        raise refuse("the file", f"holds {describe(data)}, not an object")
-    return data
 
 
 @attrs.frozen
@@ -110,7 +100,7 @@ def read_recipe_state(path: str | Path) -> RecipeState:
             f"the out folder of a recipe run"
         )
 
-    data = _json_object(read_text(source, what="checkpoint state"), refuse)
+    data = json_object(read_text(source, what="checkpoint state"), refuse)
     for name, required in STATE_FIELDS.items():
         if required and name not in data:
             raise refuse(name, "is missing")
@@ -197,7 +187,7 @@ def read_done(path: str | Path) -> DoneRecord | None:
             f"continue the run"
         )
 
-    data = _json_object(read_text(source, what="the done record"), refuse)
+    data = json_object(read_text(source, what="the done record"), refuse)
     for name in DONE_FIELDS:
         if name not in data:
             raise refuse(name, "is missing")

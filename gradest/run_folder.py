@@ -43,6 +43,7 @@ from typing import Any
 import attrs
 
 from gradest.errors import InvalidValue
+from gradest.file_schema import json_object
 from gradest.files import OutputError, check_output_dir, read_text, refuse_non_file, refuse_symlinks
 from gradest.process_lock import HeldLock, describe_holder, read_holder, try_lock
 
@@ -132,12 +133,7 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
             f"left as it is): pass a new --out"
         )
 
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        raise refuse("the text", f"is not JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise refuse("the file", f"holds a {type(data).__name__}, not an object")
+    data = json_object(text, refuse)
     if data.get("schema") != RUN_SCHEMA:
         raise refuse("schema", f"is {data.get('schema')!r}, expected {RUN_SCHEMA!r}")
     command, settings, lineage = data.get("command"), data.get("settings"), data.get("lineage")

@@ -84,9 +84,36 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
+NamedModules = list[tuple[str, torch.nn.Module]]
+
+
+def trainable_parameters(
+    model: torch.nn.Module, named_modules: NamedModules | None = None
+) -> dict[str, Tensor]:
+    """``model``'s parameters with ``requires_grad=True``, keyed and ordered as
+    ``model.named_parameters()`` gives them.
+
+    ``named_modules``: ``list(model.named_modules())`` when the caller already walked the
+    model (one walk per estimate serves every check); the parameters are then read from
+    it as ``named_parameters`` reads them (each tensor once, under its first name), unless
+    the model overrides ``named_parameters``.
+    """
     check_model(model)
-    params: dict[str, Tensor] = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params: dict[str, Tensor]
+    if named_modules is not None and (
+        type(model).named_parameters is torch.nn.Module.named_parameters
+    ):
+        params = {}
+        seen: set[int] = set()
+        for prefix, module in named_modules:
+            for name, p in module._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if p.requires_grad:
+                    params[f"{prefix}.{name}" if prefix else name] = p
+    else:
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise InvalidValue(
             f"model {type(model).__name__} has no parameters with requires_grad=True; "
@@ -95,7 +122,15 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
     return params
 
 
-def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None:
+def check_noise(
+    model: torch.nn.Module,
+    noise: Any,
+    name: str = "noise",
+    named_modules: NamedModules | None = None,
+) -> None:
+    """Refuse ``noise`` that is not a finite floating-point ``[B, ...]`` tensor in one of
+    the model's parameter dtypes on its device (``named_modules``: the model's walk, if
+    the caller has one)."""
     check_model(model)
     if not isinstance(noise, Tensor):
         raise InvalidType(
@@ -116,7 +151,14 @@ def check_noise(model: torch.nn.Module, noise: Any, name: str = "noise") -> None
         f"{name} is empty (shape {tuple(noise.shape)}): there is nothing to sample; pass at "
         f"least one sample with a non-empty state",
     )
-    floating = (p for p in model.parameters() if p.is_floating_point())
+    parameters = (
+        model.parameters()
+        if named_modules is None
+        else (
+            p for _, module in named_modules for p in module._parameters.values() if p is not None
+        )
+    )
+    floating = (p for p in parameters if p.is_floating_point())
     first = next(floating, None)
     if first is not None:
         # A model may keep some parameters in another precision (float32 norms beside
@@ -273,7 +315,7 @@ def _uses_batch_statistics(module: torch.nn.Module) -> bool:
     return bool(module.training) or getattr(module, "running_mean", None) is None
 
 
-def check_model_modes(model: torch.nn.Module) -> None:
+def check_model_modes(model: torch.nn.Module, named_modules: NamedModules | None = None) -> None:
     """Refuse layers whose output mixes the samples of a batch (batch-statistics norms).
 
     Estimators stack several steps' states into one model call (and evaluate a step
@@ -281,11 +323,13 @@ def check_model_modes(model: torch.nn.Module) -> None:
     other steps' samples: the gradient would be of another function than the sampled one.
     """
     check_model(model)
-    if not any(_uses_batch_statistics(module) for module in model.modules()):
-        return  # the common case, without building every module's name
+    if named_modules is None:
+        if not any(_uses_batch_statistics(module) for module in model.modules()):
+            return  # the common case, without building every module's name
+        named_modules = list(model.named_modules())
     mixing = [
         (name or type(module).__name__, module)
-        for name, module in model.named_modules()
+        for name, module in named_modules
         if _uses_batch_statistics(module)
     ]
     if not mixing:

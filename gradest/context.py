@@ -18,6 +18,7 @@ from torch import Tensor
 
 from gradest._checks import (
     check_generator,
+    check_model,
     check_model_modes,
     check_noise,
     is_symbolic,
@@ -147,17 +148,25 @@ class EstimationContext:
                 "noise_grad=True needs a TerminalObjective: a StepwiseObjective treats the "
                 "recorded states as data, so the loss does not depend on the initial noise"
             )
-        check_model_modes(model)
+        # One walk over the model's modules for every check and reader of this call.
+        check_model(model)
+        named_modules = list(model.named_modules())
+        check_model_modes(model, named_modules)
         self.generator = check_generator(
             generator, noise if noise is not None else getattr(trajectory, "states", None)
         )
         if noise is not None:
-            check_noise(model, noise)
+            check_noise(model, noise, named_modules=named_modules)
             batch = noise.shape[0]
         else:
             assert trajectory is not None
             check_trajectory_matches(sampler, trajectory)
-            check_noise(model, trajectory.states[0], name="trajectory.states[0]")
+            check_noise(
+                model,
+                trajectory.states[0],
+                name="trajectory.states[0]",
+                named_modules=named_modules,
+            )
             batch = trajectory.batch_size
             # Recorded tensors are data: never let a graph they carry reach the estimate
             # (or the caller's leaves through the surrogate's backward).
@@ -180,6 +189,7 @@ class EstimationContext:
             engine=engine,
             surrogate=surrogate,
             generator=self.generator,
+            named_modules=named_modules,
         )
         self.surrogate = surrogate
         # Data-parallel ranks must decide alike (gradest.ranks): draws and gates go through it.
@@ -200,7 +210,7 @@ class EstimationContext:
         # that an estimator given the same generator state as gradest.rollout samples
         # the same path, and strategies need not order their draws around the rollout.
         self._step_noise = (
-            draw_step_noise(self.coefficients[2], noise, self.generator)
+            draw_step_noise(self.host_coefficients[2], noise, self.generator)
             if noise is not None
             else trajectory.step_noise  # type: ignore[union-attr]
         )
@@ -241,7 +251,9 @@ class EstimationContext:
     @property
     def sampler_steps(self) -> SamplerSteps:
         """The affine steps a chain runs: coefficients, grid and recorded step noise."""
-        return SamplerSteps(self.coefficients, self.times, self.step_noise())
+        return SamplerSteps(
+            self.coefficients, self.times, self.step_noise(), self.host_coefficients
+        )
 
     def step_noise(self) -> Tensor | None:
         """Recorded ``xi_k``: the trajectory's, or drawn from the generator at construction."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -132,13 +132,14 @@ def tensors_restored(model: nn.Module) -> Iterator[None]:
                     live[name] = tensor
 
 
-def has_compiled_code(model: nn.Module) -> bool:
+def has_compiled_code(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> bool:
     """Whether ``model`` is or holds a ``torch.compile``'d module (``torch.compile(m)``, an
-    ``OptimizedModule``, or ``m.compile()`` in place)."""
+    ``OptimizedModule``, or ``m.compile()`` in place); ``modules``: ``model.modules()``
+    when the caller already listed them."""
     return any(
         _has_attribute(module, "_orig_mod")
         or getattr(module, "_compiled_call_impl", None) is not None
-        for module in model.modules()
+        for module in (model.modules() if modules is None else modules)
     )
 
 

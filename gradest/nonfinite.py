@@ -472,17 +472,24 @@ class BackwardWatch:
 
     def _finish(self) -> None:
         self._remove_hooks()
-        recorded = [entry for entry in self._flags if not is_symbolic(entry[2])]
+        # (The hooks' closures append to this very list: it is copied, then emptied.)
+        recorded = list(self._flags)
         self._flags.clear()
+        if any(type(sums) is not Tensor or sums.is_meta for *_, sums in recorded):
+            # Cost tracing: fake or meta sums have no values (plain tensors, the usual
+            # case, are real: the cheap test first).
+            recorded = [entry for entry in recorded if not is_symbolic(entry[2])]
         if not recorded:
             return
         device = recorded[0][2].device
-        scalars = [sums.to(device) for *_, sums in recorded if not sums.ndim]
-        rows = [sums.to(device) for *_, sums in recorded if sums.ndim]
-        parts = [torch.stack(scalars)] if scalars else []
+        scalars = [sums if sums.device == device else sums.to(device) for *_, sums in recorded]
+        rows = [sums.reshape(-1) for sums in scalars if sums.ndim]
         if rows:
-            parts.append(torch.cat(rows))
-        if bool(torch.isfinite(parts[0] if len(parts) == 1 else torch.cat(parts)).all()):
+            scalars = [sums for sums in scalars if not sums.ndim]
+            everything = torch.cat([torch.stack(scalars), *rows] if scalars else rows)
+        else:
+            everything = torch.stack(scalars)
+        if bool(torch.isfinite(everything).all()):
             return
         scale = self._loss_grad
         if scale is not None and not bool(scale.abs() <= 1):

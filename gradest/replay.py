@@ -64,8 +64,7 @@ _UNKNOWN = object()  # a step not evaluated yet in this estimate
 
 def _seed_from(generator: torch.Generator) -> int:
     """A 63-bit seed read from a copy of ``generator`` (the generator itself is unchanged)."""
-    copy = torch.Generator(device=generator.device)
-    copy.set_state(generator.get_state())
+    copy = generator.clone_state()
     with outside_fake_mode():  # the generator is a real object even under FakeTensorMode
         return int(torch.randint(0, 2**62, (1,), generator=copy, device=generator.device).item())
 
@@ -79,6 +78,7 @@ class StepRandomness:
             CPU generator.
         generator: the estimate's generator; the model's draws then come from a private
             stream seeded from it (see the module docstring). None: the default generator.
+        modules: ``list(model.modules())`` if the caller has it.
     """
 
     def __init__(
@@ -86,8 +86,11 @@ class StepRandomness:
         model: nn.Module,
         device: torch.device,
         generator: torch.Generator | None = None,
+        modules: list[nn.Module] | None = None,
     ):
-        self.watched = any(module.training for module in model.modules())
+        self.watched = any(
+            module.training for module in (model.modules() if modules is None else modules)
+        )
         #: Whether some step's first evaluation drew random numbers.
         self.stochastic = False
         self._cuda = device if device.type == "cuda" else None

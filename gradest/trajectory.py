@@ -161,14 +161,19 @@ def model_time(t: Tensor | float, batch: int, like: Tensor) -> Tensor:
 
 
 def draw_step_noise(
-    sigma: Tensor, like: Tensor, generator: torch.Generator | None
+    sigma: Tensor | Sequence[float], like: Tensor, generator: torch.Generator | None
 ) -> Tensor | None:
-    """Pre-sample ``xi_k`` for a stochastic sampler (never hidden randomness inside vmap)."""
-    with outside_fake_mode():  # the schedule: real values under FakeTensorMode
-        stochastic = bool((sigma != 0).any())
+    """Pre-sample ``xi_k`` for a stochastic sampler (never hidden randomness inside vmap).
+
+    ``sigma`` as host floats (:func:`host_coefficients`) decides without a tensor op."""
+    if isinstance(sigma, Tensor):
+        with outside_fake_mode():  # the schedule: real values under FakeTensorMode
+            stochastic = bool((sigma != 0).any())
+    else:
+        stochastic = any(s != 0.0 for s in sigma)
     if not stochastic:
         return None
-    shape = (sigma.numel(), *like.shape)
+    shape = (len(sigma), *like.shape)
     if generator is None:
         return torch.randn(shape, dtype=like.dtype, device=like.device)
     return torch.randn(shape, dtype=like.dtype, generator=generator, device=generator.device).to(
@@ -180,7 +185,10 @@ def host_coefficients(
     coefficients: tuple[Tensor, Tensor, Tensor] | tuple[Sequence[float], ...],
 ) -> tuple[list[float], list[float], list[float]]:
     """The sampler's ``(alpha, beta, sigma)`` as host floats: one transfer per call, so
-    that a loop over the steps never synchronises per step (``float(alpha[k])``)."""
+    that a loop over the steps never synchronises per step (``float(alpha[k])``). Lists
+    (already host floats) are passed through as they are."""
+    if all(isinstance(c, list) for c in coefficients):
+        return coefficients  # type: ignore[return-value]
     with outside_fake_mode():
         alpha, beta, sigma = (
             c.tolist() if isinstance(c, Tensor) else [float(x) for x in c] for c in coefficients
@@ -212,11 +220,16 @@ def affine_step(
 @attrs.frozen(eq=False)
 class SamplerSteps:
     """What a chain needs of its sampler: the affine step coefficients ``(alpha, beta,
-    sigma)``, the time grid and the recorded step noise (None for a deterministic one)."""
+    sigma)``, the time grid and the recorded step noise (None for a deterministic one);
+    ``host_coefficients`` are the coefficients as host floats (computed from them when not
+    given), which the step loops read."""
 
     coefficients: tuple[Tensor, Tensor, Tensor]
     times: Tensor
     step_noise: Tensor | None
+    host_coefficients: tuple[list[float], list[float], list[float]] = attrs.field(
+        default=attrs.Factory(lambda self: host_coefficients(self.coefficients), takes_self=True)
+    )
 
 
 def integrate(

@@ -104,7 +104,7 @@ class ChainForward:
             with velocities_checked(self._velocities, self.times) as stacked:
                 states, _ = integrate(
                     self._velocity,
-                    self._sampler.coefficients,
+                    self._sampler.host_coefficients,
                     z_start,
                     self._sampler.step_noise,
                     self.steps,
@@ -302,7 +302,7 @@ class RetainedSteps:
         with velocities_checked(self._detached, times) as stacked:
             states, _ = integrate(
                 self._velocity,
-                self._sampler.coefficients,
+                self._sampler.host_coefficients,
                 z_start.detach(),
                 self._sampler.step_noise,
                 self.steps,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from gradest._checks import outside_fake_mode, trainable_parameters
+from gradest._checks import NamedModules, outside_fake_mode, trainable_parameters
 from gradest.errors import InvalidValue
 from gradest.model_state import ModelState
 from gradest.nonfinite import BackwardWatch, check_finite
@@ -104,6 +104,8 @@ class VelocityField:
             (:class:`~gradest.nonfinite.BackwardWatch`, ``watch``).
         generator: the estimate's generator; a stochastic model's draws come from a
             stream seeded from it (:mod:`gradest.replay`).
+        named_modules: ``list(model.named_modules())`` if the caller walked the model
+            already (one walk per estimate serves every reader of it).
 
     Attributes:
         engine: the engine's name (``"autograd"`` in surrogate mode).
@@ -122,8 +124,10 @@ class VelocityField:
         engine: str = "autograd",
         surrogate: bool = False,
         generator: torch.Generator | None = None,
+        named_modules: NamedModules | None = None,
     ):
-        self._calls = ModelCalls(model, cond, batch_size)
+        modules = None if named_modules is None else [module for _, module in named_modules]
+        self._calls = ModelCalls(model, cond, batch_size, modules)
         self.model = model
         self.module = self._calls.module
         self.surrogate = surrogate
@@ -131,7 +135,7 @@ class VelocityField:
         # Read the parameters under the shared lock: a func-engine estimate in another
         # thread may have swapped detached tensors into the module for its forward.
         with self._calls.lock.shared():
-            self.trainable = trainable_parameters(model)
+            self.trainable = trainable_parameters(model, named_modules)
             self._engine = engine_class(self._calls, self.trainable, deferred=surrogate)
         self.engine = self._engine.name
         self.params: Grads = self._engine.params
@@ -140,7 +144,7 @@ class VelocityField:
         self.meter = meter
         self._checked_output = False
         first = next(iter(self.trainable.values()))
-        self.randomness = StepRandomness(self.module, first.device, generator)
+        self.randomness = StepRandomness(self.module, first.device, generator, self._calls.modules)
         self.watch = BackwardWatch() if surrogate else None
 
     def model_state(self) -> ModelState:

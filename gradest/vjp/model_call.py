@@ -69,9 +69,16 @@ class ModelCalls:
             surrogate's parameter terms go through it, so its reducer sees them).
         cond: the model's keyword arguments for one state (validated).
         batch_size: ``B``.
+        modules: ``list(model.modules())`` if the caller has it (one walk per estimate).
     """
 
-    def __init__(self, model: torch.nn.Module, cond: Mapping[str, Any], batch_size: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cond: Mapping[str, Any],
+        batch_size: int,
+        modules: list[torch.nn.Module] | None = None,
+    ):
         self.model = model
         # DDP's reducer must see only the forwards whose parameter gradient autograd will
         # compute (the surrogate's terms); everything else goes to the module inside.
@@ -79,7 +86,12 @@ class ModelCalls:
         self.lock = lock_for(self.module)
         self.cond = dict(cond)
         self.batch_size = batch_size
-        self._compiled = has_compiled_code(self.module)
+        #: ``self.module.modules()``: from ``modules`` (the model's, listed by the caller)
+        #: unless a DDP wrapper stands in front of the module.
+        self.modules = (
+            modules if modules is not None and self.module is model else list(self.module.modules())
+        )
+        self._compiled = has_compiled_code(self.module, self.modules)
         # The keyword arguments of a one-state call, the call every chain step makes: the
         # same dict each time (nothing is repeated for one state, and ``**`` copies it).
         self._one_state = model_kwargs(self.cond, batch_size)

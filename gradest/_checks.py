@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,17 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 NamedModules = list[tuple[str, torch.nn.Module]]
 
 
+def _parameters_in(named_modules: NamedModules) -> Iterator[tuple[str, Tensor]]:
+    """The parameters of a model's walk (``list(model.named_modules())``) as
+    ``named_parameters`` yields them: each tensor once, under its first name."""
+    seen: set[int] = set()
+    for prefix, module in named_modules:
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield (f"{prefix}.{name}" if prefix else name), p
+
+
 def trainable_parameters(
     model: torch.nn.Module, named_modules: NamedModules | None = None
 ) -> dict[str, Tensor]:
@@ -99,21 +110,13 @@ def trainable_parameters(
     the model overrides ``named_parameters``.
     """
     check_model(model)
-    params: dict[str, Tensor]
-    if named_modules is not None and (
-        type(model).named_parameters is torch.nn.Module.named_parameters
-    ):
-        params = {}
-        seen: set[int] = set()
-        for prefix, module in named_modules:
-            for name, p in module._parameters.items():
-                if p is None or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if p.requires_grad:
-                    params[f"{prefix}.{name}" if prefix else name] = p
-    else:
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    named = (
+        _parameters_in(named_modules)
+        if named_modules is not None
+        and type(model).named_parameters is torch.nn.Module.named_parameters
+        else model.named_parameters()
+    )
+    params: dict[str, Tensor] = {n: p for n, p in named if p.requires_grad}
     if not params:
         raise InvalidValue(
             f"model {type(model).__name__} has no parameters with requires_grad=True; "
@@ -154,9 +157,7 @@ def check_noise(
     parameters = (
         model.parameters()
         if named_modules is None
-        else (
-            p for _, module in named_modules for p in module._parameters.values() if p is not None
-        )
+        else (p for _, p in _parameters_in(named_modules))
     )
     floating = (p for p in parameters if p.is_floating_point())
     first = next(floating, None)

@@ -482,13 +482,13 @@ class BackwardWatch:
         if not recorded:
             return
         device = recorded[0][2].device
-        scalars = [sums if sums.device == device else sums.to(device) for *_, sums in recorded]
-        rows = [sums.reshape(-1) for sums in scalars if sums.ndim]
+        on_device = [sums if sums.device == device else sums.to(device) for *_, sums in recorded]
+        rows = [sums.reshape(-1) for sums in on_device if sums.ndim]
         if rows:
-            scalars = [sums for sums in scalars if not sums.ndim]
+            scalars = [sums for sums in on_device if not sums.ndim]
             everything = torch.cat([torch.stack(scalars), *rows] if scalars else rows)
         else:
-            everything = torch.stack(scalars)
+            everything = torch.stack(on_device)  # every sum is a scalar
         if bool(torch.isfinite(everything).all()):
             return
         scale = self._loss_grad

@@ -98,6 +98,19 @@ def _parameters_in(named_modules: NamedModules) -> Iterator[tuple[str, Tensor]]:
                 yield (f"{prefix}.{name}" if prefix else name), p
 
 
+def _named_parameters(
+    model: torch.nn.Module, named_modules: NamedModules | None
+) -> Iterator[tuple[str, Tensor]]:
+    """``model.named_parameters()``, read from the caller's walk when there is one and the
+    model does not override ``named_parameters`` (FSDP does: its answer is the model's)."""
+    if (
+        named_modules is not None
+        and type(model).named_parameters is torch.nn.Module.named_parameters
+    ):
+        return _parameters_in(named_modules)
+    return model.named_parameters()
+
+
 def trainable_parameters(
     model: torch.nn.Module, named_modules: NamedModules | None = None
 ) -> dict[str, Tensor]:
@@ -110,13 +123,9 @@ def trainable_parameters(
     the model overrides ``named_parameters``.
     """
     check_model(model)
-    named = (
-        _parameters_in(named_modules)
-        if named_modules is not None
-        and type(model).named_parameters is torch.nn.Module.named_parameters
-        else model.named_parameters()
-    )
-    params: dict[str, Tensor] = {n: p for n, p in named if p.requires_grad}
+    params: dict[str, Tensor] = {
+        n: p for n, p in _named_parameters(model, named_modules) if p.requires_grad
+    }
     if not params:
         raise InvalidValue(
             f"model {type(model).__name__} has no parameters with requires_grad=True; "
@@ -154,11 +163,7 @@ def check_noise(
         f"{name} is empty (shape {tuple(noise.shape)}): there is nothing to sample; pass at "
         f"least one sample with a non-empty state",
     )
-    parameters = (
-        model.parameters()
-        if named_modules is None
-        else (p for _, p in _parameters_in(named_modules))
-    )
+    parameters = (p for _, p in _named_parameters(model, named_modules))
     floating = (p for p in parameters if p.is_floating_point())
     first = next(floating, None)
     if first is not None:

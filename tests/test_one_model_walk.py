@@ -72,6 +72,38 @@ def test_check_noise_reads_the_walk_like_the_parameters():
     assert str(through_walk.value) == str(plain.value)
 
 
+class ParametersElsewhere(nn.Module):
+    """Its ``named_parameters`` answers with tensors the module walk does not hold (as a
+    wrapper that keeps the real parameters outside its registered slots does): a float32
+    placeholder is registered, the float64 weights are the model's parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.placeholder = nn.Parameter(torch.zeros((), dtype=torch.float32))
+        self.__dict__["held"] = nn.Linear(4, 4).double()  # not a registered child
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        yield from self.held.named_parameters(prefix, recurse, remove_duplicate)
+
+    def forward(self, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        del t
+        return self.held(z)
+
+
+def test_check_noise_asks_an_overridden_named_parameters_as_trainable_parameters_does():
+    model = ParametersElsewhere()
+    walk = list(model.named_modules())
+    assert list(trainable_parameters(model, walk)) == ["weight", "bias"]
+    right = torch.zeros(2, 4, dtype=torch.float64)  # the dtype of the model's parameters
+    check_noise(model, right)
+    check_noise(model, right, named_modules=walk)  # not the placeholder's float32
+    with pytest.raises(GradestError) as plain:
+        check_noise(model, right.float())
+    with pytest.raises(GradestError) as through_walk:
+        check_noise(model, right.float(), named_modules=walk)
+    assert str(through_walk.value) == str(plain.value)
+
+
 @pytest.mark.parametrize("sampler", [gradest.RectifiedFlow(steps=5), gradest.FlowSDE(steps=5)])
 def test_host_coefficients_are_the_tensors_values_and_lists_pass_through(sampler):
     coefficients = sampler.coefficients()

@@ -190,9 +190,13 @@ def check_output_dir(path: str | os.PathLike[str], *, what: str, create: bool = 
     folder = Path(path)
     check_path_length(folder, what=what)
     kind = _existing_kind(folder, what)  # a loop of links is refused here, in one line
-    if kind != "a folder" and folder.exists():
-        shown = "a file" if kind is None else kind
-        raise OutputError(f"{what} {str(folder)!r} is {shown}; pass a folder path")
+    # ``kind`` is None for a regular file and for nothing; whether a file stands there is
+    # asked again, not read from "exists now": another process (a data-parallel rank) may
+    # create the folder in between, and that folder is not a file.
+    if kind is not None and kind != "a folder":
+        raise OutputError(f"{what} {str(folder)!r} is {kind}; pass a folder path")
+    if kind is None and folder.is_file():
+        raise OutputError(f"{what} {str(folder)!r} is a file; pass a folder path")
     probe_in = folder
     if not create:
         while not probe_in.exists() and probe_in.parent != probe_in:

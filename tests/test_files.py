@@ -157,6 +157,24 @@ def test_output_checks_fail_before_any_work(tmp_path):
     assert made.is_dir() and leftovers(made) == []
 
 
+def test_a_folder_another_process_creates_meanwhile_is_not_a_file(tmp_path, monkeypatch):
+    """Two data-parallel ranks check one checkpoint folder at once: the folder the other
+    rank creates between this rank's look and its decision is a folder, not "a file"."""
+    from gradest import files
+
+    folder = tmp_path / "ckpt"
+    look = files._existing_kind
+
+    def look_then_the_other_rank_creates_it(path, what, **kwargs):
+        kind = look(path, what, **kwargs)
+        folder.mkdir(exist_ok=True)
+        return kind
+
+    monkeypatch.setattr(files, "_existing_kind", look_then_the_other_rank_creates_it)
+    assert check_output_dir(folder, what="checkpoint_dir") == folder
+    assert folder.is_dir()
+
+
 @pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
 def test_a_read_only_folder_is_refused_up_front(tmp_path):
     base = tempfile.mkdtemp()  # outside tmp_path, whose parents nobody may not enter

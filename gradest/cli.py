@@ -116,7 +116,7 @@ _COMPARE_SETTINGS = (
 def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
-    from gradest.harness.compare import compare
+    from gradest.harness.compare import prepare_compare
     from gradest.harness.embedded import embedded_problem
     from gradest.harness.plots import plots_unavailable
     from gradest.harness.sweeps import jagg_debias_sweep, jagg_span_sweep, jagg_tau_sweep
@@ -135,15 +135,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         specs = kept
     # --seeds, --draws, --repeats, --steps and --batch are whole numbers >= 1 by their type
     # (gradest.integers.WholeNumber), checked as they are parsed.
-    # Before the work, not after it (created only when the report is written).
-    check_path_length(args.out, what=f"--out {args.out!r}")
-    out = check_output_dir(args.out, what="--out", create=False)
-    for name in ("report.md", "report.json"):
-        # Nothing but a regular file is ever replaced (gradest.files.refuse_non_file).
-        refuse_non_file(out / name, what=f"--out {str(out)!r} cannot hold {name}:")
-    missing = None if args.no_plots else plots_unavailable()
-    if missing is not None and not args.quiet:
-        print(f"gradest compare: plots will be skipped: {missing}")
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise InvalidValue(f"--dtype must be float64 or float32, got {args.dtype!r}")
@@ -157,27 +148,40 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             **{k: getattr(args, k) for k in _COMPARE_SETTINGS},
         },
     )
+    # Every argument is checked before the folder is looked at: a mistyped --model in a
+    # folder that holds another run is told about the --model, not about the folder. The
+    # folder last: its path, then (claim_run_folder) whose run it holds. Nothing is
+    # created before the report is written.
+    problem = embedded_problem(
+        args.model,
+        steps=args.steps,
+        objective=args.objective,
+        batch=args.batch,
+        dtype=dtype,
+        device=args.device,
+    )
+    prepared = prepare_compare(
+        problem.model,
+        problem.sampler,
+        problem.objective,
+        specs,
+        noise_fn=problem.noise_fn,
+        cond_fn=problem.cond_fn,
+        seeds=args.seeds,
+        draws=args.draws,
+        timing_repeats=args.repeats,
+        show_progress=not args.quiet,
+    )
+    check_path_length(args.out, what=f"--out {args.out!r}")
+    out = check_output_dir(args.out, what="--out", create=False)
+    for name in ("report.md", "report.json"):
+        # Nothing but a regular file is ever replaced (gradest.files.refuse_non_file).
+        refuse_non_file(out / name, what=f"--out {str(out)!r} cannot hold {name}:")
+    missing = None if args.no_plots else plots_unavailable()
+    if missing is not None and not args.quiet:
+        print(f"gradest compare: plots will be skipped: {missing}")
     with claim_run_folder(out, record):
-        problem = embedded_problem(
-            args.model,
-            steps=args.steps,
-            objective=args.objective,
-            batch=args.batch,
-            dtype=dtype,
-            device=args.device,
-        )
-        report = compare(
-            problem.model,
-            problem.sampler,
-            problem.objective,
-            specs,
-            noise_fn=problem.noise_fn,
-            cond_fn=problem.cond_fn,
-            seeds=args.seeds,
-            draws=args.draws,
-            timing_repeats=args.repeats,
-            show_progress=not args.quiet,
-        )
+        report = prepared.run()
         if args.sweeps and any(registry.parse_spec(s)[0] == "jagg" for s in specs):
             from gradest.trajectory import rollout
 

@@ -4,6 +4,10 @@ Every gradest command that writes a folder (``gradest race``, ``gradest compare`
 applications' ``gradest finetune``, ``gradest pretrain`` and recipe runs) opens it with
 :func:`claim_run_folder` before it writes anything there. The rule, in one place:
 
+* **Arguments first.** A command checks every argument (names, values, ranges, sizes,
+  the files and models they name) before it looks at, locks or creates its folder, so a
+  bad argument is refused as itself whether the folder is new or holds another run (and a
+  refused command leaves no folder behind).
 * **The folder records its run.** ``run.json`` holds the run's identity: the command
   (``"gradest race"``), the settings that define the run (those a continuation must
   share; the caller decides which) and its lineage (what it continues from, such as a

@@ -21,6 +21,7 @@ differ)::
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -41,6 +42,7 @@ from torch import nn
 import gradest
 from gradest import cli
 from gradest.base import surrogate_from_estimate
+from gradest.run_folder import RUN_RECORD, RunRecord
 from gradest.testing.problems import (
     NoisyAffineSampler,
     random_stepwise_objective,
@@ -1197,6 +1199,21 @@ CASES: list[Case] = [
         elide=(r"'[^']*'",),
         argv=("race", "--model", "digits", "--budget", "1x", "--out", "{foreign}", "--quiet"),
     ),
+    command(
+        "race --model digits --budget 1x --estimators sdo:samples=99",
+        "samples=99",
+        "N=16",
+        argv=(
+            "race",
+            "--model",
+            "digits",
+            "--budget",
+            "1x",
+            "--estimators",
+            "sdo:samples=99",
+            "--quiet",
+        ),
+    ),
     command("cost --model mlp --batch -1", "--batch", "-1"),
     command(
         "cost --model mlp --estimators ''",
@@ -1545,6 +1562,51 @@ def test_the_input_fails_as_documented(case, documented):
     assert result.error == error
     assert _pattern(message).fullmatch(result.message), (
         f"message changed; regenerate docs/errors.md:\n  now: {result.message}\n  doc: {message}"
+    )
+
+
+def occupy_default_run_folders(folder: Path) -> list[Path]:
+    """Put another run of each command in every folder under ``folder`` that a command
+    writes by default: ``runs/<command>`` for each subcommand the parser knows (the
+    applications' too) and every ``--out`` default the parser declares. Each holds a
+    ``run.json`` of the same command with other settings, as an earlier run leaves it.
+    Returns the folders."""
+    parser = cli.build_parser()
+    subcommands = next(
+        action for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+    )
+    occupied = []
+    for name, subparser in subcommands.choices.items():
+        declared = {
+            action.default
+            for action in subparser._actions
+            if action.dest == "out" and isinstance(action.default, str)
+        }
+        for default in sorted({f"runs/{name}"} | declared):
+            target = folder / default
+            target.mkdir(parents=True, exist_ok=True)
+            record = RunRecord(
+                command=f"gradest {name}", settings={"model": "another", "seeds": [999]}
+            )
+            (target / RUN_RECORD).write_text(record.to_json())
+            occupied.append(target)
+    return occupied
+
+
+@pytest.mark.parametrize(
+    "case", [case for case in CASES if case.is_cli], ids=lambda case: case.input
+)
+def test_a_command_error_does_not_depend_on_the_runs_in_the_folder(case, documented):
+    """Arguments are checked before the run folder: each command-line case, run where every
+    default run folder (``runs/compare`` ...) holds another run, fails as documented (as
+    in an empty folder), not with the folder's refusal."""
+    occupied = occupy_default_run_folders(Path.cwd())
+    assert Path("runs/compare") in [path.relative_to(Path.cwd()) for path in occupied]
+    error, message = documented[case.input]
+    result = outcome(case)
+    assert result.error == error
+    assert _pattern(message).fullmatch(result.message), (
+        f"beside another run the message is\n  {result.message}\nnot as documented\n  {message}"
     )
 
 

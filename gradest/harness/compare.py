@@ -122,6 +122,10 @@ def compare(
 ) -> Report:
     """Measure each estimator's agreement with the reference gradient and its cost.
 
+    ``compare(...)`` is ``prepare_compare(...).run()``: every argument is checked before any
+    work starts (:func:`prepare_compare`, for a caller that has more to do in between,
+    such as claiming the folder the report goes to).
+
     Args:
         model: the velocity model (``model(z, t, **cond)``).
         sampler: the sampler, e.g. ``gradest.RectifiedFlow(steps=50)``.
@@ -140,7 +144,70 @@ def compare(
     Returns:
         A :class:`~gradest.harness.report.Report`.
     """
-    # Everything is validated before any work starts.
+    return prepare_compare(
+        model,
+        sampler,
+        objective,
+        estimators,
+        noise_fn=noise_fn,
+        seeds=seeds,
+        cond_fn=cond_fn,
+        reference=reference,
+        draws=draws,
+        timing_repeats=timing_repeats,
+        measure_cost=measure_cost,
+        show_progress=show_progress,
+    ).run()
+
+
+@attrs.frozen(eq=False)
+class PreparedCompare:
+    """A :func:`compare` whose arguments have all been checked; :meth:`run` does the work.
+
+    Built by :func:`prepare_compare`, never by hand. Attributes as :func:`compare`'s
+    arguments, resolved: the estimators and the reference built, the seeds listed.
+    """
+
+    model: torch.nn.Module
+    sampler: AffineSampler
+    objective: Objective
+    estimators: list[Any]
+    reference: Any
+    noise_fn: NoiseFn
+    cond_fn: CondFn | None
+    seeds: list[int]
+    draws: int
+    timing_repeats: int
+    measure_cost: bool
+    show_progress: bool
+
+    def run(self) -> Report:
+        """Measure every estimator against the reference (the work of :func:`compare`)."""
+        return _run_compare(self)
+
+
+def prepare_compare(
+    model: torch.nn.Module,
+    sampler: AffineSampler,
+    objective: Objective,
+    estimators: Sequence[Any],
+    *,
+    noise_fn: NoiseFn,
+    seeds: int | Sequence[int] = 8,
+    cond_fn: CondFn | None = None,
+    reference: Any = "exact",
+    draws: int = 16,
+    timing_repeats: int = 5,
+    measure_cost: bool = True,
+    show_progress: bool = True,
+) -> PreparedCompare:
+    """Check :func:`compare`'s arguments (same meaning) without doing any of its work.
+
+    Raises:
+        InvalidType / InvalidValue: what :func:`compare` would refuse, before any model
+            call: a bad objective, estimator, reference, seed list, draw or repeat count,
+            or a number of draws whose kept gradients cannot fit in memory.
+    """
     if not isinstance(objective, TerminalObjective | StepwiseObjective):
         raise InvalidType(
             "objective must be gradest.TerminalObjective or gradest.StepwiseObjective, "
@@ -173,6 +240,36 @@ def compare(
         raise InvalidType(
             f"noise_fn must be callable as noise_fn(seed) -> Tensor, got {noise_fn!r}"
         )
+    # Every draw's flattened gradient is kept for the statistics (seeds x draws of them):
+    # a count that cannot fit is refused now, not by the allocator after hours of work.
+    check_allocation(
+        f"draws={draws}",
+        draws,
+        len(seed_list)
+        * sum(p.numel() * p.element_size() for p in trainable_parameters(model).values()),
+        name="draws",
+        detail=f"one flattened gradient per draw for each of {len(seed_list)} seeds",
+    )
+    return PreparedCompare(
+        model=model,
+        sampler=sampler,
+        objective=objective,
+        estimators=resolved,
+        reference=reference_est,
+        noise_fn=noise_fn,
+        cond_fn=cond_fn,
+        seeds=seed_list,
+        draws=draws,
+        timing_repeats=timing_repeats,
+        measure_cost=measure_cost,
+        show_progress=show_progress,
+    )
+
+
+def _run_compare(plan: PreparedCompare) -> Report:
+    model, sampler, objective = plan.model, plan.sampler, plan.objective
+    resolved, reference_est, seed_list = plan.estimators, plan.reference, plan.seeds
+    noise_fn, cond_fn, draws = plan.noise_fn, plan.cond_fn, plan.draws
 
     def cond_of(seed: int) -> Mapping[str, Any] | None:
         return cond_fn(seed) if cond_fn is not None else None
@@ -185,15 +282,6 @@ def compare(
         return trajectories[seed]
 
     params = trainable_parameters(model)
-    # Every draw's flattened gradient is kept for the statistics (seeds x draws of them):
-    # a count that cannot fit is refused now, not by the allocator after hours of work.
-    check_allocation(
-        f"draws={draws}",
-        draws,
-        len(seed_list) * sum(p.numel() * p.element_size() for p in params.values()),
-        name="draws",
-        detail=f"one flattened gradient per draw for each of {len(seed_list)} seeds",
-    )
 
     def run(est: Any, seed: int, generator: torch.Generator) -> Any:
         trajectory = trajectory_of(seed)
@@ -211,9 +299,9 @@ def compare(
         check_estimate_grads(est, result, params)
         return result
 
-    total_work = len(resolved) * len(seed_list) + (len(resolved) + 1) * int(measure_cost)
+    total_work = len(resolved) * len(seed_list) + (len(resolved) + 1) * int(plan.measure_cost)
     progress = tqdm(
-        total=total_work, desc="gradest compare", disable=not show_progress, leave=False
+        total=total_work, desc="gradest compare", disable=not plan.show_progress, leave=False
     )
     reference_results = {
         seed: run(reference_est, seed, draw_generator(seed, 0)) for seed in seed_list
@@ -277,7 +365,7 @@ def compare(
         )
 
     costs: dict[str, CostRow] = {}
-    if measure_cost:
+    if plan.measure_cost:
         costs = _measure_costs(
             model,
             sampler,
@@ -287,7 +375,7 @@ def compare(
             noise_fn(seed_list[0]),
             cond_of(seed_list[0]),
             trajectory_of(seed_list[0]),
-            timing_repeats,
+            plan.timing_repeats,
             progress,
         )
     progress.close()
@@ -378,4 +466,11 @@ def _measure_costs(
     return {spec: row.with_wall_time(times[spec]) for spec, row in rows.items()}
 
 
-__all__ = ["compare", "draw_generator", "is_stochastic", "ratio"]
+__all__ = [
+    "PreparedCompare",
+    "compare",
+    "draw_generator",
+    "is_stochastic",
+    "prepare_compare",
+    "ratio",
+]

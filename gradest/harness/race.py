@@ -93,7 +93,7 @@ from gradest.harness.bootstrap import (
 )
 from gradest.harness.cost import count_flops
 from gradest.objectives import Objective
-from gradest.protocol import Cost, supports
+from gradest.protocol import Cost, check_steps, supports
 from gradest.registry import estimator as build_estimator
 from gradest.run_folder import RUN_RECORD, RunRecord, claim_run_folder, read_run_record
 from gradest.samplers import AffineSampler
@@ -292,7 +292,9 @@ def _check_task(task: Any) -> None:
         )
 
 
-def _check_specs(specs: Sequence[str], kind: str) -> list[str]:
+def _check_specs(specs: Sequence[str], task: RaceTask) -> list[str]:
+    """The race's estimator specs, each built and checked against the task (its objective
+    kind and its sampler's step count) before any work or any look at the race folder."""
     if isinstance(specs, str) or not isinstance(specs, Sequence):
         raise InvalidType(f"specs must be a list of estimator spec strings, got {specs!r}")
     specs = list(specs)
@@ -307,12 +309,14 @@ def _check_specs(specs: Sequence[str], kind: str) -> list[str]:
         raise InvalidValue(
             f"the race compares every estimator with {REFERENCE!r}; add it to the estimators"
         )
+    kind, steps = task.objective_kind, task.sampler().num_steps
     for spec in specs:
         est = build_estimator(spec)  # a bad spec fails here, before any work
         if not supports(est, kind):
             raise InvalidValue(
                 f"estimator {spec!r} does not support {kind} objectives, which this task trains"
             )
+        check_steps(est, steps)  # options that need more steps than the task samples
     return specs
 
 
@@ -786,7 +790,7 @@ def race(
         FolderInUse: another process is running a race in ``out``.
     """
     _check_task(task)
-    specs = _check_specs(specs, task.objective_kind)
+    specs = _check_specs(specs, task)
     seed_list = _check_seeds(seeds)
     fraction_list = _check_fractions(fractions)
     kind, value = _check_budget(budget_flops, budget_seconds, budget_exact_steps)

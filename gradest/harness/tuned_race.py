@@ -664,7 +664,7 @@ def tuned_race(
         InvalidValue / InvalidType / OutputError: before any work.
     """
     _check_task(task)
-    specs = _check_specs(specs, task.objective_kind)
+    specs = _check_specs(specs, task)
     grid = check_lr_grid(lrs)
     tune_list = _check_seed_list(tune_seeds, "tune_seeds")
     seed_list = _check_seed_list(seeds, "seeds")

@@ -30,6 +30,7 @@ each is loaded from the local folder ``pretrained`` with ``from_pretrained(subfo
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -242,11 +243,45 @@ def _load(cls: Any, config: RecipeConfig, subfolder: str, **kwargs: Any) -> Any:
             config.pretrained, subfolder=subfolder, variant=config.variant, **kwargs
         )
     except (OSError, ValueError) as err:
-        raise InvalidValue(
-            f"setting pretrained={config.pretrained!r}: cannot load {cls.__name__} from its "
-            f"{subfolder!r} subfolder ({err}); pass the local folder of a diffusers model "
-            f"(it holds {subfolder}/config.json)"
-        ) from err
+        raise _cannot_load(config, cls.__name__, subfolder, str(err)) from err
+
+
+# The diffusers class of each family's denoiser, and the subfolder of a model folder it
+# is loaded from.
+DENOISERS = {
+    "sd3": ("SD3Transformer2DModel", "transformer"),
+    "flux": ("FluxTransformer2DModel", "transformer"),
+    "sd_unet": ("UNet2DConditionModel", "unet"),
+    "sdxl": ("UNet2DConditionModel", "unet"),
+}
+
+
+def _cannot_load(config: RecipeConfig, what: str, subfolder: str, why: str) -> InvalidValue:
+    return InvalidValue(
+        f"setting pretrained={config.pretrained!r}: cannot load {what} from its {subfolder!r} "
+        f"subfolder ({why}); pass the local folder of a diffusers model (it holds "
+        f"{subfolder}/config.json)"
+    )
+
+
+def check_pretrained_folder(family: str, config: RecipeConfig) -> None:
+    """Refuse a ``pretrained`` that is not a diffusers model folder before anything is
+    loaded (or the run folder looked at): each part :func:`load_parts` reads must have its
+    config file there.
+
+    Raises:
+        InvalidValue: naming the setting, the part, the missing file and the fix.
+    """
+    folder = Path(config.pretrained or "")
+    denoiser, subfolder = DENOISERS[family]
+    parts = (
+        (denoiser, subfolder, "config.json"),
+        ("AutoencoderKL", "vae", "config.json"),
+        ("its scheduler", "scheduler", "scheduler_config.json"),
+    )
+    for what, part, name in parts:
+        if not (folder / part / name).is_file():
+            raise _cannot_load(config, what, part, f"{part}/{name} is not there")
 
 
 def load_parts(family: str, config: RecipeConfig, dtype: torch.dtype) -> tuple[Any, Any, Any]:
@@ -257,12 +292,8 @@ def load_parts(family: str, config: RecipeConfig, dtype: torch.dtype) -> tuple[A
         if dtype != torch.float32:  # built in float32
             denoiser, vae = denoiser.to(dtype), vae.to(dtype)
         return denoiser, vae, tiny_scheduler(family)
-    denoiser_cls, subfolder = {
-        "sd3": (diffusers.SD3Transformer2DModel, "transformer"),
-        "flux": (diffusers.FluxTransformer2DModel, "transformer"),
-        "sd_unet": (diffusers.UNet2DConditionModel, "unet"),
-        "sdxl": (diffusers.UNet2DConditionModel, "unet"),
-    }[family]
+    class_name, subfolder = DENOISERS[family]
+    denoiser_cls = getattr(diffusers, class_name)
     denoiser = _load(denoiser_cls, config, subfolder, torch_dtype=dtype)
     vae = _load(diffusers.AutoencoderKL, config, "vae", torch_dtype=dtype)
     scheduler_cls = (

@@ -78,7 +78,13 @@ from gradest_recipes.config import (
     to_toml,
 )
 from gradest_recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
-from gradest_recipes.families import Family, build_family, guided, shard_denoiser
+from gradest_recipes.families import (
+    Family,
+    build_family,
+    check_pretrained_folder,
+    guided,
+    shard_denoiser,
+)
 from gradest_recipes.grpo_epoch import grpo_step, updates_per_step
 from gradest_recipes.records import (
     DONE_FILE,
@@ -347,6 +353,42 @@ class _Start:
     done: DoneRecord | None = None
 
 
+@attrs.frozen(eq=False)
+class _Inputs:
+    """What a run's settings name, resolved and checked before its folder is looked at.
+
+    Attributes:
+        estimator: the estimator ``config.estimator`` builds.
+        reward: the reward ``config.reward`` names.
+        embeddings: the prompt embeddings (``config.embeddings``, or the tiny ones).
+    """
+
+    estimator: Any
+    reward: Reward
+    embeddings: PromptEmbeddings
+
+
+def _inputs_of(family: str, config: RecipeConfig) -> _Inputs:
+    """Every setting that names something (an estimator, a reward, a file or folder to
+    read) checked, reading only: a bad one is refused as itself, the same in an empty
+    folder as in one that holds another run, before the run folder is looked at."""
+    estimator = _estimator(config)  # a bad spec fails before any file is read
+    reward: Reward = resolve_reward(config.reward)
+    if config.mixed_precision == "fp16" and not _has_fp16_device():
+        raise RecipeConfigError(
+            "setting mixed_precision='fp16' is invalid on a CPU (torch autocasts CPUs to "
+            "bf16 only); use 'bf16' or 'no' there, 'fp16' on a GPU"
+        )
+    embeddings = (
+        tiny_embeddings(family)
+        if config.tiny
+        else load_embeddings(config.embeddings or "", family, guided=guided(family, config))
+    )
+    if not config.tiny:
+        check_pretrained_folder(family, config)
+    return _Inputs(estimator=estimator, reward=reward, embeddings=embeddings)
+
+
 def _start_of(family: str, config: RecipeConfig) -> _Start:
     """Where ``config``'s run starts, and its record: only reads (the resumed checkpoint's
     state and settings are checked here, before the folder is claimed; so are the
@@ -594,27 +636,15 @@ def _validation_embeddings(family: str, config: RecipeConfig, device: Any) -> Pr
 class _Run:
     """One run's state (kept in one place so the loop reads top to bottom)."""
 
-    def __init__(self, family_name: str, config: RecipeConfig, start: _Start):
+    def __init__(self, family_name: str, config: RecipeConfig, start: _Start, inputs: _Inputs):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.config = config
         self.family_name = family_name
-        self.estimator = _estimator(config)  # fail on a bad spec before loading weights
-        self.reward: Reward = resolve_reward(config.reward)
-        if config.mixed_precision == "fp16" and not _has_fp16_device():
-            raise RecipeConfigError(
-                "setting mixed_precision='fp16' is invalid on a CPU (torch autocasts CPUs to "
-                "bf16 only); use 'bf16' or 'no' there, 'fp16' on a GPU"
-            )
-        # The prompt embeddings file is read before anything is written in the run folder.
-        self.embeddings: PromptEmbeddings = (
-            tiny_embeddings(family_name)
-            if config.tiny
-            else load_embeddings(
-                config.embeddings or "", family_name, guided=guided(family_name, config)
-            )
-        )
+        self.estimator = inputs.estimator
+        self.reward: Reward = inputs.reward
+        self.embeddings: PromptEmbeddings = inputs.embeddings
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.out = Path(config.out)
         self.start = start
@@ -982,10 +1012,11 @@ def train(family: str, config: RecipeConfig) -> _Run:
     new or empty one, which records the checkpoint as its lineage. Another run's folder,
     other files, or a folder another live process writes are refused in one line, before
     anything there is written."""
+    inputs = _inputs_of(family, config)  # the settings first, then the folder
     start = _start_of(family, config)
     with _claimed(config, start) as claimed:
         try:
-            run = _Run(family, config, start)
+            run = _Run(family, config, start, inputs)
         except BaseException:
             _forget_unstarted(claimed)
             raise

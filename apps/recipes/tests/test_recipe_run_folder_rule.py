@@ -302,3 +302,40 @@ def test_two_processes_are_refused_before_either_writes(tmp_path):
     assert 1 <= len(refusals) <= 2, done.stderr[-3000:]
     assert all("holds files that are not a gradest run's" in line for line in refusals)
     assert snapshot(foreign) == before
+
+
+# A bad setting of each kind a recipe checks: the value itself (lr), a name it resolves
+# (estimator, reward), a file it reads (embeddings) and a model folder (pretrained).
+BAD_SETTINGS = {
+    "lr": ["--tiny", "--lr", "-1"],
+    "estimator": ["--tiny", "--estimator", "nope"],
+    "reward": ["--tiny", "--reward", "sparkle"],
+    "embeddings": ["--pretrained", ".", "--embeddings", "none.pt"],
+    "pretrained": ["--pretrained", "no/such/model", "--embeddings", "prompts.pt"],
+}
+
+
+@pytest.mark.parametrize("setting", sorted(BAD_SETTINGS))
+def test_a_bad_setting_is_refused_as_itself_beside_another_run(setting, capsys):
+    """Settings are checked before the run folder is looked at: the default --output_dir
+    (runs/recipe) holding another recipe's run changes nothing in the error, and nothing
+    there is touched."""
+    from gradest_recipes.embeddings import tiny_embeddings
+
+    tiny_embeddings("sd3").to_file(Path("prompts.pt"))
+    argv = [*BAD_SETTINGS[setting], *TINY[1:]]
+    status, err = run(capsys, *argv)
+    assert status == 2
+    alone = the_error(err)
+    assert f"setting {setting}=" in alone, alone
+    assert not Path("runs").exists()
+    other = Path("runs/recipe")
+    other.mkdir(parents=True)
+    (other / RUN_RECORD).write_text(
+        run_record("flux", load_config("flux", overrides={"tiny": True})).to_json()
+    )
+    before = snapshot(other)
+    status, err = run(capsys, *argv)
+    assert status == 2
+    assert the_error(err) == alone
+    assert snapshot(other) == before

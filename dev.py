@@ -41,6 +41,7 @@ LINT_PATHS = (
     "benchmarks",
     "examples",
     "dev.py",
+    "conftest.py",
     "docs/griffe_rst_roles.py",
 )
 

@@ -94,3 +94,24 @@ def test_no_file_refers_outside_the_repository():
         "these lines refer outside the repository; point at docs/design.md#<section> "
         "instead:\n" + "\n".join(offenders)
     )
+
+
+def readme_commands() -> list[str]:
+    """The commands of README.md's "Two commands" section (its indented code lines)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    return [line.strip() for line in section.splitlines() if line.startswith("    python3 ")]
+
+
+def test_ci_runs_the_readme_commands_in_the_readme_order():
+    """CI runs the README's two commands, one after the other in one checkout, as a new
+    user does (a test that passes on a clean clone but not after the demo fails there)."""
+    commands = readme_commands()
+    assert len(commands) == 2, commands
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    positions = []
+    for command in commands:
+        found = [i for i, line in enumerate(ci) if line.split("#")[0].strip().startswith(command)]
+        assert found, f".ci/run does not run {command!r}"
+        positions.append(found[0])
+    assert positions == sorted(positions), f".ci/run runs {commands} out of the README's order"

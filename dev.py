@@ -2,10 +2,10 @@
 """Set up gradest in ./.venv and run the main job, the tests or the checks; needs only python3.
 
     python3 dev.py demo     # the main job on the embedded default (gradest compare)
-    python3 dev.py test     # the test suites of the library and of apps/* (extra
+    python3 dev.py test     # the test suites of the library, the lab and apps/* (extra
                             # arguments go to pytest)
-    python3 dev.py lint     # ruff check, ruff format --check, mypy (the library and both
-                            # applications) and mkdocs build --strict; all four run, and
+    python3 dev.py lint     # ruff check, ruff format --check, mypy (the library, the lab
+                            # and both applications) and mkdocs build --strict; all four run, and
                             # it fails if any does (CI runs it before the tests)
 
 The environment is (re)installed when pyproject.toml or constraints.txt change. It pins
@@ -25,17 +25,23 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if sys.platform == "win32" else "bin")
 STAMP = VENV / ".gradest-installed"
-# The applications beside the library, each a distribution of its own (apps/*/pyproject.toml).
-APPS = ("apps/digits", "apps/recipes")
+# The distributions beside the library, each with its own pyproject.toml: the lab (races,
+# gradest cost, run folders, gradest compare) and the applications, which use it.
+APPS = ("lab", "apps/digits", "apps/recipes")
 APPS_PYPROJECTS = tuple(f"{app}/pyproject.toml" for app in APPS)
-# Their optional extras the tests exercise (TensorBoard logs, offline wandb runs, the
-# learned rewards on tiny random models).
-APP_EXTRAS = {"apps/digits": "[tensorboard]", "apps/recipes": "[wandb,learned-rewards]"}
-# The tests of the library and of each application.
+# Their optional extras the tests exercise (plots, the cost presets' diffusers models,
+# TensorBoard logs, offline wandb runs, the learned rewards on tiny random models).
+APP_EXTRAS = {
+    "lab": "[plot,integrations]",
+    "apps/digits": "[tensorboard]",
+    "apps/recipes": "[wandb,learned-rewards]",
+}
+# The tests of the library, of the lab and of each application.
 TEST_PATHS = ("tests", *(f"{app}/tests" for app in APPS))
 # What ruff checks and formats (tox's lint environment runs the same).
 LINT_PATHS = (
     "gradest",
+    "lab",
     "apps",
     "tests",
     "benchmarks",
@@ -89,7 +95,7 @@ def ensure_environment() -> None:
     if STAMP.exists() and STAMP.read_text() == _fingerprint():
         return
     print(
-        "dev.py: installing gradest, its applications and their test/benchmark dependencies",
+        "dev.py: installing gradest, the lab, the applications and their test dependencies",
         flush=True,
     )
     editable = [f"{ROOT}[dev]", *(f"{ROOT / app}{APP_EXTRAS.get(app, '')}" for app in APPS)]

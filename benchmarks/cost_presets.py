@@ -20,10 +20,10 @@ import json
 import time
 from pathlib import Path
 
+from gradest_lab.cost.diffusers_presets import PRESETS
 from tqdm import tqdm
 
 from gradest.cli import main as gradest_main
-from gradest.integrations.diffusers_presets import PRESETS
 
 _REWARD = ["--reward", "aesthetic"]
 _GC = ["--gradient-checkpointing", "--decoder-checkpointing"]

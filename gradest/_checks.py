@@ -6,11 +6,9 @@ so users never see a torch traceback from deep inside a sampling loop.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -408,33 +406,6 @@ def check_allocation(
 
 
 # -- output paths -------------------------------------------------------------------------------
-
-
-def check_path_length(path: Any, *, what: str) -> None:
-    """A path whose parts the file system cannot name fails with one line, before work:
-    each component at most the file system's name limit (255 bytes on Linux, macOS and
-    Windows), the whole path at most its path limit."""
-    text = os.fspath(path)
-    encoded = os.fsencode(text)
-    name_max, path_max = 255, 4096
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        # abspath, not resolve(): resolving follows links, and a loop of links would raise
-        # (RuntimeError before Python 3.13) where only the anchor is wanted.
-        anchor = Path(os.path.abspath(text)).anchor or "/"
-        name_max = os.pathconf(anchor, "PC_NAME_MAX")
-        path_max = os.pathconf(anchor, "PC_PATH_MAX")
-    for part in encoded.split(os.fsencode(os.sep)):
-        if len(part) > name_max:
-            shown = os.fsdecode(part)
-            raise InvalidValue(
-                f"{what} has a path component of {len(part)} bytes ({shown[:24]!r}...), "
-                f"longer than the file system allows ({name_max}); use a shorter folder name"
-            )
-    if len(encoded) > path_max:
-        raise InvalidValue(
-            f"{what} is {len(encoded)} bytes long, longer than the file system allows "
-            f"({path_max}); use a shorter path"
-        )
 
 
 # -- what an estimator (a plugin) returns ------------------------------------------------------

@@ -28,7 +28,7 @@ rather than a function of its time. How a discrete-time model is called at ``t``
 recorded with the sampler (``timestep = t * num_train_timesteps + timestep_shift``) for
 adapters such as :meth:`gradest.integrations.diffusers.DiffusersVelocity.for_sampler`;
 it does not enter the step's math. Build one from a diffusers scheduler with
-:meth:`DDIM.from_scheduler`.
+:func:`gradest.integrations.diffusers.sampler_from_scheduler`.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ class DDIM(TimeGrid):  # type: ignore[override]  # attrs' generated init gains f
 
     Constructed like every gradest sampler: ``DDIM(steps=N, alphas_cumprod=...)`` (a
     uniform grid) or ``DDIM(times=..., alphas_cumprod=...)``, plus the keyword options
-    below; :meth:`from_scheduler` builds it from a diffusers ``DDIMScheduler`` /
-    ``DDPMScheduler``.
+    below; :func:`gradest.integrations.diffusers.sampler_from_scheduler` builds it from a
+    diffusers ``DDIMScheduler`` / ``DDPMScheduler``.
 
     Args:
         steps: ``N``, a uniform grid from 1 to 0 (exclusive with ``times``).
@@ -212,62 +212,6 @@ class DDIM(TimeGrid):  # type: ignore[override]  # attrs' generated init gains f
                 f"{alphas[bad].item():g} -> {alphas[bad + 1].item():g}): its noise variance "
                 f"s^2 exceeds 1 - a'; use eta <= 1"
             )
-
-    @classmethod
-    def from_scheduler(
-        cls,
-        scheduler: Any,
-        num_inference_steps: int,
-        *,
-        eta: float | None = None,
-        **set_timesteps_kwargs: Any,
-    ) -> DDIM:
-        """The sampler that takes exactly the steps ``DDIMScheduler`` / ``DDPMScheduler``
-        ``.step()`` takes (needs ``diffusers``).
-
-        Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is) and reads
-        ``timesteps``, ``alphas_cumprod``, the final level and ``prediction_type``. The
-        grid: ``t_k = timestep_k / num_train_timesteps`` and ``t_N = 0`` (the final level:
-        ``final_alpha_cumprod`` for DDIM, 1 for DDPM). When the last timestep is 0 (the
-        default ``timestep_spacing="leading"`` with ``steps_offset=0``) there is no room
-        below it in ``[0, 1]``, so the whole grid is shifted by one training step,
-        ``t_k = (timestep_k + 1) / num_train_timesteps`` (``t`` counts the noising steps
-        applied; ``t = 0`` is clean data), and the sampler records ``timestep_shift = -1``.
-        Call the model through
-        :meth:`gradest.integrations.diffusers.DiffusersVelocity.for_sampler`, which
-        applies the sampler's mapping (``timestep = round(t * num_train_timesteps +
-        timestep_shift)``), so the model sees the scheduler's timesteps either way.
-
-        Args:
-            scheduler: a diffusers ``DDIMScheduler`` or ``DDPMScheduler``.
-            num_inference_steps: ``N``, the number of sampling steps.
-            eta: DDIM's noise ratio (``DDIMScheduler.step(eta=...)``; default 0). A
-                ``DDPMScheduler`` samples with ``eta = 1`` (its ``"fixed_small"``
-                posterior variance), the only value accepted for it.
-            **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (DDPM:
-                ``timesteps=``).
-
-        Raises:
-            TypeError: another scheduler class (flow matching:
-                :meth:`gradest.RectifiedFlow.from_scheduler`).
-            ValueError: a configuration whose step is not affine in the model output
-                (``clip_sample=True``, ``thresholding=True``), a learned or "large" DDPM
-                variance, an unknown ``prediction_type``, or DDIM timesteps whose steps do
-                not end where the next model call starts.
-        """
-        # Reading the scheduler is the diffusers integration's; it imports no sampler, so
-        # this import (when called, diffusers being optional) is no cycle.
-        from gradest.integrations.diffusers_schedulers import ddim_schedule
-
-        schedule = ddim_schedule(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
-        try:
-            return DDIM(**schedule.sampler_arguments())
-        except ValueError as err:
-            raise InvalidValue(
-                f"the schedule of {schedule.scheduler} with num_inference_steps="
-                f"{schedule.num_inference_steps} (timesteps {schedule.timesteps[:4]}...) is "
-                f"not a gradest DDIM sampler: {err}"
-            ) from err
 
     def _noise_scale(self) -> Tensor:
         a, a_next = self.alphas_cumprod[:-1], self.alphas_cumprod[1:]

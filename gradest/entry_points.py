@@ -1,13 +1,12 @@
 """Loading what installed packages register under gradest's entry-point groups.
 
-Three groups, one loader:
+gradest reads two groups itself, and a command may define its own (the lab's
+``gradest.problems`` and ``gradest.race_tasks``), all with one loader:
 
 * ``gradest.estimators``: estimator classes (gradest's own built-ins are registered in its
   ``pyproject.toml`` exactly like third-party plugins; :mod:`gradest.registry`);
-* ``gradest.commands``: subcommands of the ``gradest`` command line that belong to an
-  application (``gradest finetune`` from ``gradest-digits``; :mod:`gradest.cli`);
-* ``gradest.problems``: named problems for ``gradest compare --model NAME``
-  (:mod:`gradest.harness.embedded`).
+* ``gradest.commands``: subcommands of the ``gradest`` command line that another
+  distribution adds (``gradest compare`` from ``gradest-lab``; :mod:`gradest.commands`).
 
 gradest's own distribution is loaded first, so a plugin cannot silently shadow a
 built-in. A plugin that fails to load in any way (an exception, even ``SystemExit``;
@@ -110,12 +109,14 @@ def load_group(
     return Loaded(objects, sources)
 
 
-def callable_problem(candidate: Any) -> str | None:
+def callable_entry(candidate: Any) -> str | None:
     """The ``check`` of a group of factories: None when ``candidate`` is callable."""
     return None if callable(candidate) else "is not callable"
 
 
-def load_installed(group: str, *, what: str, check: Callable[[Any], str | None]) -> dict[str, Any]:
+def load_entry_points(
+    group: str, *, what: str, check: Callable[[Any], str | None]
+) -> dict[str, Any]:
     """Name -> object of ``group`` as installed now: :func:`load_group` with plugins
     enabled unless ``GRADEST_DISABLE_PLUGINS`` says otherwise (the one switch every group
     obeys). Warnings name the caller of this function's caller, as :func:`load_group`'s do.

@@ -26,14 +26,6 @@ class MissingDependency(GradestError, ImportError):
     """An optional dependency (an extra of ``pip install gradest[...]``) is not installed."""
 
 
-class MissingFile(GradestError, FileNotFoundError):
-    """A file gradest needs to read (a shipped checkpoint, a dataset) is not there."""
-
-
-class Diverged(GradestError, FloatingPointError):
-    """A training run produced NaN or Inf (rewards, gradient norms)."""
-
-
 class SurrogateOutdated(GradestError, RuntimeError):
     """A surrogate loss was backpropagated after its model changed.
 
@@ -42,11 +34,3 @@ class SurrogateOutdated(GradestError, RuntimeError):
     between train and eval mode, since ``est.surrogate(...)`` built the loss
     (:mod:`gradest.model_state`). A ``RuntimeError``: torch's own errors in a backward are.
     """
-
-
-def first_line(err: BaseException, *, limit: int = 200) -> str:
-    """The first line of ``err``'s message (at most ``limit`` characters), or its type's
-    name: what a one-line refusal quotes of an error raised deep inside a library (torch's
-    unpickler, a ``load_state_dict`` mismatch)."""
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:limit]

@@ -15,7 +15,7 @@ are refused everywhere, in one line naming the value and the range:
 ``type=WholeNumber(minimum=1)`` is an argparse type (its errors are argparse's one
 ``error: argument --batch: ...`` line); :meth:`WholeNumber.parse` and
 :meth:`WholeNumber.check` raise :class:`~gradest.errors.InvalidValue` for other readers
-(:mod:`gradest.config_file`, :mod:`gradest.harness.task_options`).
+(:mod:`gradest_lab.storage.config_file`, :mod:`gradest_lab.race.task_options`).
 """
 
 from __future__ import annotations

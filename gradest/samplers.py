@@ -20,8 +20,9 @@ the ``repr`` and, for stochastic samplers, the Gaussian log-density of a recorde
 One naming and construction style for every sampler (here and
 :class:`gradest.diffusion_samplers.DDIM`): the name says the process, without a
 ``Sampler`` suffix; ``Cls(steps=N)`` or ``Cls(times=...)`` plus the sampler's own keyword
-options; and where a diffusers scheduler takes the same steps, the classmethod
-``Cls.from_scheduler(scheduler, num_inference_steps, ...)``.
+options. A sampler that takes a diffusers scheduler's steps is built by the diffusers
+adapter, :func:`gradest.integrations.diffusers.sampler_from_scheduler` (the core reads no
+diffusers object).
 
 All three share the rectified-flow interpolant ``z_t = t eps + (1 - t) x`` (``t = 1``
 noise, ``t = 0`` data), which :meth:`TimeGrid.noised` and :meth:`TimeGrid.jump_to_end`
@@ -36,7 +37,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -44,9 +45,6 @@ from torch import Tensor
 
 from gradest._checks import check_allocation, is_symbolic, outside_fake_mode, require
 from gradest.errors import InvalidType, InvalidValue
-
-if TYPE_CHECKING:  # an annotation only, never imported at run time
-    from gradest.integrations.diffusers_schedulers import FlowMatchSchedule
 
 LOG_PROB_REDUCTIONS = ("sum", "mean")
 
@@ -302,31 +300,12 @@ class RectifiedFlow(TimeGrid):
 
     Give either ``steps`` (a uniform grid from 1 to 0) or ``times`` (any strictly
     decreasing grid in [0, 1]; it need not start at 1 or end at 0).
-    :meth:`from_scheduler` builds one from a diffusers ``FlowMatchEulerDiscreteScheduler``.
+    :func:`gradest.integrations.diffusers.sampler_from_scheduler` builds one from a diffusers
+    ``FlowMatchEulerDiscreteScheduler``.
     """
 
     def __init__(self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None):
         self.__attrs_init__(times=self.make_grid("RectifiedFlow", steps, times))  # type: ignore[attr-defined]
-
-    @classmethod
-    def from_scheduler(
-        cls, scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
-    ) -> RectifiedFlow:
-        """The Euler steps of a diffusers ``FlowMatchEulerDiscreteScheduler`` (SD3, Flux).
-
-        ``times`` are the scheduler's sigmas after ``set_timesteps(num_inference_steps,
-        **set_timesteps_kwargs)`` (on a copy; ``shift``, ``mu=``, custom ``sigmas=`` are
-        honoured). A scheduler with ``stochastic_sampling=True`` is refused (use
-        :meth:`StochasticFlowMatch.from_scheduler`, or
-        :func:`gradest.integrations.diffusers.sampler_from_scheduler`, which picks the
-        class). Needs ``diffusers``.
-        """
-        # Reading the scheduler is the diffusers integration's; it imports no sampler, so
-        # this import (when called, diffusers being optional) is no cycle.
-        from gradest.integrations.diffusers_schedulers import flow_match_schedule
-
-        schedule = flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
-        return flow_match_sampler(schedule, cls)
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         h = self.step_sizes
@@ -379,35 +358,6 @@ class FlowSDE(TimeGrid):  # type: ignore[override]  # attrs' generated init gain
             )
         self.__attrs_init__(times=grid, noise_level=float(noise_level))  # type: ignore[attr-defined]
 
-    @classmethod
-    def from_scheduler(
-        cls,
-        scheduler: Any,
-        num_inference_steps: int,
-        *,
-        noise_level: float = 0.7,
-        **set_timesteps_kwargs: Any,
-    ) -> FlowSDE:
-        """Flow-GRPO's SDE sampler on the time grid of a diffusers
-        ``FlowMatchEulerDiscreteScheduler`` (SD3, Flux).
-
-        ``times`` are the scheduler's sigmas after ``set_timesteps(num_inference_steps,
-        **set_timesteps_kwargs)`` (on a copy; ``shift``, dynamic shifting with ``mu=``,
-        custom ``sigmas=`` are honoured), exactly the grid of
-        :meth:`RectifiedFlow.from_scheduler`; the steps are this class's SDE steps with
-        ``noise_level`` (Flow-GRPO's ``sde_step_with_logprob`` on the pipeline's sigmas).
-        Only the grid is read from the scheduler: its own ``stochastic_sampling`` steps
-        (:class:`StochasticFlowMatch`) are a different sampler. Needs ``diffusers``.
-        Call the model with ``DiffusersVelocity(transformer)`` (``timestep = sigma *
-        1000``, as the pipeline does).
-        """
-        from gradest.integrations.diffusers_schedulers import flow_match_schedule
-
-        grid = flow_match_sampler(
-            flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
-        )
-        return cls(times=grid.times, noise_level=noise_level)
-
     def diffusion(self) -> Tensor:
         """``sigma_t`` at the start of every step, ``[N]`` float64 (finite; see above)."""
         start = self.times[:-1]
@@ -434,56 +384,17 @@ class StochasticFlowMatch(TimeGrid):
     noise ``xi``: ``z_next = (1 - sigma_next) x0 + sigma_next xi``, i.e.
     ``alpha = 1 - sigma_next``, ``beta = -(1 - sigma_next) sigma``, ``sigma_k = sigma_next``.
     Give ``steps`` or ``times`` (the sigma grid) as for :class:`RectifiedFlow`, or build it
-    from the scheduler with :meth:`from_scheduler` (or
-    :func:`gradest.integrations.diffusers.sampler_from_scheduler`). Not exported at the top
+    from the scheduler with :func:`gradest.integrations.diffusers.sampler_from_scheduler`.
+    Not exported at the top
     level of ``gradest``: it exists to reproduce that one diffusers scheduler.
     """
 
     def __init__(self, steps: int | None = None, *, times: Sequence[float] | Tensor | None = None):
         self.__attrs_init__(times=self.make_grid("StochasticFlowMatch", steps, times))  # type: ignore[attr-defined]
 
-    @classmethod
-    def from_scheduler(
-        cls, scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
-    ) -> StochasticFlowMatch:
-        """The steps of a diffusers ``FlowMatchEulerDiscreteScheduler`` built with
-        ``stochastic_sampling=True`` (others are refused; see
-        :meth:`RectifiedFlow.from_scheduler`). Needs ``diffusers``."""
-        from gradest.integrations.diffusers_schedulers import flow_match_schedule
-
-        schedule = flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
-        return flow_match_sampler(schedule, cls)
-
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         sigma, sigma_next = self.times[:-1], self.times[1:]
         return 1.0 - sigma_next, -(1.0 - sigma_next) * sigma, sigma_next.clone()
-
-
-def flow_match_sampler(schedule: FlowMatchSchedule, cls: type | None = None) -> Any:
-    """The sampler that takes a flow-matching scheduler's steps, from its grid as
-    :func:`gradest.integrations.diffusers_schedulers.flow_match_schedule` read it.
-
-    :class:`StochasticFlowMatch` when the scheduler samples stochastically, else
-    :class:`RectifiedFlow`; with ``cls``, refused unless it is of that class (the
-    ``from_scheduler`` classmethods). What
-    :func:`gradest.integrations.diffusers.sampler_from_scheduler` returns.
-    """
-    try:
-        euler = RectifiedFlow(times=schedule.sigmas)
-    except ValueError as err:
-        raise InvalidValue(
-            f"the sigmas of {schedule.scheduler} with num_inference_steps="
-            f"{schedule.num_inference_steps} are not a gradest time grid: {err}"
-        ) from err
-    sampler = StochasticFlowMatch(times=euler.times) if schedule.stochastic else euler
-    if cls is not None and not isinstance(sampler, cls):
-        raise InvalidValue(
-            f"{cls.__name__}.from_scheduler: {schedule.scheduler} has "
-            f"config.stochastic_sampling={schedule.stochastic}, so its steps are a "
-            f"{type(sampler).__name__}; use {type(sampler).__name__}.from_scheduler, or "
-            f"gradest.integrations.diffusers.sampler_from_scheduler, which picks the sampler"
-        )
-    return sampler
 
 
 def require_interpolant(sampler: Any, estimator: str) -> TimeGrid:

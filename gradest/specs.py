@@ -45,6 +45,7 @@ from gradest.errors import InvalidType, InvalidValue
 
 __all__ = [
     "SPEC_LIST_EXAMPLE",
+    "SPEC_LIST_HELP",
     "as_spec_list",
     "format_spec_list",
     "split_options",
@@ -56,6 +57,11 @@ __all__ = [
 
 #: The example every command's help shows.
 SPEC_LIST_EXAMPLE = "exact,jagg:window=4,tau=0.9,sdo"
+#: Every command's ``--estimators`` help: the one list syntax, one example.
+SPEC_LIST_HELP = (
+    "estimator specs separated by ',' (options continue their spec; a list-valued option "
+    f"in parentheses), e.g. --estimators '{SPEC_LIST_EXAMPLE}'"
+)
 
 _REPLACED = "separate estimators with ','; the ';' / '/' separators were replaced"
 _FORBIDDEN_IN_NAME = set("()=;/, \t\n")
@@ -194,7 +200,7 @@ def strip_group(value: str) -> str:
 def spec_list_text(text: str) -> str:
     """The argparse ``type=`` of a flag whose value is a spec list (kept as text, parsed
     by the command so its errors are one line); it also tells
-    :mod:`gradest.config_file` that a TOML array of spec strings is accepted there."""
+    :mod:`gradest_lab.storage.config_file` that a TOML array of spec strings is accepted there."""
     return text
 
 

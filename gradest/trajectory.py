@@ -76,11 +76,7 @@ def check_sampler(sampler: Any) -> None:
         return
     if _is_diffusers_scheduler(sampler):
         name = type(sampler).__name__
-        fix = (
-            "gradest.DDIM.from_scheduler(scheduler, num_inference_steps)"
-            if "DDIM" in name or "DDPM" in name
-            else "gradest.integrations.sampler_from_scheduler(scheduler, num_inference_steps)"
-        )
+        fix = "gradest.integrations.sampler_from_scheduler(scheduler, num_inference_steps)"
         raise InvalidType(
             f"sampler must be a gradest sampler, got the diffusers scheduler {name}; "
             f"use {fix}, which takes exactly the steps its step() takes"

@@ -30,11 +30,11 @@ from gradest.reference import (
     relative_error,
     replay_uniform_ints,
 )
-from gradest.reference.alignprop_definition import (
+from gradest.reference.alignprop import (
     alignprop_noise_grad_expectation,
     kept_steps,
 )
-from gradest.reference.truncated_definition import truncated_expectation
+from gradest.reference.truncated import truncated_expectation
 from gradest.strategies.alignprop import AlignProp
 from gradest.strategies.truncated import Truncated
 

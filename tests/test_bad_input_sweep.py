@@ -37,12 +37,12 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from gradest_lab.storage.run_folder import RUN_RECORD, RunRecord
 from torch import nn
 
 import gradest
 from gradest import cli
 from gradest.base import surrogate_from_estimate
-from gradest.run_folder import RUN_RECORD, RunRecord
 from gradest.testing.problems import (
     NoisyAffineSampler,
     random_stepwise_objective,
@@ -1479,7 +1479,7 @@ variants of each):
   longer than the file system's name limit (255 bytes) or a path longer than its path
   limit, a folder where the report's files go, a file on the way, an unwritable folder.
   Every file gradest writes (reports, `gradest cost --json`, checkpoints, logs, settings,
-  plots; `gradest.files`) is refused in one line, never replaced, where the path exists
+  plots; `gradest_lab.storage.files`) is refused in one line, never replaced, where the path exists
   and is not a regular file: a character device such as `/dev/null`, a FIFO, a socket, a
   block device or a folder, through a symbolic link too; so is a path through a loop of
   symbolic links. A config file read back (`--config`) must be a regular file of UTF-8

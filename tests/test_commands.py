@@ -69,10 +69,10 @@ def test_broken_command_plugins_warn_and_are_skipped(monkeypatch, plugin_module)
         found = commands.registered_commands()
     assert set(found) == {"hello"}
     text = " ".join(str(w.message) for w in caught)
-    assert "'broken'" in text and "'wrong'" in text and "not a gradest.commands.Command" in text
+    assert "'broken'" in text and "'wrong'" in text and "not a gradest.plugin.Command" in text
     # gradest's own commands keep working next to broken plugins
     help_text = cli.build_parser().format_help()
-    assert all(name in help_text for name in ("list", "check", "compare"))
+    assert all(name in help_text for name in ("list", "check"))
 
 
 def test_a_command_cannot_replace_a_library_command(monkeypatch, plugin_module, capsys):
@@ -88,7 +88,12 @@ def test_an_application_command_without_its_application_names_the_install(monkey
         assert cli.main([command, "--steps", "2"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1
-        assert "gradest-digits" in err and "pip install ./apps/digits" in err
+        assert "gradest-digits" in err and "pip install ./lab ./apps/digits" in err
+    for command in ("compare", "race", "cost"):  # the lab's, beside the library
+        assert cli.main([command, "--steps", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert "gradest-lab" in err and "pip install ./lab`" in err
     commands.registered_commands.cache_clear()
 
 

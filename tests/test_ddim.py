@@ -2,7 +2,7 @@
 
 Checked, in float64 unless said:
 
-* ``gradest.rollout`` on ``DDIM.from_scheduler(...)`` reproduces diffusers' own
+* ``gradest.rollout`` on ``sampler_from_scheduler(...)`` (a ``DDIM``) reproduces diffusers' own
   ``DDIMScheduler.step`` / ``DDPMScheduler.step`` loop step by step (a tiny random
   ``UNet2DConditionModel`` called by the scheduler at its integer timesteps, and by gradest
   through ``DiffusersVelocity.for_sampler``), deterministic and stochastic (gradest's
@@ -38,7 +38,7 @@ from diffusers_support import tiny_unet  # noqa: E402
 import gradest  # noqa: E402
 from gradest import check  # noqa: E402
 from gradest.diffusion_samplers import DDIM  # noqa: E402
-from gradest.integrations.diffusers import DiffusersVelocity  # noqa: E402
+from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler  # noqa: E402
 from gradest.protocol import supports  # noqa: E402
 from gradest.reference import dense_chain, exact_gradient, relative_error  # noqa: E402
 from gradest.reference.decisions import decisions_mismatch  # noqa: E402
@@ -141,7 +141,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_rollout_is_the_schedulers_step_loop(config, monkeypatch):
     kind, options, eta = CONFIGS[config]
-    sampler = DDIM.from_scheduler(make_scheduler(kind, **options), STEPS, eta=eta)
+    sampler = sampler_from_scheduler(make_scheduler(kind, **options), STEPS, eta=eta)
     assert isinstance(sampler, DDIM)
     unet = tiny_unet()
     noise, cond = unet_inputs()
@@ -178,8 +178,8 @@ def test_rollout_is_the_schedulers_step_loop(config, monkeypatch):
 def test_ddpm_is_ddim_with_eta_one():
     """The identity the DDPM sampler rests on, coefficient by coefficient: the DDPM
     posterior mean and "fixed_small" variance are DDIM's eta=1 step."""
-    ddpm = DDIM.from_scheduler(make_scheduler("ddpm"), 10)
-    ddim = DDIM.from_scheduler(make_scheduler("ddim"), 10, eta=1.0)
+    ddpm = sampler_from_scheduler(make_scheduler("ddpm"), 10)
+    ddim = sampler_from_scheduler(make_scheduler("ddim"), 10, eta=1.0)
     assert ddpm.eta == 1.0 and torch.equal(ddpm.alphas_cumprod, ddim.alphas_cumprod)
     sched = in_float64(make_scheduler("ddpm"))
     sched.set_timesteps(10)
@@ -206,7 +206,7 @@ def test_ddpm_is_ddim_with_eta_one():
 
 
 def test_float32_unet_rollout_is_the_scheduler_loop_to_float32_roundoff(monkeypatch):
-    sampler = DDIM.from_scheduler(make_scheduler("ddim"), STEPS)
+    sampler = sampler_from_scheduler(make_scheduler("ddim"), STEPS)
     unet = tiny_unet(torch.float32)
     noise, cond = unet_inputs(torch.float32)
     trajectory = gradest.rollout(DiffusersVelocity.for_sampler(unet, sampler), sampler, noise, cond)
@@ -231,7 +231,7 @@ def test_noised_and_jump_to_end_are_the_schedulers(prediction, set_alpha_to_one)
         "set_alpha_to_one": set_alpha_to_one,
         "steps_offset": 1,
     }
-    sampler = DDIM.from_scheduler(make_scheduler("ddim", **options), 5)
+    sampler = sampler_from_scheduler(make_scheduler("ddim", **options), 5)
     sched = in_float64(make_scheduler("ddim", **options))
     sched.set_timesteps(5)
     data, eps, z, out = (seeded_normal((3, 4), seed) for seed in range(4))
@@ -392,7 +392,7 @@ def test_step_log_prob_is_the_ddim_gaussian():
 @pytest.mark.parametrize("config", ["ddim-eps", "ddim-v-sd"])
 def test_exact_through_the_unet_is_the_dense_reference(config):
     kind, options, eta = CONFIGS[config]
-    sampler = DDIM.from_scheduler(make_scheduler(kind, **options), 3, eta=eta)
+    sampler = sampler_from_scheduler(make_scheduler(kind, **options), 3, eta=eta)
     unet = tiny_unet()
     # Dense Jacobians on a subset (594 parameters): the output conv and cross-attention queries.
     for name, param in unet.named_parameters():
@@ -456,38 +456,42 @@ def test_unsupported_scheduler_configurations_are_refused_with_the_fix():
         match=r"clip_sample=True clamps.*non-affine.*"
         r"DDIMScheduler.from_config\(scheduler.config, clip_sample=False\)",
     ):
-        DDIM.from_scheduler(diffusers.DDIMScheduler(), 4)  # clip_sample defaults to True
+        sampler_from_scheduler(diffusers.DDIMScheduler(), 4)  # clip_sample defaults to True
     with pytest.raises(ValueError, match="thresholding=True.*non-affine.*thresholding=False"):
-        DDIM.from_scheduler(make_scheduler("ddim", thresholding=True), 4)
+        sampler_from_scheduler(make_scheduler("ddim", thresholding=True), 4)
     with pytest.raises(
         ValueError, match="variance_type='learned_range' is not supported.*fixed_small"
     ):
-        DDIM.from_scheduler(make_scheduler("ddpm", variance_type="learned_range"), 4)
+        sampler_from_scheduler(make_scheduler("ddpm", variance_type="learned_range"), 4)
     with pytest.raises(
         ValueError, match=r"eta=0.5 with a DDPMScheduler.*DDIMScheduler.from_config"
     ):
-        DDIM.from_scheduler(make_scheduler("ddpm"), 4, eta=0.5)
+        sampler_from_scheduler(make_scheduler("ddpm"), 4, eta=0.5)
+    with pytest.raises(ValueError, match=r"eta=0.5 is DDIM's noise ratio.*sde_noise_level="):
+        sampler_from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(), 4, eta=0.5)
     with pytest.raises(
-        TypeError, match="needs a diffusers DDIMScheduler or DDPMScheduler.*sampler_from_scheduler"
+        TypeError,
+        match="takes a diffusers FlowMatchEulerDiscreteScheduler.*DDIMScheduler or "
+        "DDPMScheduler, got EulerDiscreteScheduler.*DDIMScheduler.from_config",
     ):
-        DDIM.from_scheduler(diffusers.FlowMatchEulerDiscreteScheduler(), 4)
+        sampler_from_scheduler(diffusers.EulerDiscreteScheduler(), 4)
     # trailing spacing with 3 steps: DDIM steps 666 -> 333 but calls the model at 332
     with pytest.raises(
         ValueError,
         match=r"step 1 from timestep 666 to 333 but the next model call is at timestep 332",
     ):
-        DDIM.from_scheduler(make_scheduler("ddim", timestep_spacing="trailing"), 3)
+        sampler_from_scheduler(make_scheduler("ddim", timestep_spacing="trailing"), 3)
     # an epsilon model cannot step from zero terminal SNR
     with pytest.raises(ValueError, match=r"alphas_cumprod\[0\]=0 must lie in \(0, 1\)"):
-        DDIM.from_scheduler(
+        sampler_from_scheduler(
             make_scheduler("ddim", rescale_betas_zero_snr=True, timestep_spacing="trailing"), 4
         )
     with pytest.raises(ValueError, match="num_inference_steps must be >= 1"):
-        DDIM.from_scheduler(make_scheduler("ddim"), 0)
+        sampler_from_scheduler(make_scheduler("ddim"), 0)
     sched = make_scheduler("ddim")
     sched.register_to_config(prediction_type="flow")
     with pytest.raises(ValueError, match="prediction_type='flow' is not supported"):
-        DDIM.from_scheduler(sched, 4)
+        sampler_from_scheduler(sched, 4)
     with pytest.raises(TypeError, match="for_sampler needs a sampler that records"):
         DiffusersVelocity.for_sampler(tiny_unet(), gradest.RectifiedFlow(steps=2))
 
@@ -495,7 +499,7 @@ def test_unsupported_scheduler_configurations_are_refused_with_the_fix():
 def test_the_callers_scheduler_is_untouched():
     sched = make_scheduler("ddim")
     before = sched.timesteps.clone()
-    DDIM.from_scheduler(sched, 7)
+    sampler_from_scheduler(sched, 7)
     assert torch.equal(sched.timesteps, before) and sched.num_inference_steps is None
 
 
@@ -503,7 +507,7 @@ def test_the_callers_scheduler_is_untouched():
 
 
 def test_jagg_through_a_float32_unet_end_to_end():
-    sampler = DDIM.from_scheduler(make_scheduler("ddim"), 6)
+    sampler = sampler_from_scheduler(make_scheduler("ddim"), 6)
     unet = tiny_unet(torch.float32)
     model = DiffusersVelocity.for_sampler(unet, sampler)
     noise, cond = unet_inputs(torch.float32)

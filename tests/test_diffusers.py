@@ -121,13 +121,15 @@ def test_stochastic_sampling_becomes_an_affine_sampler_with_noise():
     assert torch.allclose(beta, -(1 - sigma_next) * sigma)
 
 
-def test_non_flow_matching_schedulers_are_refused_with_the_fix():
+def test_other_schedulers_are_refused_with_the_fix():
     with pytest.raises(
         TypeError,
-        match="needs a diffusers FlowMatchEulerDiscreteScheduler.*got DDIMScheduler"
-        ".*DDIM.from_scheduler",
+        match="takes a diffusers FlowMatchEulerDiscreteScheduler.*got EulerDiscreteScheduler"
+        ".*DDIMScheduler.from_config",
     ):
-        sampler_from_scheduler(diffusers.DDIMScheduler(), 10)
+        sampler_from_scheduler(diffusers.EulerDiscreteScheduler(), 10)
+    with pytest.raises(ValueError, match=r"sde_noise_level=0.7 is Flow-GRPO's SDE.*eta="):
+        sampler_from_scheduler(diffusers.DDIMScheduler(clip_sample=False), 10, sde_noise_level=0.7)
     with pytest.raises(ValueError, match="invert_sigmas=True"):
         sampler_from_scheduler(scheduler(invert_sigmas=True), 4)
     with pytest.raises(ValueError, match="num_inference_steps must be >= 1"):

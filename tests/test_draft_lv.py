@@ -9,7 +9,7 @@ from recorded_problem import BATCH, DIM, STEPS, objective_of, problem, run, surr
 import gradest
 from gradest.errors import InvalidType, InvalidValue
 from gradest.reference import relative_error
-from gradest.reference.draft_lv_definition import draft_lv_definition
+from gradest.reference.draft_lv import draft_lv_definition
 from gradest.strategies import draft_lv
 from gradest.strategies.draft_lv import DraftLV
 

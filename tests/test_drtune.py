@@ -24,12 +24,12 @@ from fractions import Fraction
 
 import pytest
 import torch
+from gradest_lab.compare.command import compare_line_up
 from recorded_problem import STEPS, objective_of, problem, run
 
 import gradest
 from gradest import check
-from gradest.cli import compare_line_up
-from gradest.harness.compare import compare
+from gradest.harness.comparison import compare
 from gradest.reference import (
     drtune_definition,
     exact_gradient,
@@ -40,7 +40,7 @@ from gradest.reference import (
     selection_outcomes,
 )
 from gradest.reference.decisions import stratified_steps
-from gradest.reference.sdo_definition import sdo_full_sum_definition, sdo_noise_grad_definition
+from gradest.reference.sdo import sdo_full_sum_definition, sdo_noise_grad_definition
 from gradest.strategies import sampling, sdo
 from gradest.strategies.drtune import DRTune
 from gradest.strategies.sdo import ShortcutDiffusion

@@ -1,8 +1,9 @@
 """The documented install command of library + application works in a fresh environment.
 
-gradest is not on PyPI, so ``pip install ./apps/recipes`` alone cannot find the
-``gradest[integrations]`` it depends on unless gradest is installed already; the pages name
-the library's folder too (``pip install . ./apps/recipes``). Checked with pip's resolver
+gradest and its lab are not on PyPI, so ``pip install ./apps/recipes`` alone cannot find
+the ``gradest[integrations]`` and ``gradest-lab`` it depends on unless they are installed
+already; the pages name the library's folder and the lab's too (``pip install . ./lab
+./apps/recipes``); the lab's own command names the library's folder. Checked with pip's resolver
 (``--dry-run``, nothing installed) in a new environment that sees every third-party package
 of this one but no gradest distribution, offline (``--no-index``: a same-named package on an
 index would otherwise be taken for gradest), so a missing ``.`` fails here as it would for a
@@ -29,7 +30,12 @@ PAGES = [
     ("docs/recipes.md", "apps/recipes"),
     ("apps/recipes/README.md", "apps/recipes"),
     ("apps/digits/README.md", "apps/digits"),
+    ("README.md", "lab"),
+    ("lab/README.md", "lab"),
 ]
+# What each distribution beside the library depends on, in the repository: its install
+# command must name these folders.
+NEEDS = {"lab": (".",), "apps/digits": (".", "./lab"), "apps/recipes": (".", "./lab")}
 
 
 def documented_command(page: str, app: str) -> list[str]:
@@ -48,8 +54,9 @@ def documented_command(page: str, app: str) -> list[str]:
 
 @pytest.mark.parametrize(("page", "app"), PAGES)
 def test_the_documented_command_names_the_library_and_the_application(page, app):
-    arguments = [a for a in documented_command(page, app) if a != "-e"]
-    assert "." in arguments, f"{page}: {arguments} does not name the library's folder '.'"
+    arguments = [a.split("[")[0] for a in documented_command(page, app) if a != "-e"]
+    for needed in NEEDS[app]:
+        assert needed in arguments, f"{page}: {arguments} does not name {needed!r}"
     assert f"./{app}" in arguments, arguments
 
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 import gradest
 from gradest.reference import dense_chain, exact_gradient, relative_error
-from gradest.reference.jagg_definition import jagg_definition, jagg_gate_cosines
+from gradest.reference.jagg import jagg_definition, jagg_gate_cosines
 from gradest.strategies.jagg import Jagg
 from gradest.strategies.jagg_layout import (
     distinct_nodes,

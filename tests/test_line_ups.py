@@ -13,10 +13,11 @@ from typing import ClassVar
 
 import attrs
 import pytest
+from gradest_lab.compare.command import compare_line_up
+from gradest_lab.cost import command as cost_command
 
-from gradest import check, cost_command, entry_points, registry
+from gradest import check, entry_points, registry
 from gradest.base import EstimatorBase
-from gradest.cli import compare_line_up
 from gradest.options import option
 
 

@@ -18,7 +18,7 @@ rule). Checked, in float64:
   dataclass instance) and non-string keys are refused in one line naming the path;
   ``SharedCondition`` works at any depth.
 * A tiny diffusers ``UNet2DConditionModel`` configured like SDXL
-  (``addition_embed_type="text_time"``) under ``DDIM.from_scheduler``: every built-in
+  (``addition_embed_type="text_time"``) under ``sampler_from_scheduler``'s DDIM: every built-in
   estimator runs on the nested cond with the value of a hand-written DDIM loop and the
   gradient it has through flat conditioning; ``exact`` (and ``truncated`` at full depth)
   is the hand-written loop's ``loss.backward()``.
@@ -433,10 +433,10 @@ class FlatSDXL(nn.Module):
 def sdxl():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
     pytest.importorskip("diffusers")
-    from gradest.integrations.diffusers import DiffusersVelocity
+    from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler
 
     unet = tiny_sdxl_unet(UNET_POOLED)
-    sampler = gradest.DDIM.from_scheduler(ddim_scheduler(), UNET_STEPS)
+    sampler = sampler_from_scheduler(ddim_scheduler(), UNET_STEPS)
     noise = seeded_normal((UNET_BATCH, 2, 8, 8), 31)
     flat = {
         "encoder_hidden_states": seeded_normal((UNET_BATCH, 3, 6), 32),

@@ -9,7 +9,7 @@ from recorded_problem import BATCH, DIM, STEPS, objective_of, problem, run, surr
 import gradest
 from gradest.errors import InvalidType, InvalidValue
 from gradest.reference import relative_error
-from gradest.reference.refl_definition import refl_definition
+from gradest.reference.refl import refl_definition
 from gradest.strategies.refl import Refl
 from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 

@@ -1,6 +1,6 @@
 """One rule per class of input, tried on cases it was not written for.
 
-* **Only onto regular files** (:func:`gradest.files.refuse_non_file`): every writer
+* **Only onto regular files** (:func:`gradest_lab.storage.files.refuse_non_file`): every writer
   (``atomic_write`` and what builds on it, ``JsonLog``, the early ``check_output_file``)
   refuses an existing path that is not a regular file (a FIFO, a character device, a
   folder, through a symbolic link too) in one line and leaves it as it was; a loop of
@@ -9,7 +9,7 @@
 * **Whole numbers** (:class:`gradest.integers.WholeNumber`): every integer flag of every
   ``gradest`` command, a ``--config`` value and a ``--task-option`` integer.
 * **diffusers configs by the class's own signature**
-  (:func:`gradest.integrations.diffusers_presets.checked_config`).
+  (:func:`gradest_lab.cost.diffusers_presets.checked_config`).
 * ``truncated``'s ``random=`` by kind (numpy arrays and tensors included).
 * **A plugin's surrogate** (:func:`gradest.protocol.check_surrogate`): a vector or a bare
   tensor is one line naming the plugin wherever gradest backpropagates it.
@@ -35,14 +35,10 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-
-import gradest
-from gradest import cli
-from gradest.config_file import load_defaults
-from gradest.errors import GradestError, InvalidType, InvalidValue, MissingFile
-from gradest.files import (
+from gradest_lab.errors import MissingFile
+from gradest_lab.race.task_options import parse_task_options
+from gradest_lab.storage.config_file import load_defaults
+from gradest_lab.storage.files import (
     JsonLog,
     OutputError,
     atomic_save,
@@ -52,7 +48,12 @@ from gradest.files import (
     read_text,
     refuse_non_file,
 )
-from gradest.harness.task_options import parse_task_options
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gradest
+from gradest import cli
+from gradest.errors import GradestError, InvalidType, InvalidValue
 from gradest.integers import INT64_MAX, WholeNumber, whole_number_problem
 from gradest.protocol import check_surrogate
 from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
@@ -164,7 +165,8 @@ def test_a_path_that_is_not_a_regular_file_is_refused_and_kept(tmp_path, writer,
 
 @pytest.fixture
 def nothing_can_be_written(monkeypatch):
-    """Every way gradest.files writes is disabled: a refusal must come before any of them."""
+    """Every way gradest_lab.storage.files writes is disabled: a refusal must come before any
+    of them."""
 
     def refused(*args, **kwargs):
         raise AssertionError("a write was attempted")
@@ -231,7 +233,7 @@ def test_an_output_path_that_cannot_be_named_or_resolved_is_one_line(tmp_path, c
     commands = _out_flags(tmp_path)
     if command not in commands:
         pytest.skip("the digits application is not installed")
-    from gradest.harness.race import registered_tasks
+    from gradest_lab.race.plain_race import registered_tasks
 
     if command == "race" and "digits" not in registered_tasks():
         pytest.skip("the digits race task is not installed")
@@ -347,7 +349,7 @@ def test_no_command_takes_a_plain_int_flag():
         if action.type is int
     ]
     # The race's --seeds is a seed list (a count, a range or a list), read by its own
-    # parser (gradest.harness.tuned_race.parse_seed_list), not an integer flag.
+    # parser (gradest_lab.race.tuned_race.parse_seed_list), not an integer flag.
     assert [flag for flag in plain if flag != "gradest race --seeds"] == []
     flags = {(command, flag) for command, flag, _ in _integer_flags()}
     assert {("cost", "--batch"), ("compare", "--seeds"), ("check", "--steps")} <= flags
@@ -439,7 +441,7 @@ def test_a_task_option_integer_must_fit_int64(text):
 def test_race_on_cuda_without_cuda_is_refused_before_the_task_is_built(monkeypatch, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    from gradest.harness import race
+    from gradest_lab.race import plain_race as race
 
     def never(**kwargs):
         raise AssertionError("the task was built")
@@ -458,7 +460,7 @@ def test_race_on_cuda_without_cuda_is_refused_before_the_task_is_built(monkeypat
 
 
 def test_cost_refuses_a_negative_batch_from_python_too():
-    from gradest.cost_command import model_setup
+    from gradest_lab.cost.command import model_setup
 
     for value in (-1, 0, 2.5, True, 2**63):
         with pytest.raises(InvalidValue, match="--batch must be a whole number >= 1"):
@@ -473,7 +475,7 @@ needs_diffusers = pytest.mark.skipif(
 
 
 def _presets() -> Any:
-    from gradest.integrations import diffusers_presets
+    from gradest_lab.cost import diffusers_presets
 
     return diffusers_presets
 
@@ -653,8 +655,9 @@ BAD_SURROGATES = {
 
 @pytest.mark.parametrize("case", list(BAD_SURROGATES))
 def test_a_plugins_surrogate_that_is_not_a_scalar_loss_names_the_plugin(case):
-    from gradest.harness.race import StepProblem, _surrogate
-    from gradest.harness.training_cost import training_step_cost
+    from gradest_lab.cost.training_cost import training_step_cost
+    from gradest_lab.race.plain_race import StepProblem, _surrogate
+
     from gradest.testing.checks import surrogate_gradient
 
     make, shown = BAD_SURROGATES[case]

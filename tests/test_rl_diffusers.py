@@ -1,7 +1,7 @@
 """RL on diffusers models, and the value of stepwise objectives.
 
-* ``FlowSDE.from_scheduler`` takes the scheduler's sigma grid (with ``shift``) and its
-  steps are Flow-GRPO's ``sde_step_with_logprob`` on those sigmas.
+* ``sampler_from_scheduler(..., sde_noise_level=a)`` takes the scheduler's sigma grid (with
+  ``shift``) and its steps are Flow-GRPO's ``sde_step_with_logprob`` on those sigmas.
 * ``adapters_disabled`` switches LoRA adapters off and back on for a diffusers model, a
   peft ``PeftModel``, a model from ``add_lora``, and any of them inside
   ``DiffusersVelocity`` / ``DataParallel``; it refuses, in one line, a model without.
@@ -28,10 +28,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:There are modules:UserWarning")
 
 def test_flow_sde_from_scheduler_is_flow_grpos_step():
     diffusers = pytest.importorskip("diffusers")
+    from gradest.integrations.diffusers import sampler_from_scheduler
+
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
-    flow = gradest.FlowSDE.from_scheduler(scheduler, 6, noise_level=0.7)
-    assert flow.noise_level == 0.7
-    assert torch.equal(flow.times, gradest.RectifiedFlow.from_scheduler(scheduler, 6).times)
+    flow = sampler_from_scheduler(scheduler, 6, sde_noise_level=0.7)
+    assert isinstance(flow, gradest.FlowSDE) and flow.noise_level == 0.7
+    assert torch.equal(flow.times, sampler_from_scheduler(scheduler, 6).times)
     sigmas = copy.deepcopy(scheduler)
     sigmas.set_timesteps(6)
     sigmas = sigmas.sigmas.double()
@@ -44,8 +46,8 @@ def test_flow_sde_from_scheduler_is_flow_grpos_step():
         assert torch.allclose(alpha[k], 1 + std**2 / (2 * sigma) * dt)
         assert torch.allclose(beta[k], (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt)
         assert torch.allclose(scale[k], std * torch.sqrt(-dt))
-    with pytest.raises(TypeError, match="FlowMatchEulerDiscreteScheduler"):
-        gradest.FlowSDE.from_scheduler(diffusers.DDIMScheduler(), 6)
+    with pytest.raises(ValueError, match="sde_noise_level=0.7 is Flow-GRPO's SDE"):
+        sampler_from_scheduler(diffusers.DDIMScheduler(clip_sample=False), 6, sde_noise_level=0.7)
 
 
 def _lora_config():

@@ -29,7 +29,7 @@ from torch import Tensor
 
 import gradest
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.sdo_definition import (
+from gradest.reference.sdo import (
     sdo_definition,
     sdo_full_sum_definition,
     sdo_noise_grad_definition,

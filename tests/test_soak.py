@@ -115,7 +115,7 @@ def graph_bytes(call, collect: bool = True) -> tuple[int, int, gradest.GradientE
     still referenced. ``collect=False`` when the caller already paused the collector.
     """
     recording = cost._GraphRecording()
-    tracker = cost._StorageTracker(recording)
+    tracker = cost.StorageTracker(recording)
     with _collector_paused() if collect else contextlib.nullcontext():
         with recording, tracker:
             result = call()

@@ -146,7 +146,8 @@ def test_both_commands_refuse_a_semicolon_list_in_one_line(tmp_path, capsys, com
 def test_a_config_file_list_is_one_string_or_an_array_of_specs(tmp_path, value):
     import argparse
 
-    from gradest.config_file import load_defaults
+    from gradest_lab.storage.config_file import load_defaults
+
     from gradest.specs import spec_list_text
 
     parser = argparse.ArgumentParser()

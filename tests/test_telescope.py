@@ -12,7 +12,7 @@ from recorded_problem import BATCH, DIM, STEPS, objective_of, problem, run, surr
 import gradest
 from gradest.errors import InvalidValue
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.telescope_definition import (
+from gradest.reference.telescope import (
     reference_survival,
     telescope_definition,
     telescope_expectation,

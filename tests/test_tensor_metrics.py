@@ -1,4 +1,4 @@
-"""Per-tensor, sign and Adam-normalised agreement (gradest.tensor_metrics).
+"""Per-tensor, sign and Adam-normalised agreement (gradest.harness.tensor_metrics).
 
 Planted errors with known answers: a uniformly scaled gradient keeps every sign and
 Adam-cosine 1; a zeroed small tensor is the worst tensor with relative error 1 while the
@@ -15,9 +15,8 @@ import torch
 
 import gradest
 from gradest.base import EstimatorBase
-from gradest.harness.compare import compare
-from gradest.options import option
-from gradest.tensor_metrics import (
+from gradest.harness.comparison import compare
+from gradest.harness.tensor_metrics import (
     TensorLayout,
     adam_cosine,
     second_moment,
@@ -25,6 +24,7 @@ from gradest.tensor_metrics import (
     tensor_stats,
     worst_tensors,
 )
+from gradest.options import option
 from gradest.testing.problems import seeded_normal, smooth_terminal_objective, tiny_mlp
 
 DIM, BATCH, STEPS = 3, 4, 6

@@ -26,7 +26,7 @@ from torch import Tensor
 import gradest
 from gradest.errors import InvalidValue
 from gradest.reference import exact_gradient, relative_error
-from gradest.reference.truncated_definition import (
+from gradest.reference.truncated import (
     truncated_definition,
     truncated_expectation,
     truncated_noise_grad_definition,

@@ -21,10 +21,10 @@ from torch import Tensor
 
 import gradest
 from gradest.reference import exact_gradient
-from gradest.reference.jagg_definition import jagg_definition
-from gradest.reference.refl_definition import refl_definition
-from gradest.reference.telescope_definition import reference_survival, telescope_definition
-from gradest.reference.truncated_definition import truncated_expectation
+from gradest.reference.jagg import jagg_definition
+from gradest.reference.refl import refl_definition
+from gradest.reference.telescope import reference_survival, telescope_definition
+from gradest.reference.truncated import truncated_expectation
 from gradest.testing import SE_BOUND, assert_biased, assert_unbiased, fits_distribution
 
 DRAWS = 400

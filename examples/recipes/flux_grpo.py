@@ -1,6 +1,6 @@
 """Flux Flow-GRPO with a KL penalty: FluxTransformer2DModel (packed latents, guidance
-embedding) rolled out with gradest.FlowSDE.from_scheduler on FluxPipeline's sigmas and mu
-(noise level 0.7), groups of group_size images per prompt, the clipped surrogate plus the
+embedding) rolled out with sampler_from_scheduler(..., sde_noise_level=0.7) on
+FluxPipeline's sigmas and mu, groups of group_size images per prompt, the clipped surrogate plus the
 KL to the same transformer with its LoRA adapters off, any stepwise gradest estimator.
 
     python examples/recipes/flux_grpo.py --tiny --out runs/flux_grpo_tiny     # CPU, seconds

@@ -1,5 +1,5 @@
 """Stable Diffusion 3 Flow-GRPO with a KL penalty: SD3Transformer2DModel rolled out with
-gradest.FlowSDE.from_scheduler (noise level 0.7), groups of group_size images per prompt,
+sampler_from_scheduler(..., sde_noise_level=0.7), groups of group_size images per prompt,
 the clipped surrogate plus the KL to the same transformer with its LoRA adapters off,
 any gradest estimator for stepwise objectives.
 

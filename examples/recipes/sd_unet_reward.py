@@ -1,5 +1,5 @@
 """Stable Diffusion 1.x/2.x reward fine-tuning: UNet2DConditionModel + DDIMScheduler (through
-gradest.DDIM.from_scheduler, with --eta), encoder_hidden_states,
+gradest.integrations.sampler_from_scheduler, with --eta), encoder_hidden_states,
 classifier-free guidance, LoRA on the attention projections, any gradest estimator.
 
     python examples/recipes/sd_unet_reward.py --tiny --out runs/sd_tiny     # CPU, seconds

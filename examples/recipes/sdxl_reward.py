@@ -1,8 +1,8 @@
 """Stable Diffusion XL reward fine-tuning: SDXL's UNet2DConditionModel (text_time
 conditioning: encoder_hidden_states + the nested added_cond_kwargs text_embeds / time_ids)
-+ DDIMScheduler from the model's scheduler config (through gradest.DDIM.from_scheduler,
-with --eta), classifier-free guidance, LoRA on the attention projections, any gradest
-estimator.
++ DDIMScheduler from the model's scheduler config (through
+gradest.integrations.sampler_from_scheduler, with --eta), classifier-free guidance, LoRA on
+the attention projections, any gradest estimator.
 
     python examples/recipes/sdxl_reward.py --tiny --out runs/sdxl_tiny     # CPU, seconds
     accelerate launch examples/recipes/sdxl_reward.py \\

@@ -37,7 +37,6 @@ import torch
 from torch._C import DispatchKey
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from gradest.errors import InvalidValue
 
@@ -59,11 +58,16 @@ __all__ = [
 # -- FLOPs ----------------------------------------------------------------------------------
 
 
-class _FlopCounter(TorchDispatchMode):
+class FlopCounter(TorchDispatchMode):
     """Sums ``torch.utils.flop_counter.flop_registry`` formulas over every operator call."""
 
     def __init__(self, formulas: Mapping[Any, Callable[..., int]] | None = None) -> None:
         super().__init__()
+        # torch's FLOP formulas, imported when a counter is first made (measuring only):
+        # ``import gradest`` and its command line never load torch.utils.flop_counter.
+        from torch.utils.flop_counter import flop_registry
+
+        self._registry = flop_registry
         self.total = 0
         # Formulas that replace torch's own for some operators (a cost trace counts a
         # fused attention backward as the math path does, without its recomputation).
@@ -77,7 +81,7 @@ class _FlopCounter(TorchDispatchMode):
         plan = self._plans.get(func)
         if plan is None:
             packet = func._overloadpacket
-            formula = self.formulas.get(packet) or flop_registry.get(packet)
+            formula = self.formulas.get(packet) or self._registry.get(packet)
             # What OpOverload.decompose tries: a Python or a C++ composite kernel.
             composite = DispatchKey.CompositeImplicitAutograd
             decomposes = (
@@ -116,7 +120,7 @@ def count_flops(fn: Callable[[], Any]) -> int:
     count is exact and machine-independent. Works inside ``torch.func`` transforms
     (``FlopCounterMode`` itself fails there, see the module docstring).
     """
-    counter = _FlopCounter()
+    counter = FlopCounter()
     with counter:
         fn()
     return counter.total
@@ -153,7 +157,7 @@ class _GraphRecording(TorchFunctionMode):
     It does when grad mode is on and one of its tensor arguments requires grad. At this
     level ``torch.func`` transforms still show their tracked tensors as requiring grad;
     one level down, in the dispatcher, they are already unwrapped, which is why this
-    question is asked here and the allocation is seen in :class:`_StorageTracker`.
+    question is asked here and the allocation is seen in :class:`StorageTracker`.
     """
 
     def __init__(self) -> None:
@@ -172,7 +176,7 @@ class _GraphRecording(TorchFunctionMode):
             self.active = previous
 
 
-class _StorageTracker(TorchDispatchMode):
+class StorageTracker(TorchDispatchMode):
     """Live bytes of the storages that operators create while the mode is active.
 
     A storage counts from the operator call that creates it until it is freed (a weak
@@ -241,7 +245,7 @@ def _peak_bytes(fn: Callable[[], Any], *, only_graph_forward: bool) -> int:
     was_enabled = gc.isenabled()
     gc.disable()
     recording = _GraphRecording() if only_graph_forward else None
-    tracker = _StorageTracker(recording)
+    tracker = StorageTracker(recording)
     try:
         with contextlib.ExitStack() as stack:
             if recording is not None:

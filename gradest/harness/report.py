@@ -1,4 +1,7 @@
-"""The comparison report: rows per estimator, markdown, JSON (schema below) and plots.
+"""The comparison report: rows per estimator, as markdown and as JSON (schema below).
+
+The lab writes a report's folder (``report.md``, ``report.json`` and plots:
+``gradest_lab.compare.report_files``); the library only builds the texts.
 
 JSON schema ``gradest.report/1`` (documented in docs/harness.md)::
 
@@ -25,21 +28,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
-import warnings
-from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from gradest.files import OutputError, atomic_write_text, check_output_dir, read_text
 from gradest.harness.cost import COST_DRAWS, ratio
+from gradest.harness.statistics import Estimate
+from gradest.harness.tensor_metrics import TensorStats, worst_tensors
 from gradest.protocol import Cost
-from gradest.statistics import Estimate
-from gradest.tensor_metrics import TensorStats, worst_tensors
 
 SCHEMA = "gradest.report/1"
 
@@ -74,7 +70,7 @@ class EstimatorRow:
     mse: Estimate
     counts: Cost
     mean_param_vjps: float | None = None  # over every draw (random depths vary per call)
-    adam_cosine: Estimate | None = None  # gradest.tensor_metrics
+    adam_cosine: Estimate | None = None  # gradest.harness.tensor_metrics
     sign_agreement: Estimate | None = None
     tensors: list[TensorStats] = attrs.field(factory=list)
     fallback_fraction: float | None = None
@@ -178,48 +174,6 @@ def json_restored(value: Any) -> Any:
     return value
 
 
-def read_report_json(
-    path: str | os.PathLike[str], *, kinds: Mapping[str, str], fields: Sequence[str] = ()
-) -> dict[str, Any]:
-    """The JSON object of a report gradest wrote (``report.json``, or the folder holding
-    it), checked against its schema: the one reader of every report format.
-
-    Args:
-        path: the file, or its folder.
-        kinds: the schemas accepted, each with what it is called in messages
-            (``{"gradest.race/1": "race report"}``).
-        fields: the top-level fields that must be objects.
-
-    Returns:
-        The parsed object (its non-finite floats still as :func:`json_safe` wrote them).
-
-    Raises:
-        InvalidValue / MissingFile: one line naming the file and what is wrong (missing,
-            not a regular file, not UTF-8 JSON, another schema, a field missing or not an
-            object); the file is left as it is.
-    """
-    from gradest.errors import GradestError, InvalidValue
-
-    file = Path(path)
-    if file.is_dir():
-        file = file / "report.json"
-    what = " or ".join(dict.fromkeys(kinds.values()))
-    try:
-        data = json.loads(read_text(file, what="the report"))
-    except (GradestError, ValueError) as err:
-        raise InvalidValue(f"{str(file)!r} is not a readable {what}.json ({err})") from None
-    if not isinstance(data, dict) or data.get("schema") not in kinds:
-        schema = data.get("schema") if isinstance(data, dict) else None
-        expected = " or ".join(repr(k) for k in kinds)
-        raise InvalidValue(
-            f"{str(file)!r} is not a {what} (schema {schema!r}, expected {expected})"
-        )
-    for field in fields:
-        if not isinstance(data.get(field), dict):
-            raise InvalidValue(f"{str(file)!r}: field {field!r} is missing or not an object")
-    return data
-
-
 def _pm(estimate: Estimate | None, spec: str = ".3g") -> str:
     if estimate is None:
         return "-"
@@ -317,47 +271,6 @@ class Report:
                 ),
             ]
         return "\n".join(lines) + "\n"
-
-    def write(self, out: str | os.PathLike[str], *, plots: bool = True) -> Path:
-        """Write ``report.md``, ``report.json`` and the plots to ``out`` atomically.
-
-        Everything is written (and fsynced) into a temporary folder beside ``out`` and
-        moved into place at the end, each file with ``os.replace``, so an interrupted run
-        never leaves a half-written report, and a failed write (disk full, read-only)
-        raises :class:`gradest.files.OutputError` naming the path. Without matplotlib
-        (a plain ``pip install gradest``) the plots are skipped with a warning that says
-        why, and the report and its JSON are written all the same.
-        """
-        from gradest.harness.plots import plots_unavailable
-
-        missing = plots_unavailable() if plots else None
-        if missing is not None:
-            warnings.warn(f"gradest compare: plots skipped: {missing}", stacklevel=2)
-            plots = False
-        # Checked before writing, but created only when the report moves in, so an
-        # interrupted write leaves no (empty) report folder behind.
-        target = check_output_dir(out, what="--out", create=False)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-        except OSError as err:
-            raise OutputError(f"cannot write a report next to {str(target)!r}: {err}") from None
-        try:
-            atomic_write_text(staging / "report.md", self.to_markdown())
-            atomic_write_text(staging / "report.json", self.to_json())
-            if plots:
-                from gradest.harness.plots import plot_report
-
-                plot_report(self, staging)
-            target.mkdir(exist_ok=True)
-            for item in staging.iterdir():
-                try:
-                    os.replace(item, target / item.name)
-                except OSError as err:
-                    raise OutputError(f"cannot write {str(target / item.name)!r}: {err}") from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return target
 
 
 def _param_vjps(row: EstimatorRow) -> str:

@@ -14,8 +14,7 @@ dependency it does not need:
 * :mod:`gradest.integrations.pipelines`: a diffusers pipeline (SD3, Flux, SDXL, SD) and
   prompts as velocity, sampler and cond (``from_pipeline``).
 * :mod:`gradest.integrations.diffusers_schedulers`: a diffusers scheduler's grid, read
-  for ``sampler_from_scheduler`` and the samplers' own ``RectifiedFlow.from_scheduler`` and
-  ``DDIM.from_scheduler`` (it imports no sampler, so the samplers may import it).
+  for ``sampler_from_scheduler``.
 
 Served from here too, imported on first use: ``DiffusersVelocity``,
 ``sampler_from_scheduler``, ``adapters_disabled``, ``ClassifierFreeGuidance``,
@@ -24,7 +23,13 @@ Served from here too, imported on first use: ``DiffusersVelocity``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names served below, for type checkers and the API reference
+    from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler
+    from gradest.integrations.guidance import ClassifierFreeGuidance, EmbeddedGuidance
+    from gradest.integrations.peft import adapters_disabled
+    from gradest.integrations.pipelines import from_pipeline
 
 __all__ = [
     "ClassifierFreeGuidance",

@@ -9,8 +9,8 @@ any ``shift``; see ``FlowMatchEulerDiscreteScheduler.step``). So:
 
 * :func:`sampler_from_scheduler` turns a scheduler's sigma grid into a gradest sampler
   (a ``RectifiedFlow`` on ``times = sigmas``, or, with ``stochastic_sampling=True``, the
-  equivalent affine sampler with noise, ``StochasticFlowMatch``); when you know which,
-  ``RectifiedFlow.from_scheduler`` / ``StochasticFlowMatch.from_scheduler`` do the same.
+  equivalent affine sampler with noise, ``StochasticFlowMatch``; with
+  ``sde_noise_level=a``, Flow-GRPO's ``FlowSDE`` on the same grid).
 * :class:`DiffusersVelocity` wraps a diffusers transformer so that gradest can call it as
   ``model(z, t, **cond)``: ``timestep = t * 1000`` (``num_train_timesteps``; Flux takes
   ``t`` and scales inside), conditioning by keyword, output ``.sample``.
@@ -19,8 +19,8 @@ Then every gradest estimator differentiates through the scheduler's sampling loo
 
 DDPM-family models (Stable Diffusion 1.x/2.x UNets, DDPM DiTs) sample with
 ``DDIMScheduler`` or ``DDPMScheduler``; their steps are affine in the model's epsilon (or
-v) prediction, so :meth:`gradest.DDIM.from_scheduler` returns a
-:class:`gradest.diffusion_samplers.DDIM` taking exactly ``step()``'s steps, and
+v) prediction, so :func:`sampler_from_scheduler` returns a :class:`gradest.DDIM` taking
+exactly ``step()``'s steps for them too, and
 :meth:`DiffusersVelocity.for_sampler` calls a ``UNet2DConditionModel`` (``sample=``,
 ``timestep=``, ``encoder_hidden_states=``) at the scheduler's integer timesteps.
 
@@ -33,15 +33,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
 
 from gradest.diffusion_samplers import DDIM
-from gradest.errors import InvalidType, InvalidValue
-from gradest.integrations.diffusers_schedulers import flow_match_schedule
-from gradest.samplers import RectifiedFlow, StochasticFlowMatch, flow_match_sampler
+from gradest.errors import InvalidType, InvalidValue, MissingDependency
+from gradest.integrations.diffusers_schedulers import (
+    DDIMSchedule,
+    FlowMatchSchedule,
+    ddim_schedule,
+    flow_match_schedule,
+)
+from gradest.samplers import FlowSDE, RectifiedFlow, StochasticFlowMatch
 from gradest.symbolic import outside_fake_mode
 
 # DDIM and StochasticFlowMatch are re-exported for convenience (their home is gradest's
@@ -57,32 +62,140 @@ __all__ = [
 NUM_TRAIN_TIMESTEPS = 1000
 
 
+@overload
 def sampler_from_scheduler(
-    scheduler: Any, num_inference_steps: int, **set_timesteps_kwargs: Any
-) -> RectifiedFlow | StochasticFlowMatch:
+    scheduler: Any,
+    num_inference_steps: int,
+    *,
+    eta: None = None,
+    sde_noise_level: float,
+    **set_timesteps_kwargs: Any,
+) -> FlowSDE: ...
+
+
+@overload
+def sampler_from_scheduler(
+    scheduler: Any,
+    num_inference_steps: int,
+    *,
+    eta: float | None = None,
+    sde_noise_level: None = None,
+    **set_timesteps_kwargs: Any,
+) -> RectifiedFlow | StochasticFlowMatch | DDIM: ...
+
+
+def sampler_from_scheduler(
+    scheduler: Any,
+    num_inference_steps: int,
+    *,
+    eta: float | None = None,
+    sde_noise_level: float | None = None,
+    **set_timesteps_kwargs: Any,
+) -> RectifiedFlow | StochasticFlowMatch | FlowSDE | DDIM:
     """The gradest sampler that takes exactly the steps ``scheduler.step()`` takes.
 
     Runs ``set_timesteps`` on a copy of the scheduler (yours is left as it is), so every
     schedule option is honoured: ``shift``, dynamic shifting (pass ``mu=``),
-    ``shift_terminal``, Karras / exponential / beta sigmas, custom ``sigmas=``.
+    ``shift_terminal``, Karras / exponential / beta sigmas, custom ``sigmas=``; DDPM's
+    ``timesteps=``.
+
+    * ``FlowMatchEulerDiscreteScheduler`` (SD3, Flux): ``gradest.RectifiedFlow(times=
+      sigmas)`` (deterministic Euler), or a :class:`StochasticFlowMatch` when the scheduler
+      samples stochastically; with ``sde_noise_level=a``, Flow-GRPO's
+      :class:`gradest.FlowSDE` (``noise_level=a``, Flow-GRPO uses 0.7) on the same grid
+      (``sde_step_with_logprob`` on the pipeline's sigmas; only the grid is read from the
+      scheduler). Call the model with ``DiffusersVelocity(transformer)``.
+    * ``DDIMScheduler`` / ``DDPMScheduler`` (SD 1.x/2.x, SDXL): a :class:`gradest.DDIM`.
+      The grid: ``t_k = timestep_k / num_train_timesteps`` and ``t_N = 0`` (the final
+      level: ``final_alpha_cumprod`` for DDIM, 1 for DDPM). When the last timestep is 0
+      (the default ``timestep_spacing="leading"`` with ``steps_offset=0``) there is no room
+      below it in ``[0, 1]``, so the whole grid is shifted by one training step,
+      ``t_k = (timestep_k + 1) / num_train_timesteps``, and the sampler records
+      ``timestep_shift = -1``. Call the model through
+      :meth:`DiffusersVelocity.for_sampler`, which applies the sampler's mapping
+      (``timestep = round(t * num_train_timesteps + timestep_shift)``).
 
     Args:
-        scheduler: a diffusers ``FlowMatchEulerDiscreteScheduler``.
+        scheduler: a diffusers ``FlowMatchEulerDiscreteScheduler``, ``DDIMScheduler`` or
+            ``DDPMScheduler``.
         num_inference_steps: ``N``, the number of sampling steps.
-        **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (``mu``, ``sigmas``).
-
-    Returns:
-        ``gradest.RectifiedFlow(times=sigmas)`` (deterministic Euler), or a
-        :class:`StochasticFlowMatch` when the scheduler samples stochastically.
+        eta: DDIM's noise ratio (``DDIMScheduler.step(eta=...)``; default 0). A
+            ``DDPMScheduler`` samples with ``eta = 1`` (its ``"fixed_small"`` posterior
+            variance), the only value accepted for it. DDPM-family schedulers only.
+        sde_noise_level: Flow-GRPO's SDE on a flow-matching grid, with this noise level.
+            Flow-matching schedulers only.
+        **set_timesteps_kwargs: passed to ``scheduler.set_timesteps`` (``mu``, ``sigmas``,
+            DDPM's ``timesteps``).
 
     Raises:
-        TypeError: ``scheduler`` is not a flow-matching Euler scheduler (e.g. DDIM).
-        ValueError: the schedule cannot be expressed on gradest's time grid (inverted
-            sigmas, timesteps that are not ``sigma * num_train_timesteps``).
+        MissingDependency: diffusers is not installed.
+        TypeError: another scheduler class.
+        ValueError: a schedule gradest's affine samplers cannot take (inverted sigmas,
+            timesteps that are not ``sigma * num_train_timesteps``, ``clip_sample=True``,
+            ``thresholding=True``, a learned or "large" DDPM variance, an unknown
+            ``prediction_type``), or an option of the other family.
     """
-    return flow_match_sampler(
+    if _is_ddpm_family(scheduler):
+        if sde_noise_level is not None:
+            raise InvalidValue(
+                f"sde_noise_level={sde_noise_level!r} is Flow-GRPO's SDE on a flow-matching "
+                f"grid; {type(scheduler).__name__} samples a DDPM-family process: pass eta= "
+                f"(DDIM's noise ratio) instead"
+            )
+        return _ddim_sampler(
+            ddim_schedule(scheduler, num_inference_steps, eta=eta, **set_timesteps_kwargs)
+        )
+    if eta is not None:
+        raise InvalidValue(
+            f"eta={eta!r} is DDIM's noise ratio, for a DDIMScheduler or DDPMScheduler; a "
+            f"flow-matching scheduler samples with noise through sde_noise_level= (Flow-GRPO's "
+            f"SDE) or its own stochastic_sampling=True"
+        )
+    euler = _flow_match_sampler(
         flow_match_schedule(scheduler, num_inference_steps, **set_timesteps_kwargs)
     )
+    if sde_noise_level is None:
+        return euler
+    return FlowSDE(times=euler.times, noise_level=sde_noise_level)
+
+
+def _is_ddpm_family(scheduler: Any) -> bool:
+    try:
+        from diffusers import DDIMScheduler, DDPMScheduler
+    except ImportError as err:
+        raise MissingDependency(
+            "sampler_from_scheduler needs diffusers: pip install diffusers "
+            "(or gradest's integrations extra)"
+        ) from err
+    return isinstance(scheduler, DDIMScheduler | DDPMScheduler)
+
+
+def _flow_match_sampler(schedule: FlowMatchSchedule) -> RectifiedFlow | StochasticFlowMatch:
+    """The sampler that takes a flow-matching scheduler's steps, from its grid as
+    :func:`~gradest.integrations.diffusers_schedulers.flow_match_schedule` read it:
+    :class:`StochasticFlowMatch` when the scheduler samples stochastically, else
+    :class:`~gradest.RectifiedFlow`."""
+    try:
+        euler = RectifiedFlow(times=schedule.sigmas)
+    except ValueError as err:
+        raise InvalidValue(
+            f"the sigmas of {schedule.scheduler} with num_inference_steps="
+            f"{schedule.num_inference_steps} are not a gradest time grid: {err}"
+        ) from err
+    return StochasticFlowMatch(times=euler.times) if schedule.stochastic else euler
+
+
+def _ddim_sampler(schedule: DDIMSchedule) -> DDIM:
+    """The :class:`~gradest.DDIM` that takes a DDIM / DDPM scheduler's steps, from its
+    levels as :func:`~gradest.integrations.diffusers_schedulers.ddim_schedule` read them."""
+    try:
+        return DDIM(**schedule.sampler_arguments())
+    except ValueError as err:
+        raise InvalidValue(
+            f"the schedule of {schedule.scheduler} with num_inference_steps="
+            f"{schedule.num_inference_steps} (timesteps {schedule.timesteps[:4]}...) is "
+            f"not a gradest DDIM sampler: {err}"
+        ) from err
 
 
 class DiffusersVelocity(nn.Module):
@@ -94,7 +207,8 @@ class DiffusersVelocity(nn.Module):
     ``UNet2DModel``) get ``sample=z``. Parameters keep the model's names behind a
     ``transformer.`` prefix (``result.grads["transformer.proj_out.weight"]``), for UNets too.
     The output is whatever the model predicts (a flow velocity, or epsilon / v for a
-    DDPM-family model sampled with :meth:`gradest.DDIM.from_scheduler`); for the latter build the
+    DDPM-family model sampled with :func:`sampler_from_scheduler`'s ``DDIM``); for the latter build
+    the
     wrapper with :meth:`for_sampler`, which calls the model at the scheduler's timesteps.
 
     Conditioning (``cond`` of ``estimate`` / ``rollout``; tensors with a batch dimension):
@@ -117,7 +231,8 @@ class DiffusersVelocity(nn.Module):
         timestep_scale: the model's timestep per unit of sigma. Default: 1 for Flux (its
             forward multiplies by 1000 itself), else 1000 (``num_train_timesteps`` of
             ``FlowMatchEulerDiscreteScheduler``, what SD3 and DiT pipelines pass).
-        timestep_shift: added after scaling (``DDIM.from_scheduler`` grids whose last
+        timestep_shift: added after scaling (the ``DDIM`` grids of :func:`sampler_from_scheduler`
+            whose last
             timestep is 0 use -1; :meth:`for_sampler` sets it).
         integer_timesteps: round the timestep to the nearest integer, as the integer
             timesteps diffusers' DDPM/DDIM pipelines pass (``t * scale`` in float32 can be
@@ -178,7 +293,7 @@ class DiffusersVelocity(nn.Module):
         """The wrapper that calls ``model`` at the timesteps ``sampler``'s scheduler uses.
 
         ``sampler`` is a :class:`~gradest.diffusion_samplers.DDIM` (from
-        ``DDIM.from_scheduler``): the model is called at ``timestep = t *
+        :func:`sampler_from_scheduler`): the model is called at ``timestep = t *
         num_train_timesteps + timestep_shift``, rounded to an integer when every grid
         timestep is one (as ``DDIMScheduler.timesteps`` are).
         """
@@ -186,7 +301,7 @@ class DiffusersVelocity(nn.Module):
         if scale is None or not callable(getattr(sampler, "model_timesteps", None)):
             raise InvalidType(
                 f"DiffusersVelocity.for_sampler needs a sampler that records how its model "
-                f"is called (a gradest.DDIM from DDIM.from_scheduler), got "
+                f"is called (a gradest.DDIM from sampler_from_scheduler), got "
                 f"{type(sampler).__name__}; for flow-matching samplers use "
                 f"DiffusersVelocity(model)"
             )

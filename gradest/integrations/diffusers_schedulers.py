@@ -1,15 +1,8 @@
 """What a diffusers scheduler's ``step()`` takes, read as plain schedule data.
 
-The diffusers side of :meth:`gradest.RectifiedFlow.from_scheduler`,
-:meth:`gradest.FlowSDE.from_scheduler`,
-:meth:`gradest.samplers.StochasticFlowMatch.from_scheduler`,
-:meth:`gradest.DDIM.from_scheduler` and
-:func:`gradest.integrations.diffusers.sampler_from_scheduler`: it checks the scheduler and
-returns its grid (:func:`flow_match_schedule`, :func:`ddim_schedule`), and the samplers build
-themselves from that. It imports no sampler and nothing of gradest but its errors,
-because the samplers' classmethods import it (when called): the samplers own their grids
-and coefficients, this module owns the reading of diffusers' configurations, and neither
-imports the other's owner back (tests/test_import_cycles.py). ``diffusers`` itself is
+The reading half of :func:`gradest.integrations.diffusers.sampler_from_scheduler`: it
+checks the scheduler and returns its grid (:func:`flow_match_schedule`,
+:func:`ddim_schedule`), from which the adapter builds the sampler. ``diffusers`` itself is
 imported only when a function here is called. See :mod:`gradest.integrations.diffusers`
 for the conventions.
 """
@@ -51,7 +44,7 @@ class DDIMSchedule:
 
     Attributes:
         times: ``[N+1]`` float64, ``timestep / num_train_timesteps`` (shifted; see
-            :meth:`gradest.DDIM.from_scheduler`), then 0.
+            :func:`gradest.integrations.diffusers.sampler_from_scheduler`), then 0.
         alphas_cumprod: ``[N+1]`` float64, the level at every grid point.
         prediction: the scheduler's ``prediction_type``.
         eta: DDIM's noise ratio (1 for DDPM).
@@ -107,11 +100,12 @@ def flow_match_schedule(
         ) from err
     if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
         raise InvalidType(
-            f"sampler_from_scheduler needs a diffusers FlowMatchEulerDiscreteScheduler (the Euler "
-            f"sampler of rectified-flow models such as SD3 and Flux), got "
-            f"{type(scheduler).__name__}, which samples a different process. If the model was "
-            f"trained with flow matching, build FlowMatchEulerDiscreteScheduler(...) for it; "
-            f"for a DDPM/DDIM model use gradest.DDIM.from_scheduler (docs/integrations.md)"
+            f"sampler_from_scheduler takes a diffusers FlowMatchEulerDiscreteScheduler (the "
+            f"Euler sampler of rectified-flow models such as SD3 and Flux), DDIMScheduler or "
+            f"DDPMScheduler, got {type(scheduler).__name__}, which samples a different "
+            f"process. If the model was trained with flow matching, build "
+            f"FlowMatchEulerDiscreteScheduler(...) for it; for another DDPM-family scheduler "
+            f"build DDIMScheduler.from_config(scheduler.config) (docs/integrations.md)"
         )
     _check_num_inference_steps(num_inference_steps)
     # diffusers' config-registered attributes are invisible to type checkers.
@@ -158,19 +152,19 @@ def ddim_schedule(
     **set_timesteps_kwargs: Any,
 ) -> DDIMSchedule:
     """The grid and levels of a ``DDIMScheduler`` / ``DDPMScheduler``: what
-    :meth:`gradest.DDIM.from_scheduler` builds its sampler from (documented there; the
-    same arguments and refusals)."""
+    :func:`gradest.integrations.diffusers.sampler_from_scheduler` builds its DDIM from
+    (documented there; the same arguments and refusals)."""
     try:
         from diffusers import DDIMScheduler, DDPMScheduler
     except ImportError as err:
         raise MissingDependency(
-            "DDIM.from_scheduler needs diffusers: pip install diffusers "
+            "sampler_from_scheduler needs diffusers: pip install diffusers "
             "(or gradest's integrations extra)"
         ) from err
     is_ddpm = isinstance(scheduler, DDPMScheduler)
     if not (is_ddpm or isinstance(scheduler, DDIMScheduler)):
         raise InvalidType(
-            f"DDIM.from_scheduler needs a diffusers DDIMScheduler or DDPMScheduler, got "
+            f"a DDIM sampler needs a diffusers DDIMScheduler or DDPMScheduler, got "
             f"{type(scheduler).__name__}; for FlowMatchEulerDiscreteScheduler use "
             f"sampler_from_scheduler, for another DDPM-family scheduler build "
             f"DDIMScheduler.from_config(scheduler.config)"

@@ -434,7 +434,6 @@ def _assemble(
     true_cfg: float,
     eta: float,
 ) -> PipelineSampling:
-    from gradest.diffusion_samplers import DDIM
     from gradest.integrations.diffusers import DiffusersVelocity, sampler_from_scheduler
 
     _diffusers()
@@ -460,6 +459,11 @@ def _assemble(
                 patch = int(config.patch_size)
                 seq_len = (side_h // patch) * (side_w // patch)
                 options["mu"] = dynamic_shift_mu(scheduler, seq_len, max_shift=1.16)
+        if type(scheduler).__name__ in _DDIM_SCHEDULERS:
+            raise InvalidType(
+                f"pipe.scheduler is a {type(scheduler).__name__}, a DDPM-family scheduler; the "
+                f"{family} pipeline samples with FlowMatchEulerDiscreteScheduler"
+            )
         try:
             sampler: Any = sampler_from_scheduler(scheduler, steps, **options)
         except TypeError as err:
@@ -488,7 +492,7 @@ def _assemble(
                 f"(gradest.DDIM takes DDIMScheduler's and DDPMScheduler's steps)"
             )
         ddpm = name == "DDPMScheduler"
-        sampler = DDIM.from_scheduler(scheduler, steps, eta=None if ddpm else eta)
+        sampler = sampler_from_scheduler(scheduler, steps, eta=None if ddpm else eta)
         velocity = DiffusersVelocity.for_sampler(denoiser, sampler)
         latent_shape = (batch, int(config.in_channels), height // factor, width // factor)
         if family == "sdxl":

@@ -9,7 +9,7 @@ the decisions it must make, re-derived with the replays of
 :mod:`gradest.reference.decisions` (``replay_subset``, ``replay_uniform_int``, ...).
 """
 
-from gradest.reference.alignprop_definition import (
+from gradest.reference.alignprop import (
     alignprop_definition,
     alignprop_expectation,
     alignprop_noise_grad_definition,
@@ -40,20 +40,20 @@ from gradest.reference.dense import (
     relative_error,
     terminal_adjoints,
 )
-from gradest.reference.drtune_definition import (
+from gradest.reference.drtune import (
     drtune_definition,
     inclusion_probabilities,
     selection_moments,
     selection_outcomes,
 )
-from gradest.reference.jagg_definition import jagg_definition, jagg_gate_cosines
-from gradest.reference.sdo_definition import (
+from gradest.reference.jagg import jagg_definition, jagg_gate_cosines
+from gradest.reference.sdo import (
     one_step_cotangents,
     sdo_definition,
     sdo_full_sum_definition,
     sdo_noise_grad_definition,
 )
-from gradest.reference.truncated_definition import (
+from gradest.reference.truncated import (
     truncated_definition,
     truncated_expectation,
     truncated_noise_grad_definition,

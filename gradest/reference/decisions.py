@@ -7,7 +7,7 @@ started from (the step noise of a stochastic sampler is drawn first, so with a r
 trajectory the generator is untouched before the estimator's draws):
 
 * ``jagg``: the groups and nodes from the layout rules (own integer arithmetic), the gate
-  outcomes from the dense velocities (:func:`~gradest.reference.jagg_definition.
+  outcomes from the dense velocities (:func:`~gradest.reference.jagg.
   jagg_gate_cosines`), the debiasing steps replayed and ``N/m``;
 * ``sdo`` (and ``drtune``): the sampled steps replayed (a uniform subset, or with
   ``select="stratified"`` the evenly spaced steps from the replayed offset,
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from gradest.reference.dense import DenseChain
-from gradest.reference.jagg_definition import jagg_gate_cosines
+from gradest.reference.jagg import jagg_gate_cosines
 
 # Floats in decisions (scale factors, weights) agree to this relative tolerance.
 DECISION_RTOL = 1e-9

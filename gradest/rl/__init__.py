@@ -6,6 +6,9 @@
   gathered across processes.
 * :mod:`gradest.rl.adjoint_matching`: adjoint matching (memoryless sampler, lean adjoint,
   regression loss).
+* :data:`LOG_PROB_REDUCTIONS` / :func:`check_reduction`: how a step's log-density under a
+  stochastic sampler (:class:`gradest.FlowSDE`, :class:`gradest.DDIM` with ``eta > 0``) is
+  reduced over a sample's elements, as the GRPO ratio reads it.
 
 Each objective treats the recorded states as data and depends on the parameters only
 through the velocities ``v_k``, so every gradest estimator differentiates it.
@@ -29,13 +32,16 @@ from gradest.rl.flow_grpo import (
     step_kl,
 )
 from gradest.rl.prompt_stats import gather_samples, prompt_advantages
+from gradest.samplers import LOG_PROB_REDUCTIONS, check_reduction
 
 __all__ = [
     "ADVANTAGE_EPS",
+    "LOG_PROB_REDUCTIONS",
     "MEMORYLESS_NOISE_LEVEL",
     "LeanAdjoint",
     "MemorylessFlow",
     "adjoint_matching_objective",
+    "check_reduction",
     "gather_samples",
     "group_advantages",
     "grpo_objective",

@@ -77,7 +77,7 @@ from gradest.options import (
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import jagg_fallbacks, jagg_layout, replay_subset
 from gradest.reference.dense import DenseChain, exact_noise_grad
-from gradest.reference.jagg_definition import jagg_definition
+from gradest.reference.jagg import jagg_definition
 from gradest.strategies.jagg_gate import gate_cosines, interpolated_count
 from gradest.strategies.jagg_layout import Group, distinct_nodes, lagrange_rows, layout_groups
 from gradest.strategies.sampling import draw_steps
@@ -200,6 +200,15 @@ class _Plan:
 @attrs.frozen
 class Jagg(EstimatorBase):
     """Endpoint-Jacobian aggregation: parameter VJPs at a few nodes per group of steps.
+
+    Preferred for stepwise objectives (a loss on every step's velocity: Flow-GRPO, flow
+    matching) on paths smooth enough for its gate, where about ``2N/window`` parameter VJPs
+    replace ``N``; ``debias=m`` makes it unbiased for the exact gradient. Not recommended for
+    a terminal reward: its exact state adjoint keeps its FLOPs at or above exact's on the
+    shipped models (docs/design.md#cost-formulas); nor on stochastic (SDE) paths, where its
+    gate falls back to exact on every group, at a higher cost than exact.
+
+    Source: endpoint-Jacobian aggregation (arXiv 2607.17572).
 
     Attributes:
         window: steps per group (>= 2). Larger windows mean fewer node VJPs and a larger
@@ -361,8 +370,22 @@ class Jagg(EstimatorBase):
 
     # -- layout, gate, debiasing ----------------------------------------------------------
 
+    def groups(self, num_steps: int) -> tuple[Group, ...]:
+        """Where this estimator puts its groups and interpolation nodes on a chain of
+        ``num_steps`` steps: each group's ``steps``, ``nodes``, ``interpolated_steps`` and
+        whether it ``is_exact`` (every step a node)."""
+        return layout_groups(num_steps, self.window, self.order, self.shared_knots)
+
+    @staticmethod
+    def interpolation_weights(
+        node_times: Sequence[float], at_times: Sequence[float]
+    ) -> list[list[float]]:
+        """``L_j(t)``, the Lagrange basis in time on ``node_times`` at each of ``at_times``
+        (rows: query times, columns: nodes), as host floats: ``J_t ~= sum_j L_j(t) J_j``."""
+        return lagrange_rows(node_times, at_times)
+
     def _layout(self, ctx: EstimationContext) -> tuple[Group, ...]:
-        return layout_groups(ctx.num_steps, self.window, self.order, self.shared_knots)
+        return self.groups(ctx.num_steps)
 
     def _draw_debias(self, ctx: EstimationContext) -> list[int]:
         if not self.debias:

@@ -43,7 +43,7 @@ surrogate terms).
 
 from gradest.vjp.chains import ChainPullback, RetainedChain, velocities_checked
 from gradest.vjp.engines import ENGINES, AutogradEngine, Engine, FuncEngine
-from gradest.vjp.field import CostMeter, ParamPullback, VelocityField
+from gradest.vjp.field import ParamPullback, VelocityField
 from gradest.vjp.gradients import (
     Grads,
     ParamGradient,
@@ -52,6 +52,7 @@ from gradest.vjp.gradients import (
     inner,
     scale_grads,
 )
+from gradest.vjp.meter import CostMeter
 from gradest.vjp.model_call import unwrap_data_parallel
 
 __all__ = [

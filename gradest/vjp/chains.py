@@ -12,19 +12,42 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from gradest._checks import check_model_output, outside_fake_mode
-from gradest.nonfinite import NonFiniteError, check_finite
+from gradest.nonfinite import BackwardWatch, NonFiniteError, check_finite
 from gradest.trajectory import SamplerSteps, integrate
 from gradest.vjp.engines import Pullback
 from gradest.vjp.gradients import Grads, ParamGradient, SurrogateTerms, inner
+from gradest.vjp.meter import CostMeter
 
-if TYPE_CHECKING:
-    from gradest.vjp.field import VelocityField
+
+class ChainField(Protocol):
+    """What a chain needs of the :class:`~gradest.vjp.VelocityField` that builds it: the
+    field evaluates each step and counts it; the chain keeps the graphs and pulls the
+    cotangents back (the field imports the chains, never the reverse)."""
+
+    meter: CostMeter
+    surrogate: bool
+    params: Grads
+    watch: BackwardWatch | None
+
+    def _graph_forward(
+        self,
+        z: Tensor,
+        times: Sequence[float],
+        params: Grads | None,
+        *,
+        low_memory: bool,
+        watched: bool = True,
+    ) -> Tensor: ...
+
+    def state_vjp(
+        self, z: Tensor, t: float | Tensor, cotangent: Tensor
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 def _retain_refused(err: RuntimeError) -> bool:
@@ -79,7 +102,7 @@ class ChainForward:
 
     def __init__(
         self,
-        field: VelocityField,
+        field: ChainField,
         sampler: SamplerSteps,
         start: int,
         *,
@@ -148,7 +171,7 @@ class ChainPullback:
 
     def __init__(
         self,
-        field: VelocityField,
+        field: ChainField,
         states: Tensor,
         velocities: Tensor,
         pullback: Pullback,
@@ -196,7 +219,7 @@ class RetainedChain:
 
     def __init__(
         self,
-        field: VelocityField,
+        field: ChainField,
         start: int,
         leaves: list[Tensor],
         outputs: list[Tensor],
@@ -285,7 +308,7 @@ class RetainedSteps:
     velocities so no graph runs across steps, or evaluated at the ``recorded`` states)."""
 
     def __init__(
-        self, field: VelocityField, sampler: SamplerSteps, start: int, recorded: Tensor | None
+        self, field: ChainField, sampler: SamplerSteps, start: int, recorded: Tensor | None
     ):
         self._field = field
         self._sampler = sampler

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
-import attrs
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
@@ -27,22 +26,8 @@ from gradest.trajectory import SamplerSteps
 from gradest.vjp.chains import ChainForward, ChainPullback, RetainedChain, RetainedSteps
 from gradest.vjp.engines import ENGINE_CLASSES, AutogradEngine, Pullback
 from gradest.vjp.gradients import Grads, ParamGradient
+from gradest.vjp.meter import CostMeter
 from gradest.vjp.model_call import ModelCalls
-
-
-@attrs.define
-class CostMeter:
-    """Mutable counters behind :class:`gradest.protocol.Cost`; one per estimate call."""
-
-    forwards_with_graph: int = 0
-    forwards_without_graph: int = 0
-    param_vjps: int = 0
-    state_vjps: int = 0
-
-    def freeze(self) -> Any:
-        from gradest.protocol import Cost
-
-        return Cost(**attrs.asdict(self))
 
 
 def _as_floats(times: Sequence[float] | Tensor | float) -> list[float]:

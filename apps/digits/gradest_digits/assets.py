@@ -22,10 +22,11 @@ from typing import Any
 
 import attrs
 import torch
+from gradest_lab.errors import MissingFile
 from torch import Tensor, nn
 
-from gradest.errors import GradestError, InvalidValue, MissingFile
-from gradest.models.dit import DiT, DiTConfig
+from gradest import GradestError, InvalidValue
+from gradest.models import DiT, DiTConfig
 from gradest_digits.classifier import DigitClassifier, classifier_for
 from gradest_digits.datasets import DIGITS, MNIST, Dataset
 from gradest_digits.file_schema import (

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gradest.errors import InvalidValue
+from gradest import InvalidValue
 from gradest_digits.datasets import DIGITS, NUM_CLASSES, Dataset
 
 

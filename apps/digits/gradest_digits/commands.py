@@ -6,8 +6,9 @@ Imports stay inside the functions: ``gradest --help`` loads this module.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
-from gradest.commands import Command
+from gradest.plugin import Command
 
 
 def _add_pretrain_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,18 @@ def _add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
     from gradest_digits.finetune_cli import add_finetune_arguments
 
     add_finetune_arguments(parser)
+
+
+def _reparse_finetune(
+    parser: argparse.ArgumentParser,
+    subparser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    args: argparse.Namespace,
+) -> argparse.Namespace:
+    """``--config FILE``'s settings as the flags' defaults (the lab's config files)."""
+    from gradest_lab.storage.config_file import parse_with_config
+
+    return parse_with_config(parser, subparser, argv, args)
 
 
 #: The exit status after Ctrl-C (128 + SIGINT), as shells report an interrupted command.
@@ -92,5 +105,5 @@ finetune = Command(
     help="reward fine-tuning of the pretrained digits DiT with any estimator",
     add_arguments=_add_finetune_arguments,
     run=_run_finetune,
-    config_file=True,
+    reparse=_reparse_finetune,
 )

@@ -9,11 +9,11 @@ per-step loss on the velocities.
 from __future__ import annotations
 
 import torch
+from gradest_lab.compare.problems import Problem, seeded_noise
 
-from gradest.harness.embedded import Problem, seeded_noise
-from gradest.objectives import Objective, TerminalObjective
-from gradest.samplers import RectifiedFlow
-from gradest.testing.problems import random_stepwise_objective
+from gradest import RectifiedFlow, TerminalObjective
+from gradest.plugin import Objective
+from gradest.testing import random_stepwise_objective
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.datasets import DIGITS
 from gradest_digits.rewards import ClassifierReward

@@ -27,9 +27,10 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
+from gradest_lab.errors import MissingFile
 from torch import Tensor
 
-from gradest.errors import InvalidValue, MissingFile
+from gradest import InvalidValue
 
 SPLITS = ("train", "heldout")
 NUM_CLASSES = 10

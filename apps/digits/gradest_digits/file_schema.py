@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
-
-# Re-exported for the readers here: the library's rule for quoting an error in one line.
-from gradest.errors import first_line as first_line
 
 # The library's rules for describing a value and checking a field's kind, shared with the
 # recipes' readers.
-from gradest.file_schema import Refuse as Refuse
-from gradest.file_schema import describe as describe
-from gradest.file_schema import is_int as is_int
-from gradest.file_schema import is_number as is_number
-from gradest.file_schema import json_object as json_object
+from gradest_lab.storage.file_schema import Refuse as Refuse
+from gradest_lab.storage.file_schema import describe as describe
+
+# Re-exported for the readers here: the library's rule for quoting an error in one line.
+from gradest_lab.storage.file_schema import first_line as first_line
+from gradest_lab.storage.file_schema import is_int as is_int
+from gradest_lab.storage.file_schema import is_number as is_number
+from gradest_lab.storage.file_schema import json_object as json_object
+from torch import Tensor
 
 
 def require(ok: bool, refuse: Refuse, field: str, value: Any, wanted: str) -> None:

@@ -70,19 +70,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gradest_lab.storage.files import check_output_dir, check_output_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gradest.errors import InvalidType, InvalidValue
-from gradest.files import check_output_dir, check_output_file
+from gradest import AffineSampler, InvalidType, InvalidValue
+from gradest import estimator as build_estimator
 from gradest.integrations.distributed import (
     launched_world,
     process_group_from_env,
     replicas_in_sync,
 )
-from gradest.protocol import check_steps, is_estimator, supports
-from gradest.registry import estimator as build_estimator
-from gradest.samplers import AffineSampler
+from gradest.plugin import check_steps, is_estimator, supports
 from gradest_digits.finetune_config import FinetuneConfig, config_from
 from gradest_digits.finetune_modes import mode_of
 from gradest_digits.finetune_records import LOG_KEYS
@@ -140,7 +139,7 @@ def finetune(
             integer tensor (several ranks: rank ``r`` trains on its consecutive slice).
         sample_shape: one sample's shape; inferred from a DiT's config when None.
         log_path: append one JSON line per step (keys :data:`LOG_KEYS` plus mode
-            extras); every line is written whole (:class:`gradest.files.JsonLog`).
+            extras); every line is written whole (:class:`gradest_lab.storage.files.JsonLog`).
         checkpoint_dir: write ``step_XXXXXX.pt`` every ``config.checkpoint_every`` steps
             (0: only at the end), atomically: the model and optimizer state, every rank's
             generator and torch RNG state, the step, the config, the history and the
@@ -179,7 +178,8 @@ def finetune(
 
     Raises:
         ValueError / TypeError: invalid settings or estimator spec, an output path that
-            cannot be written (:class:`gradest.files.OutputError`), or a run that cannot be
+            cannot be written (:class:`gradest_lab.storage.files.OutputError`), or a run that
+            cannot be
             resumed, all before any model call.
         MissingDependency: ``tensorboard_dir`` is given and tensorboard is not
             installed (an ``ImportError``), also before any model call.

@@ -11,10 +11,10 @@ Every run records its settings in ``OUT/settings.json`` before any work
 the target, the labels, the LoRA rank and the device). ``--resume DIR`` takes every
 setting from there (from ``run.json`` for a run stopped before it wrote that file,
 :func:`recorded_settings`); only the flags given explicitly, on the command line or in a
-``--config`` file (:func:`gradest.config_file.explicit_settings`), are compared with the
+``--config`` file (:func:`gradest_lab.storage.config_file.explicit_settings`), are compared with the
 run's, and a differing one is refused unless it may change (:data:`MAY_CHANGE`).
 
-The folder belongs to one run (:mod:`gradest.run_folder`): a new run claims it with its
+The folder belongs to one run (:mod:`gradest_lab.storage.run_folder`): a new run claims it with its
 ``run.json`` (:func:`run_record`: the settings that may not change on resume) and holds
 its lock, ``.gradest-run.lock``, until it ends, so a second ``gradest finetune`` writing
 the same folder is refused naming the first one's pid. The command's own refusals, which
@@ -32,10 +32,8 @@ from typing import Any
 
 import attrs
 import torch
-
-from gradest.config_file import explicit_settings, track_explicit
-from gradest.errors import InvalidValue
-from gradest.files import (
+from gradest_lab.storage.config_file import explicit_settings, track_explicit
+from gradest_lab.storage.files import (
     atomic_write_text,
     check_output_dir,
     check_output_file,
@@ -44,10 +42,7 @@ from gradest.files import (
     refuse_symlinks,
     remove_stale_temporaries,
 )
-from gradest.integers import WholeNumber
-from gradest.integrations.distributed import launched_world
-from gradest.protocol import check_steps
-from gradest.run_folder import (
+from gradest_lab.storage.run_folder import (
     RUN_RECORD,
     RunRecord,
     claim_run_folder,
@@ -55,6 +50,10 @@ from gradest.run_folder import (
     foreign_entries,
     read_run_record,
 )
+
+from gradest import InvalidValue
+from gradest.integrations.distributed import launched_world
+from gradest.plugin import WholeNumber, check_steps
 from gradest_digits.file_schema import (
     Refuse,
     describe,
@@ -194,7 +193,8 @@ def run_finetune_from_args(args: argparse.Namespace) -> dict[str, Any]:
     without the history), ``checkpoints/`` and (unless ``--no-tensorboard``)
     ``tensorboard/`` under ``--out`` (or continues the run in ``--resume DIR``) and returns
     the result dict; every output path is checked before any work, and the folder is held
-    (:func:`gradest.run_folder.claim_run_folder`) from the first write to the last. Under
+    (:func:`gradest_lab.storage.run_folder.claim_run_folder`) from the first write to the last.
+    Under
     ``torchrun`` (``python -m torch.distributed.run --nproc_per_node=2 -m gradest.cli
     finetune ...``) the ranks train data-parallel (see
     :func:`~gradest_digits.finetune.finetune`; ``--batch-size`` is the global batch) and
@@ -376,7 +376,7 @@ def decide_folder(out: Path, *, resuming: bool) -> None:
     anything of an earlier run of the command (a log with any bytes, checkpoints,
     ``settings.json``, ``result.json``), naming it and ``--resume``. A folder without a
     ``gradest finetune`` ``run.json`` (another tool's, another command's) is refused by the
-    claim that follows (:func:`gradest.run_folder.claim_run_folder`). A resumed run's
+    claim that follows (:func:`gradest_lab.storage.run_folder.claim_run_folder`). A resumed run's
     newest checkpoint must load and its log must be that checkpoint's history
     (:func:`gradest_digits.run_state.check_lineage`).
     """

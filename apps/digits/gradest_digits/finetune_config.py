@@ -15,9 +15,9 @@ from typing import Any
 
 import attrs
 
-from gradest.errors import InvalidType, InvalidValue
-from gradest.integers import INT64_MAX, WholeNumber
-from gradest.samplers import LOG_PROB_REDUCTIONS
+from gradest import InvalidType, InvalidValue
+from gradest.plugin import INT64_MAX, WholeNumber
+from gradest.rl import LOG_PROB_REDUCTIONS
 
 MODES = ("reward", "grpo", "adjoint_matching")
 OPTIMIZERS = ("adamw", "sgd")

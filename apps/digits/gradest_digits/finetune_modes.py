@@ -29,12 +29,15 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest.objectives import Objective, TerminalObjective
-from gradest.protocol import Cost
-from gradest.rl.adjoint_matching import adjoint_matching_objective, memoryless_flow
-from gradest.rl.flow_grpo import group_advantages, grpo_objective, reference_velocities
-from gradest.samplers import AffineSampler, FlowSDE, RectifiedFlow
-from gradest.trajectory import Trajectory
+from gradest import AffineSampler, FlowSDE, RectifiedFlow, TerminalObjective, Trajectory
+from gradest.plugin import Cost, Objective
+from gradest.rl import (
+    adjoint_matching_objective,
+    group_advantages,
+    grpo_objective,
+    memoryless_flow,
+    reference_velocities,
+)
 from gradest_digits.finetune_config import FinetuneConfig
 
 Reward = Callable[[Tensor], Tensor]

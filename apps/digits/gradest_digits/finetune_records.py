@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradest.protocol import Cost
+from gradest.plugin import Cost
 
 LOG_KEYS = (
     "step",

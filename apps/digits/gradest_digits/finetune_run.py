@@ -19,15 +19,13 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from gradest_lab.errors import Diverged
+from gradest_lab.storage.files import JsonLog, remove_stale_temporaries
 from torch import Tensor
 
-from gradest.base import surrogate_from_estimate
-from gradest.errors import Diverged, InvalidValue
-from gradest.files import JsonLog, remove_stale_temporaries
+from gradest import InvalidValue, RectifiedFlow, rollout
 from gradest.integrations.distributed import check_same_estimator, rank_generator
-from gradest.protocol import Cost, Surrogate, check_surrogate, is_stateful
-from gradest.samplers import RectifiedFlow
-from gradest.trajectory import rollout
+from gradest.plugin import Cost, Surrogate, check_surrogate, is_stateful, surrogate_from_estimate
 from gradest_digits.file_schema import first_line
 from gradest_digits.finetune_config import FinetuneConfig
 from gradest_digits.finetune_modes import Batch, mode_of, needs_base

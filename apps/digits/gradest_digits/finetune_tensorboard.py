@@ -22,8 +22,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gradest.errors import MissingDependency
-from gradest.files import check_output_dir
+from gradest_lab.storage.files import check_output_dir
+
+from gradest import MissingDependency
 
 INSTALL = "pip install tensorboard (or pip install './apps/digits[tensorboard]')"
 

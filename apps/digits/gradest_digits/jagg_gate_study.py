@@ -40,7 +40,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from gradest.strategies.jagg_layout import lagrange_rows, layout_groups
+import gradest
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.datasets import DIGITS
 from gradest_digits.rewards import ClassifierReward
@@ -94,9 +94,8 @@ def grpo_chain_quantities(
     """The ``digits-grpo`` race task's step: Flow-GRPO's SDE path (noise level 0.7),
     groups of 4 sharing a class label, the clipped surrogate with the per-element mean;
     ``c_k`` is the gradient of step ``k``'s loss with respect to ``v_k``."""
-    from gradest.rl.flow_grpo import group_advantages, grpo_objective
-    from gradest.samplers import FlowSDE
-    from gradest.trajectory import rollout
+    from gradest import FlowSDE, rollout
+    from gradest.rl import group_advantages, grpo_objective
 
     sampler = FlowSDE(steps, noise_level=0.7)
     labels = torch.randint(0, 10, (batch // 4,), generator=generator).repeat_interleave(4)
@@ -135,7 +134,10 @@ def group_statistics(model: nn.Module, chain: dict[str, Any], window: int) -> li
     steps = len(chain["velocities"])
     times = chain["times"]
     rows = []
-    for group in layout_groups(steps, window, 1, False):
+    # jagg's own layout and weights (its class owns them; typed as any estimator by name).
+    jagg: Any = gradest.estimator("jagg", window=window, order=1, shared_knots=False)
+    lagrange_rows = jagg.interpolation_weights
+    for group in jagg.groups(steps):
         if group.is_exact:
             continue
         node_times = [times[j] for j in group.nodes]
@@ -283,8 +285,6 @@ def report(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def fine_tuned(steps: int, seed: int) -> nn.Module:
     """The shipped model after ``steps`` exact reward steps (Adam, the race task's lr)."""
-    import gradest
-
     model = load_pretrained_dit(dtype=torch.float64)
     reward = ClassifierReward(load_digit_classifier(dtype=torch.float64), TARGET)
     opt = torch.optim.Adam(model.parameters(), lr=DIGITS.task.lr)

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from torch_fidelity.feature_extractor_base import FeatureExtractorBase
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
-from gradest.errors import InvalidType, InvalidValue
+from gradest import InvalidType, InvalidValue
 from gradest_digits.assets import (
     DIGIT_CLASSIFIER,
     build_model,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradest.errors import GradestError
+from gradest import GradestError
 from gradest_digits.datasets import MNIST
 from gradest_digits.pretrain import ASSET_WHATS, pretrain_assets
 

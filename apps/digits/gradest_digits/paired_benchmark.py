@@ -42,22 +42,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gradest_lab.storage.files import atomic_write_text
 from tqdm import tqdm
 
 import gradest
-from gradest.files import atomic_write_text
-from gradest.harness.cost import count_flops, retained_activation_bytes
-from gradest.protocol import supports
-from gradest.rl.flow_grpo import group_advantages, grpo_objective
-from gradest.samplers import FlowSDE
-from gradest.specs import split_spec_list
-from gradest.tensor_metrics import (
+from gradest import FlowSDE
+from gradest.harness import (
     TensorLayout,
     adam_cosine,
+    count_flops,
     mean_of,
+    retained_activation_bytes,
     second_moment,
     sign_agreement,
 )
+from gradest.plugin import split_spec_list, supports
+from gradest.rl import group_advantages, grpo_objective
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.datasets import DIGITS
 from gradest_digits.finetune import start_run

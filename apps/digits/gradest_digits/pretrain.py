@@ -19,7 +19,7 @@ regenerates the shipped 8x8 checkpoint (``--what classifier`` the classifier; bo
 :func:`pretrain`), and ``python -m gradest_digits.mnist_pretrain`` the two MNIST ones
 (:func:`pretrain_assets`); see ``apps/digits/gradest_digits/assets/README.md``.
 
-The file ``--out`` belongs to one run, in the spirit of :mod:`gradest.run_folder`
+The file ``--out`` belongs to one run, in the spirit of :mod:`gradest_lab.storage.run_folder`
 (:func:`claim_output_file`): the run holds a lock beside it, ``.<name>.lock``, from before
 training until the file is written, so a second pretrain to the same file is refused
 naming the first one's pid; and an existing file is replaced only when it is a pretrained
@@ -40,16 +40,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gradest_lab.storage.files import OutputError, atomic_save, check_output_dir, check_output_file
+from gradest_lab.storage.process_lock import describe_holder, read_holder, try_lock
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gradest.errors import GradestError, InvalidValue
-from gradest.files import OutputError, atomic_save, check_output_dir, check_output_file
-from gradest.integers import WholeNumber
-from gradest.models.dit import DiT
-from gradest.process_lock import describe_holder, read_holder, try_lock
-from gradest.samplers import RectifiedFlow
-from gradest.trajectory import rollout
+from gradest import GradestError, InvalidValue, RectifiedFlow, rollout
+from gradest.models import DiT
+from gradest.plugin import WholeNumber
 from gradest_digits.assets import (
     asset_path,
     build_model,
@@ -359,7 +357,8 @@ def claim_output_file(
 ) -> Iterator[Path]:
     """Hold the file ``path`` for one run writing a ``kind`` checkpoint there.
 
-    The lock beside it (:func:`lock_path`, :func:`gradest.process_lock.try_lock`) is held
+    The lock beside it (:func:`lock_path`, :func:`gradest_lab.storage.process_lock.try_lock`) is
+    held
     for the body; an existing file must be a checkpoint of ``kind``
     (:func:`replaceable_or_refuse`), checked now and again before the body's
     :func:`write_claimed` writes it. A lock left by a killed process is taken over.

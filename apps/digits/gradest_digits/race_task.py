@@ -1,4 +1,4 @@
-"""The workload's tasks for ``gradest race`` (:mod:`gradest.harness.race`), registered under
+"""The workload's tasks for ``gradest race`` (:mod:`gradest_lab.race.plain_race`), registered under
 the ``gradest.race_tasks`` entry points: one reward task of either dataset
 (:class:`RewardTask`, ``digits`` on the 8x8 digits and ``mnist`` on 28x28 MNIST) and
 Flow-GRPO on the 8x8 digits.
@@ -58,15 +58,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from gradest_lab.race.plain_race import MIN_EVAL_SAMPLES, StepProblem
 from torch import Tensor, nn
 
-from gradest.errors import InvalidValue
-from gradest.harness.race import MIN_EVAL_SAMPLES, StepProblem
-from gradest.objectives import TerminalObjective
-from gradest.protocol import Cost
-from gradest.rl.flow_grpo import group_advantages, grpo_objective
-from gradest.samplers import FlowSDE, RectifiedFlow, check_reduction
-from gradest.trajectory import rollout
+from gradest import FlowSDE, InvalidValue, RectifiedFlow, TerminalObjective, rollout
+from gradest.plugin import Cost
+from gradest.rl import check_reduction, group_advantages, grpo_objective
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.datasets import DIGITS, NUM_CLASSES, Dataset
 from gradest_digits.rewards import ClassifierReward
@@ -382,7 +379,7 @@ class DigitsGrpoTask(_DigitsTask):
 def reward_task(dataset: Dataset) -> Callable[..., RewardTask]:
     """The ``gradest race`` factory of ``dataset``'s :class:`RewardTask`: its signature shows
     the dataset's defaults, and every keyword but ``eval_samples`` and ``device`` is a
-    ``--task-option`` (:mod:`gradest.harness.task_options` reads the signature)."""
+    ``--task-option`` (:mod:`gradest_lab.race.task_options` reads the signature)."""
     task = dataset.task
     return functools.partial(
         RewardTask, dataset, lr=task.lr, batch=task.batch, sampler_steps=task.sampler_steps

@@ -16,7 +16,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest.errors import InvalidType, InvalidValue
+from gradest import InvalidType, InvalidValue
 
 
 def _check_classifier(instance: object, attribute: attrs.Attribute, value: object) -> None:

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gradest_lab.storage.files import atomic_write_text
 
 import gradest
-from gradest.files import atomic_write_text
 from gradest_digits.assets import load_digit_classifier, load_pretrained_dit
 from gradest_digits.datasets import DIGITS
 from gradest_digits.file_schema import require_state_dict
@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # gradest's writer: atomic, and never onto a device, pipe or folder (gradest.files).
+    # gradest's writer: atomic, and never onto a device, pipe or folder (gradest_lab.storage.files).
     atomic_write_text(
         out / "results.json", json.dumps({"pretrained": base, "runs": rows}, indent=2)
     )

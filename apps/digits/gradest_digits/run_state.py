@@ -37,10 +37,10 @@ from typing import Any
 
 import attrs
 import torch
+from gradest_lab.storage.files import atomic_save
 from torch import Tensor
 
-from gradest.errors import InvalidType, InvalidValue
-from gradest.files import atomic_save
+from gradest import InvalidType, InvalidValue
 from gradest_digits.file_schema import (
     Refuse,
     describe,
@@ -492,7 +492,8 @@ def _starts_a_record(tail: bytes) -> bool:
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's ``log.jsonl`` (:class:`gradest.files.JsonLog`), each checked
+    """The records of a run's ``log.jsonl`` (:class:`gradest_lab.storage.files.JsonLog`), each
+    checked
     to be a step's record (:func:`check_log_record`) in step order; a missing log has none.
 
     Raises:
@@ -501,7 +502,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
             step out of order): one line naming the file and the record; the log is left
             as it is.
     """
-    from gradest.files import JsonLog, JsonLogError
+    from gradest_lab.storage.files import JsonLog, JsonLogError
 
     path = Path(path)
 
@@ -575,7 +576,7 @@ def earlier_run(
     log), checkpoints when there are any, and each of ``others`` (a run's
     ``settings.json``, ``result.json``) when it exists.
     """
-    from gradest.files import JsonLog
+    from gradest_lab.storage.files import JsonLog
 
     found = []
     if log_path is not None and (log_path.is_symlink() or log_path.exists()):

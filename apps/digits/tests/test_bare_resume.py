@@ -21,8 +21,7 @@ import pytest
 import torch
 from digits_support import finetune_cli, parse_finetune_args, snapshot
 from gradest_digits.run_state import checkpoints_in, load_checkpoint
-
-from gradest.config_file import explicit_settings
+from gradest_lab.storage.config_file import explicit_settings
 
 # Non-default settings throughout, so that a bare resume taking the defaults would show.
 RUN = (

@@ -21,9 +21,10 @@ from digits_support import LinearClassifierReward, tiny_dit
 from gradest_digits import finetune_tensorboard
 from gradest_digits.finetune import finetune
 from gradest_digits.finetune_tensorboard import TensorBoardLog, scalars
+from gradest_lab.errors import Diverged
 
 from gradest.cli import main
-from gradest.errors import Diverged, MissingDependency
+from gradest.errors import MissingDependency
 
 TINY = "--steps 3 --batch-size 4 --sampler-steps 4 --target 2 --quiet".split()
 

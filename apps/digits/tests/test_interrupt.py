@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
+from gradest_lab.storage.files import JsonLog
 
-from gradest.files import JsonLog
 from gradest.testing.processes import start_with_sigint_at_default
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child: POSIX")
@@ -55,7 +55,10 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command(tmp_path):
             process.wait(timeout=120)
         except subprocess.TimeoutExpired:
             process.kill()
-            raise
+            process.wait()
+            pytest.fail(
+                f"still running 120 s after SIGINT; its stderr: {err_file.read_text()[-3000:]}"
+            )
     stderr = err_file.read_text()
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "nothing was written" not in stderr, stderr[-3000:]

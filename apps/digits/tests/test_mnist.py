@@ -22,10 +22,10 @@ from gradest_digits.datasets import MNIST, NUM_CLASSES
 from gradest_digits.mnist_race_task import mnist_reward_task
 from gradest_digits.pretrain import sample_digits
 from gradest_digits.race_task import PRIOR_WEIGHT
+from gradest_lab.race.plain_race import RaceTask, registered_tasks
 
 from gradest.cli import main
 from gradest.errors import InvalidValue
-from gradest.harness.race import RaceTask, registered_tasks
 
 ASSETS = (MNIST_DIT_CHECKPOINT, MNIST_CLASSIFIER_CHECKPOINT)
 IMAGE_SHAPE = MNIST.image_shape

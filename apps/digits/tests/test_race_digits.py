@@ -9,9 +9,9 @@ import json
 import torch
 from gradest_digits.datasets import DIGITS
 from gradest_digits.race_task import PRIOR_WEIGHT, DigitsGrpoTask, digits_reward_task
+from gradest_lab.race.plain_race import RaceTask, registered_tasks
 
 from gradest.cli import main
-from gradest.harness.race import RaceTask, registered_tasks
 
 REWARD_CEILING = DIGITS.task.ceiling
 
@@ -108,7 +108,7 @@ def test_documented_race_commands_reproduce_the_committed_races(tmp_path, monkey
     import shutil
     from pathlib import Path
 
-    from gradest.harness import race as race_module
+    from gradest_lab.race import plain_race as race_module
 
     repo = Path(__file__).resolve().parents[3]
     real = registered_tasks()
@@ -155,9 +155,9 @@ def test_task_options_are_bounded_by_the_tasks():
     """What `--task-option` can set is refused out of bounds by the task, naming it."""
     import pytest
     from gradest_digits.mnist_race_task import mnist_reward_task
+    from gradest_lab.race.task_options import task_options
 
     from gradest.errors import InvalidValue
-    from gradest.harness.task_options import task_options
 
     tasks = registered_tasks()
     assert set(task_options(tasks["digits"])) == {

@@ -27,8 +27,7 @@ import torch
 from digits_support import LinearClassifierReward, tiny_dit
 from gradest_digits.finetune import finetune
 from gradest_digits.run_state import checkpoints_in, load_checkpoint
-
-from gradest.files import JsonLog
+from gradest_lab.storage.files import JsonLog
 
 STEPS = 5
 

@@ -1,4 +1,4 @@
-"""A run folder belongs to one run (:mod:`gradest.run_folder`): ``gradest finetune`` and
+"""A run folder belongs to one run (:mod:`gradest_lab.storage.run_folder`): ``gradest finetune`` and
 ``gradest pretrain`` under the rule.
 
 * ``gradest finetune``: a second writer while a run holds the folder (a live ``gradest
@@ -30,10 +30,9 @@ import torch
 from digits_support import one_line, parse_finetune_args, run_cli, snapshot
 from gradest_digits.finetune_cli import run_record, run_settings
 from gradest_digits.run_state import checkpoints_in
-
-from gradest.files import JsonLog
-from gradest.process_lock import read_holder, try_lock
-from gradest.run_folder import RUN_LOCK, RUN_RECORD, RunRecord, claim_run_folder
+from gradest_lab.storage.files import JsonLog
+from gradest_lab.storage.process_lock import read_holder, try_lock
+from gradest_lab.storage.run_folder import RUN_LOCK, RUN_RECORD, RunRecord, claim_run_folder
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock and signals: POSIX")
 

@@ -230,8 +230,9 @@ def test_a_killed_and_resumed_auto_run_ends_bitwise_as_the_uninterrupted_one(
 
 
 def test_auto_exports_and_imports_one_models_schedule():
+    from gradest_lab.auto import Auto
+
     import gradest
-    from gradest.strategies.auto import Auto
 
     auto = gradest.estimator(AUTO)
     assert isinstance(auto, Auto)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from gradest_digits.race_task import digits_reward_task
+from gradest_lab.race.shards import ShardKey, ShardStore
+from gradest_lab.race.tuned_race import TUNED_SCHEMA, TunedRaceReport, replay_shard
 
 from gradest.cli import main
-from gradest.harness.race_shards import ShardKey, ShardStore
-from gradest.harness.tuned_race import TUNED_SCHEMA, TunedRaceReport, replay_shard
 
 COMMITTED = Path(__file__).resolve().parents[3] / "docs" / "results" / "race_digits_tuned"
 

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gradest_lab.storage.files import atomic_write, atomic_write_text
 from torch import nn
 
-from gradest.errors import GradestError, InvalidValue
-from gradest.files import atomic_write, atomic_write_text
+from gradest import GradestError, InvalidValue
 from gradest_recipes.file_schema import (
     Refuse,
     conform,
@@ -515,7 +515,7 @@ def export_lora(tensors: dict[str, torch.Tensor], prefix: str, path: Path, rank:
         out[f"{prefix}.{key}"] = value
     path.parent.mkdir(parents=True, exist_ok=True)
     # Serialized in memory, then gradest's atomic writer: never half-written, never onto a
-    # device, pipe or folder at the path (gradest.files.refuse_non_file).
+    # device, pipe or folder at the path (gradest_lab.storage.files.refuse_non_file).
     data = save(out)
     atomic_write(path, lambda file: file.write(data))
     return path

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from gradest_lab.errors import MissingFile
+from gradest_lab.storage.files import read_text
 
-from gradest.errors import InvalidValue, MissingFile
-from gradest.files import read_text
-from gradest.integers import INT64_MAX
+from gradest import InvalidValue
+from gradest.plugin import INT64_MAX
 from gradest_recipes.errors import RecipeConfigError  # re-exported: settings raise it
 
 __all__ = [
@@ -283,7 +284,8 @@ NOT_SAVED = frozenset({"resume"})
 
 
 def run_settings(config: RecipeConfig) -> dict[str, Any]:
-    """The settings a run folder records as its run's (``run.json``, gradest.run_folder):
+    """The settings a run folder records as its run's (``run.json``,
+    gradest_lab.storage.run_folder):
     every setting a resumed run must share, that is all but :data:`MAY_CHANGE_ON_RESUME`
     and :data:`NOT_SAVED`. A float setting given as an integer is recorded as a float, so
     that a run read back from TOML or JSON records the same value."""
@@ -650,7 +652,7 @@ def _check_keys(values: Mapping[str, Any], source: str) -> None:
 def read_toml(path: str | Path) -> dict[str, Any]:
     """The settings of a TOML config file (top-level keys, or a ``[recipe]`` table).
 
-    Read by gradest's one rule for files read back (:func:`gradest.files.read_text`): a
+    Read by gradest's one rule for files read back (:func:`gradest_lab.storage.files.read_text`): a
     regular file of UTF-8 text, else one line naming it. Every key must be a setting and
     every value of a kind its setting takes (checked here, so that the error names the
     file and the setting); the values are returned as written.

@@ -28,7 +28,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest.errors import InvalidValue
+from gradest import InvalidValue
 from gradest_recipes.file_schema import describe, file_bytes, load_torch_bytes
 
 __all__ = ["PromptEmbeddings", "load_embeddings", "required_keys", "tiny_embeddings"]
@@ -71,7 +71,7 @@ class PromptEmbeddings:
 
     def to_file(self, path: str | Path) -> None:
         """Write the ``.pt`` file :func:`load_embeddings` reads (atomically)."""
-        from gradest.files import atomic_save
+        from gradest_lab.storage.files import atomic_save
 
         atomic_save(
             {"format": FORMAT, "family": self.family, "prompts": list(self.prompts),

@@ -8,7 +8,7 @@ are built in: with the error here, neither imports the other for it
 
 from __future__ import annotations
 
-from gradest.errors import InvalidValue
+from gradest import InvalidValue
 
 __all__ = ["RecipeConfigError"]
 

@@ -9,7 +9,7 @@
   uses; a guidance-distilled model (``guidance_embeds``, FLUX.1-dev) gets
   ``guidance_scale`` through its guidance embedding instead of CFG.
 * ``sd_unet``: ``UNet2DConditionModel`` + ``DDIMScheduler`` (through
-  :meth:`gradest.DDIM.from_scheduler`, ``eta`` from the config),
+  :func:`gradest.integrations.diffusers.sampler_from_scheduler`, ``eta`` from the config),
   ``encoder_hidden_states``, classifier-free guidance.
 * ``sdxl``: SDXL's ``UNet2DConditionModel`` (``addition_embed_type="text_time"``) +
   ``DDIMScheduler`` built from the model's scheduler config (SDXL ships
@@ -37,9 +37,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest.conditioning import map_tensors
-from gradest.diffusion_samplers import DDIM
-from gradest.errors import InvalidValue, MissingDependency
+from gradest import InvalidValue, MissingDependency
 from gradest.integrations.diffusers import (
     DiffusersVelocity,
     sampler_from_scheduler,
@@ -57,6 +55,7 @@ from gradest.integrations.pipelines import (
     sdxl_time_ids,
     unpack_latents,
 )
+from gradest.plugin import map_tensors
 from gradest_recipes.config import RecipeConfig
 from gradest_recipes.embeddings import (
     TINY_POOLED_DIM,
@@ -103,7 +102,7 @@ class Family:
         scheduler: the diffusers scheduler the sampler was built from.
         schedule_options: the ``set_timesteps`` keywords the sampler was built with (Flux:
             ``sigmas``, ``mu``), so another sampler on the same grid can be built from
-            ``scheduler`` (``FlowSDE.from_scheduler(scheduler, N, **schedule_options)``).
+            ``scheduler`` (``sampler_from_scheduler(scheduler, N, **schedule_options)``).
     """
 
     name: str
@@ -369,7 +368,7 @@ def build_family(
     options: dict[str, Any] = {}
     sampler: Any
     if family in UNET_FAMILIES:
-        sampler = DDIM.from_scheduler(scheduler, config.num_inference_steps, eta=config.eta)
+        sampler = sampler_from_scheduler(scheduler, config.num_inference_steps, eta=config.eta)
         inner: nn.Module = DiffusersVelocity.for_sampler(denoiser, sampler)
     else:
         if config.eta:

@@ -36,11 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 # The library's rules for describing a value and checking a field's kind, shared with the
 # digits' readers.
-from gradest.file_schema import Refuse, describe, is_int, is_number, json_object, with_article
+from gradest_lab.storage.file_schema import (
+    Refuse,
+    describe,
+    is_int,
+    is_number,
+    json_object,
+    with_article,
+)
+from torch import Tensor
 
 __all__ = [
     "Refuse",

@@ -42,7 +42,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest.protocol import check_surrogate
+from gradest.plugin import check_surrogate
 from gradest_recipes.config import RecipeConfig
 from gradest_recipes.rl_objectives import GrpoRollout, RLObjective, per_sample_reward
 
@@ -77,7 +77,7 @@ def updates_per_step(config: RecipeConfig) -> int:
 
 def _rows(rollout: GrpoRollout, index: Tensor) -> GrpoRollout:
     """The samples ``index`` of ``rollout`` (every tensor's batch dimension)."""
-    from gradest.trajectory import Trajectory
+    from gradest import Trajectory
 
     path = rollout.trajectory
     noise = path.step_noise
@@ -98,7 +98,7 @@ def _rows(rollout: GrpoRollout, index: Tensor) -> GrpoRollout:
 
 def _joined(rollouts: Sequence[GrpoRollout]) -> GrpoRollout:
     """The batches of one step's sampling as one rollout (``kl``: their mean)."""
-    from gradest.trajectory import Trajectory
+    from gradest import Trajectory
 
     paths = [r.trajectory for r in rollouts]
     noises = [p.step_noise for p in paths]

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gradest_lab.storage.files import read_text
 
-from gradest.errors import GradestError, InvalidValue, MissingDependency
-from gradest.files import read_text
+from gradest import GradestError, InvalidValue, MissingDependency
 from gradest_recipes.config import FAMILIES
 from gradest_recipes.embeddings import PromptEmbeddings
 

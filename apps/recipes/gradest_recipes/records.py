@@ -5,7 +5,7 @@ typed record (:mod:`gradest_recipes.file_schema` lists every format and its read
   (:func:`read_recipe_state`; :func:`find_checkpoint` finds the newest one);
 * ``done.json``, written after the final LoRA export: :class:`DoneRecord`
   (:func:`read_done`);
-* ``log.jsonl``: gradest's :class:`~gradest.files.JsonLog`, each record's ``step``
+* ``log.jsonl``: gradest's :class:`~gradest_lab.storage.files.JsonLog`, each record's ``step``
   checked (:func:`read_log`, :func:`log_step`).
 
 Each failure is one :class:`~gradest.errors.InvalidValue` line naming the file and the
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from gradest_lab.storage.files import JsonLog, read_text
 
-from gradest.errors import InvalidValue
-from gradest.files import JsonLog, read_text
+from gradest import InvalidValue
 from gradest_recipes.checkpoints import FORMAT, STATE_FILE, checkpoint_dirs, checkpoint_number
 from gradest_recipes.config import (
     FAMILIES,

@@ -39,8 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradest.errors import InvalidValue
-from gradest.objectives import TerminalObjective
+from gradest import InvalidValue, TerminalObjective
 from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.learned_rewards import LEARNED_OPTIONS, LEARNED_REWARDS
 

@@ -1,7 +1,7 @@
 """The RL recipes' objectives: Flow-GRPO with a KL to the base model, and adjoint matching.
 
 Both sample the *current* LoRA model with a stochastic sampler on the scheduler's own
-sigma grid (``gradest.FlowSDE.from_scheduler`` with the family's ``set_timesteps``
+sigma grid (``sampler_from_scheduler(..., sde_noise_level=...)`` with the family's ``set_timesteps``
 keywords), record the path, and train with a :mod:`gradest.rl` stepwise objective on it
 (``est.surrogate(model, sampler, objective, trajectory=path, cond=...)``), so any
 estimator that supports stepwise objectives computes the gradient. The frozen base /
@@ -22,8 +22,8 @@ reference model is the same denoiser with its LoRA adapters switched off
 * ``adjoint_matching`` (Domingo-Enrich et al., ICLR 2025): the memoryless sampler
   :func:`gradest.rl.memoryless_flow` (``sigma_t = sqrt(2 t / (1 - t))``, its steps solved
   in closed form where Euler-Maruyama is stiff) on the same grid: ``memoryless_flow(times=
-  FlowSDE.from_scheduler(scheduler, N, ...).times)``, as gradest has no ``from_scheduler``
-  of the memoryless sampler; the terminal loss per sample
+  sampler_from_scheduler(scheduler, N, sde_noise_level=...).times)``, as the memoryless
+  sampler is read from no scheduler; the terminal loss per sample
   ``-reward_multiplier * reward(decode(z_N))``;
   the lean adjoint with the adapters-off model (:func:`gradest.rl.lean_adjoint`) and the
   regression loss (:func:`gradest.rl.regression_objective`).
@@ -45,7 +45,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest.errors import InvalidValue
+from gradest import InvalidValue
 from gradest_recipes.config import RecipeConfig
 from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.families import Family
@@ -127,7 +127,6 @@ class RLObjective:
     recipes (see the module docstring)."""
 
     def __init__(self, family: Family, config: RecipeConfig):
-        import gradest
         from gradest.rl import memoryless_flow
 
         if config.objective not in ("grpo", "adjoint_matching"):
@@ -140,8 +139,10 @@ class RLObjective:
         self.config = config
         self.name = config.objective
         steps = config.num_inference_steps
-        self.sampler = gradest.FlowSDE.from_scheduler(
-            family.scheduler, steps, noise_level=config.noise_level, **family.schedule_options
+        from gradest.integrations.diffusers import sampler_from_scheduler
+
+        self.sampler = sampler_from_scheduler(
+            family.scheduler, steps, sde_noise_level=config.noise_level, **family.schedule_options
         )
         if self.name == "adjoint_matching":  # the memoryless SDE on the scheduler's grid
             self.sampler = memoryless_flow(times=self.sampler.times)

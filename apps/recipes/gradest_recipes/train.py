@@ -13,7 +13,7 @@ Outputs in ``out``: ``config.toml`` (every setting), ``log.jsonl`` (one record p
 :mod:`gradest_recipes.checkpoints`) and ``lora/pytorch_lora_weights.safetensors`` (the
 final adapters in diffusers' format), plus the run folder's own ``run.json`` (the run's
 identity: :func:`run_record`) and, while the run writes, its lock ``.gradest-run.lock``
-(:mod:`gradest.run_folder`: a folder holds one run, written by one process at a time).
+(:mod:`gradest_lab.storage.run_folder`: a folder holds one run, written by one process at a time).
 
 With ``objective = "grpo"`` or ``"adjoint_matching"`` (the scripts
 ``examples/recipes/{sd3,flux}_{grpo,adjoint_matching}.py``) each micro-step instead rolls
@@ -42,13 +42,8 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from torch import Tensor
-from tqdm.auto import tqdm
-
-from gradest.errors import GradestError, InvalidValue, MissingDependency
-from gradest.files import JsonLog, atomic_write, atomic_write_text
-from gradest.protocol import check_surrogate, is_stateful
-from gradest.run_folder import (
+from gradest_lab.storage.files import JsonLog, atomic_write, atomic_write_text
+from gradest_lab.storage.run_folder import (
     RUN_LOCK,
     RUN_RECORD,
     RunFolder,
@@ -56,6 +51,11 @@ from gradest.run_folder import (
     claim_run_folder,
     lineage_of,
 )
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from gradest import GradestError, InvalidValue, MissingDependency
+from gradest.plugin import check_surrogate, is_stateful
 from gradest_recipes.checkpoints import (
     FullStateAdamW,
     abandon_newer,
@@ -434,7 +434,8 @@ def _on_cpus(world: int) -> bool:
 
 @contextlib.contextmanager
 def _claimed(config: RecipeConfig, start: _Start) -> Iterator[RunFolder | None]:
-    """Hold the run folder ``config.out`` for the body (gradest.run_folder's rule): the main
+    """Hold the run folder ``config.out`` for the body (gradest_lab.storage.run_folder's rule):
+    the main
     process claims it (``run.json``, the lock) before any process writes anything there;
     the others wait for the outcome, and a refusal is raised on every process. Yields the
     claim on the main process, None on the others."""
@@ -506,7 +507,7 @@ class _EstimatorState:
 
 def _estimator(config: RecipeConfig) -> Any:
     import gradest
-    from gradest.protocol import check_steps
+    from gradest.plugin import check_steps
 
     try:
         estimator = gradest.estimator(config.estimator)
@@ -868,7 +869,7 @@ class _Run:
         if "objective_model_units" in means:  # work, summed over the micro-steps
             means["objective_model_units"] = float(np.sum(extras["objective_model_units"]))
         if not math.isfinite(reward):
-            from gradest.errors import Diverged
+            from gradest_lab.errors import Diverged
 
             raise Diverged(f"the reward is {reward} at step {self.step}; lower lr")
         return {
@@ -1006,7 +1007,8 @@ def train(family: str, config: RecipeConfig) -> _Run:
     """Run the recipe for ``family`` with ``config``; returns the finished run (its
     ``family.denoiser``, ``out``, ``step``).
 
-    The out folder is claimed for the whole run (gradest.run_folder): a new run starts only
+    The out folder is claimed for the whole run (gradest_lab.storage.run_folder): a new run
+    starts only
     in a new or empty folder; resuming a checkpoint of the folder continues its run (the
     same settings and lineage); resuming a checkpoint of another folder starts a run in a
     new or empty one, which records the checkpoint as its lineage. Another run's folder,

@@ -4,7 +4,8 @@
 a validation prompt used to end the line: invalid TOML); the property runs over
 arbitrary text (newlines, quotes, backslashes, every control character, any unicode) in
 every free-text setting at once. Config files are read by gradest's one rule for files
-read back (:func:`gradest.files.read_text`): a regular file of UTF-8 text, else one line.
+read back (:func:`gradest_lab.storage.files.read_text`): a regular file of UTF-8 text, else
+one line.
 """
 
 from __future__ import annotations

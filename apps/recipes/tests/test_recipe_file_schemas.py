@@ -45,13 +45,13 @@ pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
 
 import torch  # noqa: E402
+from gradest_lab.storage.run_folder import RUN_LOCK  # noqa: E402
 from gradest_recipes.config import config_from_argv  # noqa: E402
 from gradest_recipes.embeddings import load_embeddings, required_keys, tiny_embeddings  # noqa: E402
 from gradest_recipes.records import DONE_FILE, LOG_FILE, STATE_FIELDS  # noqa: E402
 from recipe_support import RECIPE_WARNINGS, reset_accelerate, script  # noqa: E402
 
 from gradest.errors import GradestError  # noqa: E402
-from gradest.run_folder import RUN_LOCK  # noqa: E402
 
 pytestmark = RECIPE_WARNINGS
 

@@ -1,4 +1,4 @@
-"""A run folder belongs to one run (gradest.run_folder, in the recipes).
+"""A run folder belongs to one run (gradest_lab.storage.run_folder, in the recipes).
 
 Every recipe run claims its ``--output_dir`` before it writes there: ``run.json`` records
 the run (command, settings a resume may not change, lineage), another run's folder or a
@@ -28,6 +28,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 
+from gradest_lab.storage.run_folder import RUN_LOCK, RUN_RECORD, read_run_record  # noqa: E402
 from gradest_recipes.config import load_config  # noqa: E402
 from gradest_recipes.train import run_record, script_main  # noqa: E402
 from recipe_support import (  # noqa: E402
@@ -37,8 +38,6 @@ from recipe_support import (  # noqa: E402
     comparable,
     records,
 )
-
-from gradest.run_folder import RUN_LOCK, RUN_RECORD, read_run_record  # noqa: E402
 
 pytestmark = RECIPE_WARNINGS
 
@@ -127,7 +126,7 @@ def test_resuming_another_runs_checkpoint_into_a_finished_run_is_refused_and_kee
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from gradest.run_folder import RUN_RECORD, claim_run_folder, read_run_record
+    from gradest_lab.storage.run_folder import RUN_RECORD, claim_run_folder, read_run_record
     from pathlib import Path
     out = Path(sys.argv[1])
     record = read_run_record(out / RUN_RECORD)

@@ -216,7 +216,8 @@ def test_resume_refuses_changed_settings_and_finished_runs(tmp_path):
         main(["--resume", str(tmp_path), "--steps", "3", "--lr", "0.5"])
     with pytest.raises(ValueError, match=r"steps=2 .*already at step 2"):
         main(["--resume", str(tmp_path)])
-    # The run folder's rule (gradest.run_folder): the folder's run.json, not its log.jsonl,
+    # The run folder's rule (gradest_lab.storage.run_folder): the folder's run.json, not its
+    # log.jsonl,
     # says it holds a run, and the refusal names the documented resume and --out.
     with pytest.raises(
         InvalidValue, match=r"output_dir .*holds an earlier run.*--resume_from_checkpoint latest"
@@ -618,11 +619,10 @@ def test_flux_packing_ids_and_sigmas_are_the_pipelines():
 
 
 def test_sd_unet_uses_ddim_with_eta():
-    from gradest.diffusion_samplers import DDIM
 
     config = load_config("sd_unet", overrides={"tiny": True, "eta": 0.5})
     family = build_family("sd_unet", config, tiny_embeddings("sd_unet"))
-    want = DDIM.from_scheduler(tiny_scheduler("sd_unet"), 3, eta=0.5)
+    want = sampler_from_scheduler(tiny_scheduler("sd_unet"), 3, eta=0.5)
     assert family.sampler.eta == 0.5
     assert torch.equal(family.sampler.times, want.times)
     assert isinstance(family.velocity, ClassifierFreeGuidance)

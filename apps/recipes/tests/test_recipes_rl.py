@@ -119,7 +119,7 @@ def _tiny_family(family: str, objective: str, *, perturb: bool):
 @pytest.mark.parametrize("objective", OBJECTIVES)
 @pytest.mark.parametrize("family", RL_FAMILIES)
 def test_kl_reference_is_the_adapters_off_model(family, objective):
-    """The SDE sampler is FlowSDE.from_scheduler on the recipe's grid (noise 0.7) for grpo,
+    """The SDE sampler is sampler_from_scheduler(sde_noise_level=0.7) on the recipe's grid for grpo,
     gradest.rl.memoryless_flow on that grid for adjoint matching; with trained (non-zero)
     LoRA the logged KL is the KL to the model without adapters (a fresh build, lora_B = 0:
     the base model), not zero,

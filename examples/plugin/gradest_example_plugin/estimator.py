@@ -33,14 +33,18 @@ import attrs
 import torch
 from torch import Tensor
 
-from gradest.axes import EstimatorAxes
-from gradest.base import EstimatorBase
-from gradest.context import EstimationContext
-from gradest.objectives import Objective
-from gradest.options import option, too_many_steps
-from gradest.protocol import Decisions, Definition
+from gradest.plugin import (
+    Decisions,
+    Definition,
+    EstimationContext,
+    EstimatorAxes,
+    EstimatorBase,
+    Objective,
+    ParamGradient,
+    option,
+    too_many_steps,
+)
 from gradest.reference import DenseChain, replay_subset, sdo_definition
-from gradest.vjp import ParamGradient
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ sampler's own linear part (``alpha_k``; the identity for Euler). With the kept s
 Each step is kept with ``p_k = P(k >= r) = clip(k - min + 1, 0, max - min + 1) /
 (max - min + 1)``, independently, so ``E[c~_k] = (alpha_k I + p_k beta_k dv_k/dz_k)^T
 E[c~_{k+1}]`` and ``E[g] = sum_k p_k J_k^T beta_k E[c~_{k+1}]``
-(:func:`gradest.reference.alignprop_definition.alignprop_expectation`): biased against
+(:func:`gradest.reference.alignprop_expectation`): biased against
 ``exact`` unless every ``p_k = 1`` (``min = max = 0`` is ``exact``). This is *not*
 ``truncated:random=uniform``, which draws one depth ``K`` per call and cuts the chain
 (state and outputs) before step ``N - K``: DRaFT-K with a random K.
@@ -55,7 +55,7 @@ from gradest.nonfinite import check_finite
 from gradest.objectives import Objective
 from gradest.options import int_option, optional_int_option, too_many_steps
 from gradest.protocol import Decisions, Definition
-from gradest.reference.alignprop_definition import (
+from gradest.reference.alignprop import (
     alignprop_definition,
     alignprop_noise_grad_definition,
     kept_steps,
@@ -69,6 +69,15 @@ from gradest.vjp import ParamGradient, SurrogateTerms, add_grads, inner
 @attrs.frozen
 class AlignProp(EstimatorBase):
     """AlignProp's per-step randomized truncation (``truncated_rand_backprop_minmax``).
+
+    Preferred for reward backpropagation at a fraction of exact's compute where every step
+    may get a gradient: the state path is never cut, only some steps' model terms. Not
+    recommended when an unbiased estimate of the exact gradient is required (step ``k``'s
+    term is kept with probability ``p_k``, so its expectation is not exact's): ``exact`` or
+    ``telescope``.
+
+    Source: AlignProp (Prabhudesai, Goyal, Pathak, Fragkiadaki, "Aligning Text-to-Image
+    Diffusion Models with Reward Backpropagation", arXiv 2310.03739).
 
     Attributes:
         min: the smallest ``r`` drawn (a step index; step 0 is the noisiest).

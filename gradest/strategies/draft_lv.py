@@ -44,7 +44,7 @@ from gradest.options import int_option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import replay_normal
 from gradest.reference.dense import DenseChain
-from gradest.reference.draft_lv_definition import draft_lv_definition
+from gradest.reference.draft_lv import draft_lv_definition
 from gradest.samplers import require_interpolant
 from gradest.strategies.sampling import draw_normal
 from gradest.symbolic import host_value
@@ -65,6 +65,13 @@ class DraftLvDecisions(Decisions):
 @attrs.frozen
 class DraftLV(EstimatorBase):
     """DRaFT-LV: the last step's gradient averaged over ``copies`` re-noised final samples.
+
+    Preferred when only the last step's gradient is wanted and DRaFT-1's variance is the
+    problem: ``copies`` re-noised copies of the last step lower it. Not recommended when the
+    gradient should reach earlier steps (it never does: ``truncated`` with a larger ``k``,
+    ``drtune``, ``alignprop``).
+
+    Source: DRaFT-LV (Clark, Vicol, Swersky, Fleet, ICLR 2024, arXiv 2309.17400).
 
     Attributes:
         copies: ``n``, the re-noised copies (DRaFT-LV uses 2); cost ``3nF`` after sampling.

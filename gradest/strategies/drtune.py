@@ -36,15 +36,18 @@ PAPER_TRAINED_STEPS = 3
 class DRTune(ShortcutDiffusion):
     """DRTune (arXiv 2405.00760): reward tuning that reaches early steps at K steps' memory.
 
-    When to use it: a terminal reward (reward backpropagation, AlignProp / DRaFT style)
+    Preferred for a terminal reward (reward backpropagation, AlignProp / DRaFT style)
     whose gradient must reach the early, noisy steps, where the memory of ``K`` steps'
     graphs is all you can afford; the ``K`` steps are spread evenly over the chain at
     every call (a uniform draw can bunch them), which lowers the variance when
-    neighbouring steps' terms are alike and never changes the expectation. When not to:
-    when ``exact`` (or ``exact:checkpoint=true``) fits your memory and time, or when the
-    state Jacobians matter to your model's gradient (see what it drops, below); for a
-    stepwise objective it is ``sdo:select=stratified`` (unbiased for the exact gradient
-    there, since stepwise cotangents do not involve the chain).
+    neighbouring steps' terms are alike and never changes the expectation. Not
+    recommended when ``exact`` (or ``exact:checkpoint=true``) fits your memory and time,
+    or when the state Jacobians matter to your model's gradient (see what it drops,
+    below); for a stepwise objective it is ``sdo:select=stratified`` (unbiased for the
+    exact gradient there, since stepwise cotangents do not involve the chain).
+
+    Source: DRTune (Wu, Ye, Wang, Li, Lin, Yang, Wang, Shi, "Deep Reward Supervisions for
+    Tuning Text-to-Image Diffusion Models", ECCV 2024, arXiv 2405.00760).
 
     What it drops: the same as ``sdo``, every product of state Jacobians
     ``prod (alpha_j + beta_j dv_j/dz_j)`` between a trained step and the end is replaced

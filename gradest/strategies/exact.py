@@ -45,6 +45,17 @@ from gradest.vjp import ParamGradient, add_grads
 class Exact(EstimatorBase):
     """Exact gradient: backpropagation through every sampling step.
 
+    Preferred when the chain's graphs fit in memory (or, with ``checkpoint=true``, the
+    time of ``N`` more forwards does) and the gradient itself is wanted: it is the reference
+    every other estimator is measured against. Not recommended when neither fits:
+    ``drtune``, ``alignprop``, ``sdo`` or ``truncated`` keep the graphs of a few steps, at
+    a bias.
+
+    Source: backpropagation through the sampling chain, as DRaFT (Clark, Vicol, Swersky,
+    Fleet, ICLR 2024, arXiv 2309.17400) and AlignProp (Prabhudesai, Goyal, Pathak,
+    Fragkiadaki, arXiv 2310.03739) train; ``checkpoint=true`` is gradient checkpointing
+    (Chen, Xu, Zhang, Guestrin, arXiv 1604.06174) at the granularity of a step.
+
     Attributes:
         checkpoint: False keeps the graph of all steps (terminal: while sampling, no extra
             forward; stepwise: one batched call over the steps), O(N) activation memory;

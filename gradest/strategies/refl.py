@@ -46,7 +46,7 @@ from gradest.options import at_most_steps, optional_int_option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import replay_uniform_int
 from gradest.reference.dense import DenseChain
-from gradest.reference.refl_definition import refl_definition
+from gradest.reference.refl import refl_definition
 from gradest.samplers import require_interpolant
 from gradest.strategies.sampling import draw_uniform_int
 from gradest.symbolic import host_value
@@ -74,6 +74,15 @@ class ReflDecisions(Decisions):
 @attrs.frozen
 class Refl(EstimatorBase):
     """ReFL: a one-step prediction of the final sample from a random late step.
+
+    Preferred for the cheapest reward gradient through one late step, as ReFL fine-tunes:
+    the final sample is predicted in one jump from a random late step. Not recommended when
+    that one-step prediction is poor (far from the end of the chain) or the gradient should
+    reach earlier steps.
+
+    Source: ReFL (Xu, Liu, Wu, Tong, Li, Ding, Tang, Dong, "ImageReward: Learning and
+    Evaluating Human Preferences for Text-to-Image Generation", NeurIPS 2023,
+    arXiv 2304.05977).
 
     Attributes:
         last_steps: the window ``s`` is drawn from, counted from the end (None: the last

@@ -68,7 +68,7 @@ from gradest.options import bool_option, choice_option, int_option, too_many_ste
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import replay_stratified, replay_subset
 from gradest.reference.dense import DenseChain
-from gradest.reference.sdo_definition import sdo_definition, sdo_noise_grad_definition
+from gradest.reference.sdo import sdo_definition, sdo_noise_grad_definition
 from gradest.strategies.sampling import draw_steps, draw_stratified_steps, stepwise_vjp_over
 from gradest.vjp import ParamGradient, scale_grads
 
@@ -124,6 +124,15 @@ def host_products_after(alpha: list[float]) -> list[float]:
 @attrs.frozen
 class ShortcutDiffusion(EstimatorBase):
     """Shortcut diffusion optimization (SDO): one-step cotangents on a random subset of steps.
+
+    Preferred for a terminal reward when memory or compute is tight: one step's graph at a
+    time and ``samples`` parameter VJPs, unbiased for the one-step sum. Not recommended when
+    the chain's state Jacobians carry the gradient (its bias is the gap between the later
+    steps' product of state Jacobians and the product of ``alpha``: measure it with
+    ``gradest compare`` or the contraction report), or when the steps should be spread
+    evenly (``drtune``). On a stepwise objective ``full_sum=true`` is the exact gradient.
+
+    Source: shortcut diffusion optimization (SDO, arXiv 2505.07477).
 
     Attributes:
         samples: ``m``, the number of steps drawn (without replacement, once per call);

@@ -53,7 +53,7 @@ from gradest.options import at_most_steps, int_option, option
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import replay_survival_depth
 from gradest.reference.dense import DenseChain
-from gradest.reference.telescope_definition import (
+from gradest.reference.telescope import (
     reference_survival,
     telescope_definition,
     telescope_noise_grad_definition,
@@ -103,6 +103,14 @@ class TelescopeDecisions(Decisions):
 @attrs.frozen
 class Telescope(EstimatorBase):
     """Randomized telescoping truncation: a random depth, kept terms reweighted by ``1/q_j``.
+
+    Preferred when an unbiased estimate of the exact gradient is needed at less expected
+    compute than exact's. Not recommended when the variance matters more than the bias: the
+    survival weights ``1/q_j`` are heavy-tailed at a small mean depth; ``jagg:debias=m`` is
+    the other unbiased choice.
+
+    Source: randomized telescoping sums (Beatson, Adams, "Efficient Optimization of Loops and
+    Limits with Randomized Telescoping Sums", ICML 2019, arXiv 1905.07006).
 
     Attributes:
         mean_depth: the expected number of kept steps ``E[K]`` (``min_depth <= mean_depth

@@ -24,8 +24,8 @@ This is not AlignProp's randomized truncation, which draws at every step and nev
 the state path: that is the ``alignprop`` estimator. A probability tuple
 ``(p_1, ..., p_K)`` draws ``k`` with ``P(k) = p_k``. ``k`` is drawn **once per call**
 from the ``generator``, never per step, so the result is an
-unbiased estimate of ``sum_k p_k g_k`` (``gradest.reference.truncated_definition.
-truncated_expectation``), itself still biased against ``exact`` unless ``p_N = 1``.
+unbiased estimate of ``sum_k p_k g_k`` (``gradest.reference.truncated_expectation``),
+itself still biased against ``exact`` unless ``p_N = 1``.
 
 Noise gradient: with ``k < N`` the chain is detached before step ``N - k``, so this
 estimator's gradient with respect to the initial noise is **zero** (returned as zeros,
@@ -62,7 +62,7 @@ from gradest.options import (
 from gradest.protocol import Decisions, Definition
 from gradest.reference.decisions import replay_probability_draw, replay_uniform_int
 from gradest.reference.dense import DenseChain
-from gradest.reference.truncated_definition import (
+from gradest.reference.truncated import (
     truncated_definition,
     truncated_noise_grad_definition,
 )
@@ -166,6 +166,14 @@ def _validate_random(instance: Any, attribute: attrs.Attribute, value: Any) -> N
 @attrs.frozen
 class Truncated(EstimatorBase):
     """Backpropagation through the last ``k`` sampling steps only (DRaFT-K; a random K).
+
+    Preferred when the reward is decided by the last steps and compute is tight: DRaFT-1
+    costs one step's backward; a random ``k`` reaches earlier steps at its mean cost. Not
+    recommended when the reward depends on what the early, noisy steps decide (layout,
+    composition): they get no gradient; ``drtune`` or ``alignprop`` reach them.
+
+    Source: DRaFT-K (Clark, Vicol, Swersky, Fleet, "Directly Fine-Tuning Diffusion Models on
+    Differentiable Rewards", ICLR 2024, arXiv 2309.17400).
 
     Attributes:
         k: the number of kept steps (``1 <= k <= N``, checked against ``N`` when

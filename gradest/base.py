@@ -22,7 +22,7 @@ from torch import Tensor
 from gradest._checks import check_estimate_grads, trainable_parameters
 from gradest._lone_rank import warn_if_lone_rank
 from gradest.context import EstimationContext
-from gradest.errors import InvalidType, InvalidValue
+from gradest.errors import InvalidType, InvalidValue, NoNoiseGradient
 from gradest.errors import SurrogateOutdated as SurrogateOutdated  # its first home: re-exported
 from gradest.model_state import ModelState, RecordedState
 from gradest.nonfinite import ON_NONFINITE, NonFiniteError, deferred_checks
@@ -145,6 +145,35 @@ def surrogate_from_estimate(
     return torch.stack(terms).sum()
 
 
+def estimated_surrogate(
+    estimator: Any,
+    model: torch.nn.Module,
+    sampler: AffineSampler,
+    objective: Objective,
+    **inputs: Any,
+) -> Surrogate:
+    """``estimator``'s surrogate made from its ``estimate()``: the ``surrogate()`` of a
+    plugin that does not subclass :class:`EstimatorBase` (the protocol has two verbs)::
+
+        def surrogate(self, model, sampler, objective, **inputs):
+            return estimated_surrogate(self, model, sampler, objective, **inputs)
+
+    The loss is :func:`surrogate_from_estimate` of the estimate (``sum_p <p, g_p>``: its
+    gradient is the estimate, DDP averages it; it does not go through the model, so layer
+    checkpointing and FSDP sharding do not apply); value, cost, info and decisions are the
+    estimate's.
+    """
+    result = estimator.estimate(model, sampler, objective, **inputs)
+    loss = surrogate_from_estimate(model, result, estimator=estimator)
+    return Surrogate(
+        loss=loss,
+        value=result.value,
+        cost=result.cost,
+        info=dict(result.info),
+        decisions=result.decisions,
+    )
+
+
 class EstimatorBase:
     """Base of the built-in estimators (plugins may use it or just follow the protocol).
 
@@ -229,11 +258,17 @@ class EstimatorBase:
                 decisions=ctx.decisions,
             )
         assert isinstance(grads, dict), "estimate() evaluates every VJP"
+        if noise_grad and state_grad is None:
+            raise NoNoiseGradient(
+                f"estimator {self!r} gives no noise gradient (its _terminal returned None for "
+                f"it) but noise_grad=True was asked; leave noise_grad out, or return the "
+                f"gradient w.r.t. the initial noise as _terminal's second item"
+            )
         # Keys and order exactly as model.named_parameters(), trainable ones only.
         ordered = {name: grads[name].detach() for name in ctx.field.params}
         return GradientEstimate(
             grads=ordered,
-            noise_grad=state_grad.detach() if (noise_grad and state_grad is not None) else None,
+            noise_grad=state_grad.detach() if noise_grad and state_grad is not None else None,
             cost=ctx.meter.freeze(),
             info=ctx.info,
             decisions=ctx.decisions,

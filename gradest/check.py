@@ -37,7 +37,12 @@ from gradest.reference.dense import dense_chain, exact_cotangents, relative_erro
 from gradest.registry import available_estimators, estimator, line_up, plugin_calls
 from gradest.samplers import RectifiedFlow
 from gradest.specs import as_spec_list, format_spec_list
-from gradest.testing.checks import noise_grad_error, surrogate_gradient, verify_decisions
+from gradest.testing.checks import (
+    estimate_from_noise,
+    noise_grad_error,
+    surrogate_gradient,
+    verify_decisions,
+)
 from gradest.testing.problems import (
     random_stepwise_objective,
     seeded_normal,
@@ -189,14 +194,12 @@ def run_check(
             # The same estimate sampling from the noise itself (the path is the recorded one:
             # the sampler is deterministic), with the noise gradient where there is one.
             terminal = isinstance(objective, TerminalObjective)
-            sampled = est.estimate(
-                model,
-                sampler,
-                objective,
-                noise=noise,
-                noise_grad=terminal,
-                **{**inputs, "generator": generator()},
+            sampled, silent = estimate_from_noise(
+                est, model, sampler, objective, noise, terminal, inputs, generator
             )
+            if silent:
+                verdict.failures.append(silent)
+                verdict.ok = False
             check_estimate_grads(est, sampled, params)
             vs_definition, from_noise, noise_grad = None, None, None
             if definition is not None:

@@ -22,6 +22,11 @@ class InvalidType(GradestError, TypeError):
     """An argument or option has the wrong type."""
 
 
+class NoNoiseGradient(InvalidValue):
+    """``noise_grad=True`` was asked of an estimator that gives no noise gradient (its
+    ``_terminal`` returns None for it): refused, never a silent None."""
+
+
 class MissingDependency(GradestError, ImportError):
     """An optional dependency (an extra of ``pip install gradest[...]``) is not installed."""
 

@@ -30,12 +30,18 @@ from gradest._checks import (
     trainable_parameters,
 )
 from gradest.axes import EstimatorAxes
-from gradest.base import EstimatorBase, surrogate_from_estimate
+from gradest.base import EstimatorBase, estimated_surrogate, surrogate_from_estimate
 from gradest.commands import Command, CommandInterrupted
 from gradest.conditioning import map_tensors, repeat_per_sample, tensor_leaves, with_tensor_leaves
 from gradest.context import EstimationContext
 from gradest.entry_points import callable_entry, load_entry_points
-from gradest.errors import GradestError, InvalidType, InvalidValue, MissingDependency
+from gradest.errors import (
+    GradestError,
+    InvalidType,
+    InvalidValue,
+    MissingDependency,
+    NoNoiseGradient,
+)
 from gradest.integers import INT64_MAX, WholeNumber, whole_number_problem
 from gradest.objectives import Objective
 from gradest.options import (
@@ -50,6 +56,7 @@ from gradest.options import (
     too_many_steps,
 )
 from gradest.protocol import (
+    VERBS,
     Cost,
     Decisions,
     Definition,
@@ -59,6 +66,7 @@ from gradest.protocol import (
     check_steps,
     is_estimator,
     is_stateful,
+    missing_verbs,
     supports,
 )
 from gradest.ranks import RankAgreement
@@ -77,7 +85,7 @@ from gradest.reference import (
     replay_uniform_ints,
     terminal_adjoints,
 )
-from gradest.registry import is_builtin, line_up, parse_spec
+from gradest.registry import clear_cache, is_builtin, line_up, parse_spec
 from gradest.specs import (
     SPEC_LIST_EXAMPLE,
     SPEC_LIST_HELP,
@@ -85,7 +93,7 @@ from gradest.specs import (
     spec_list_text,
     split_spec_list,
 )
-from gradest.vjp import ParamGradient, VelocityField
+from gradest.vjp import ParamGradient, VelocityField, add_grads, scale_grads
 
 __all__ = [
     "INT64_MAX",
@@ -105,13 +113,16 @@ __all__ = [
     "InvalidType",
     "InvalidValue",
     "MissingDependency",
+    "NoNoiseGradient",
     "Objective",
     "ParamGradient",
     "RankAgreement",
     "Surrogate",
     "TrajectoryGradientEstimator",
+    "VERBS",
     "VelocityField",
     "WholeNumber",
+    "add_grads",
     "at_most_steps",
     "bool_option",
     "callable_entry",
@@ -119,7 +130,9 @@ __all__ = [
     "check_steps",
     "check_surrogate",
     "choice_option",
+    "clear_cache",
     "dense_chain",
+    "estimated_surrogate",
     "exact_cotangents",
     "exact_gradient",
     "format_spec_list",
@@ -129,6 +142,7 @@ __all__ = [
     "is_stateful",
     "is_symbolic",
     "line_up",
+    "missing_verbs",
     "load_entry_points",
     "map_tensors",
     "one_step_cotangents",
@@ -145,6 +159,7 @@ __all__ = [
     "replay_survival_depth",
     "replay_uniform_int",
     "replay_uniform_ints",
+    "scale_grads",
     "spec_list_text",
     "split_spec_list",
     "supports",

@@ -105,8 +105,20 @@ def is_stateful(estimator: Any) -> bool:
 
 
 def is_estimator(candidate: Any) -> bool:
-    """Whether ``candidate`` can estimate (has a callable ``estimate``): the one duck check."""
+    """Whether ``candidate`` can estimate (has a callable ``estimate``): what measuring
+    needs (``gradest.harness.compare`` takes such an object). A registered estimator has
+    both verbs (:func:`missing_verbs`)."""
     return callable(getattr(candidate, "estimate", None))
+
+
+#: The two verbs :class:`TrajectoryGradientEstimator` declares.
+VERBS = ("estimate", "surrogate")
+
+
+def missing_verbs(candidate: Any) -> tuple[str, ...]:
+    """The verbs of the protocol (:data:`VERBS`) that ``candidate`` (an estimator or its
+    class) lacks: what the registry refuses a plugin for."""
+    return tuple(verb for verb in VERBS if not callable(getattr(candidate, verb, None)))
 
 
 @attrs.frozen(eq=False)

@@ -21,7 +21,7 @@ import attrs
 from gradest import entry_points
 from gradest.errors import GradestError, InvalidType, InvalidValue
 from gradest.options import describe_options, parse_bool, parse_option_text
-from gradest.protocol import TrajectoryGradientEstimator, is_estimator
+from gradest.protocol import TrajectoryGradientEstimator, is_estimator, missing_verbs
 from gradest.specs import split_options, strip_group, top_level_pieces
 
 GROUP = "gradest.estimators"
@@ -93,7 +93,20 @@ def _label(est: Any) -> str:
 
 
 def _estimator_problem(candidate: Any) -> str | None:
-    return None if is_estimator(candidate) else "has no estimate() method"
+    """Why ``candidate`` is not an estimator the protocol accepts: both verbs, as
+    :class:`~gradest.protocol.TrajectoryGradientEstimator` declares them."""
+    missing = missing_verbs(candidate)
+    if not missing:
+        return None
+    methods = " and ".join(f"{verb}()" for verb in missing)
+    fix = (
+        "subclass gradest.plugin.EstimatorBase, or add surrogate() as "
+        "gradest.plugin.estimated_surrogate(self, model, sampler, objective, **inputs)"
+        if missing == ("surrogate",)
+        else "subclass gradest.plugin.EstimatorBase (it gives both verbs from _terminal / "
+        "_stepwise)"
+    )
+    return f"has no {methods} method: the protocol has two verbs; {fix}"
 
 
 @functools.cache

@@ -7,6 +7,8 @@
 * ``definition_gradient`` asks the estimator (no table of names): a plugin that defines
   ``definition`` is checked like a built-in, one that does not gets None.
 * A plugin without attrs takes its options as constructor keyword arguments.
+* A noise gradient asked for is given or refused naming the estimator, never a silent
+  None.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 import gradest
 from gradest import registry
-from gradest.base import EstimatorBase
+from gradest.base import EstimatorBase, estimated_surrogate
 from gradest.protocol import Decisions
 from gradest.reference import definition_gradient, dense_chain, relative_error
 from gradest.strategies.jagg import JaggDecisions
@@ -117,6 +119,9 @@ class Halved:
         grads = {name: self.factor * g for name, g in result.grads.items()}
         return attrs.evolve(result, grads=grads, decisions=None)
 
+    def surrogate(self, model, flow, objective, **kwargs):
+        return estimated_surrogate(self, model, flow, objective, **kwargs)
+
 
 @attrs.frozen
 class NoDefinition(EstimatorBase):
@@ -182,3 +187,65 @@ def test_compare_takes_any_always_exact_estimator_as_reference(problem):
         gradest.compare(
             model, flow, objective, ["sdo"], reference="sdo", noise_fn=lambda s: None, seeds=1
         )
+
+
+@attrs.frozen
+class LastStepOnly(EstimatorBase):
+    """Gives no noise gradient: its _terminal returns None for it."""
+
+    name = "laststeponly"
+
+    def _terminal(self, ctx):
+        k = ctx.num_steps - 1
+        cotangent = ctx.host_coefficients[1][k] * ctx.terminal_adjoint()
+        state = ctx.trajectory().states[k : k + 1]
+        return ctx.field.param_vjp(state, [ctx.host_times[k]], cotangent[None]), None
+
+    def definition(self, chain, objective, decisions):
+        from gradest.protocol import Definition
+        from gradest.reference import exact_cotangents
+
+        last = chain.num_steps - 1
+        return Definition(grad=chain.gradient(exact_cotangents(chain, objective), [last]))
+
+
+class SilentNone(Halved):
+    """A protocol-only plugin that answers noise_grad=True with None."""
+
+    def estimate(self, model, flow, objective, **kwargs):
+        return attrs.evolve(super().estimate(model, flow, objective, **kwargs), noise_grad=None)
+
+    def definition(self, chain, objective, decisions):
+        from gradest.protocol import Definition
+        from gradest.reference import exact_cotangents
+
+        return Definition(grad=self.factor * chain.gradient(exact_cotangents(chain, objective)))
+
+
+def test_a_noise_gradient_asked_for_is_given_or_refused_naming_the_estimator(problem):
+    from gradest.plugin import NoNoiseGradient
+    from gradest.testing import assert_matches_definition, definition_errors
+
+    model, flow, noise, objective = problem
+    est = LastStepOnly()
+    with pytest.raises(NoNoiseGradient, match=r"estimator LastStepOnly\(\) gives no noise "
+                       r"gradient .* noise_grad=True was asked; leave noise_grad out"):  # fmt: skip
+        est.estimate(model, flow, objective, noise=noise, noise_grad=True)
+    assert est.estimate(model, flow, objective, noise=noise).noise_grad is None
+    # The checks compare the rest for it ...
+    assert_matches_definition(est, model, flow, objective, noise=noise)
+    # ... and name a plugin that answers with a silent None.
+    silent = SilentNone()
+    assert (
+        "noise_grad=True returned None"
+        in definition_errors(silent, model, flow, objective, noise=noise)["problems"][0]
+    )
+    with pytest.raises(AssertionError, match="never answers with a silent None"):
+        assert_matches_definition(silent, model, flow, objective, noise=noise)
+    # Every built-in gives one.
+    for name in registry.builtin_estimators():
+        result = gradest.estimator(name).estimate(
+            model, flow, objective, noise=noise, noise_grad=True,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        assert result.noise_grad is not None and result.noise_grad.shape == noise.shape, name

@@ -8,6 +8,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import attrs
 import pytest
+import torch
 
 import gradest
 from gradest import entry_points as entry_point_loader
@@ -201,3 +202,58 @@ def test_pyproject_entry_points_are_exactly_the_builtins():
         for name, cls in registry.builtin_estimators().items()
     }
     assert loaded == declared
+
+
+class EstimateOnly:
+    """A protocol-only class with one verb of the two."""
+
+    name = "estimate_only"
+
+    def estimate(self, model, sampler, objective, **inputs):
+        return gradest.estimator("exact").estimate(model, sampler, objective, **inputs)
+
+
+class BothVerbs(EstimateOnly):
+    """The same, with the surrogate the protocol asks for, made from its estimate."""
+
+    name = "both_verbs"
+
+    def surrogate(self, model, sampler, objective, **inputs):
+        from gradest.plugin import estimated_surrogate
+
+        return estimated_surrogate(self, model, sampler, objective, **inputs)
+
+
+def test_the_registry_accepts_what_the_protocol_declares(fake_plugins):
+    """Both verbs of TrajectoryGradientEstimator: a plugin with one is refused, naming the
+    missing verb and the fix; the same plugin with a surrogate made from its estimate is
+    taken and trains with the estimate's gradient."""
+    from gradest.plugin import VERBS, TrajectoryGradientEstimator
+
+    assert set(VERBS) == {
+        name
+        for name, member in vars(TrajectoryGradientEstimator).items()
+        if callable(member) and not name.startswith("_")
+    }
+    fake_plugins(
+        _entry("estimate_only", f"{__name__}:EstimateOnly", "one-verb-dist"),
+        _entry("both_verbs", f"{__name__}:BothVerbs", "two-verbs-dist"),
+    )
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"'estimate_only' from one-verb-dist.* has no surrogate\(\) method: the protocol "
+        r"has two verbs; .*gradest\.plugin\.estimated_surrogate",
+    ):
+        available = gradest.available_estimators()
+    assert "estimate_only" not in available and "both_verbs" in available
+    from gradest.testing import seeded_normal, smooth_terminal_objective, tiny_mlp
+
+    model, sampler = tiny_mlp(3), gradest.RectifiedFlow(steps=4)
+    objective, noise = smooth_terminal_objective(3), seeded_normal((2, 3), 0)
+    est = gradest.estimator("both_verbs")
+    sur = est.surrogate(model, sampler, objective, noise=noise)
+    sur.loss.backward()
+    result = est.estimate(model, sampler, objective, noise=noise)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, result.grads[name], rtol=1e-12, atol=0)
+    assert sur.value == result.value and sur.cost == result.cost

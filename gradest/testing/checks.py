@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from gradest._checks import check_surrogate
+from gradest.errors import NoNoiseGradient
 from gradest.objectives import Objective, StepwiseObjective
 from gradest.protocol import Decisions, Definition, GradientEstimate, SamplingInputs, supports
 from gradest.reference.decisions import decisions_mismatch
@@ -74,6 +75,38 @@ def verify_decisions(
     return decisions_mismatch(result.decisions, expected), definition_at(
         estimator, chain, objective, expected
     )
+
+
+def estimate_from_noise(
+    est: Any,
+    model: torch.nn.Module,
+    sampler: Any,
+    objective: Objective,
+    noise: Tensor,
+    terminal: bool,
+    inputs: Mapping[str, Any],
+    generator: Any,
+) -> tuple[GradientEstimate, str | None]:
+    """``est``'s estimate sampling from ``noise`` (``generator()`` gives each call its
+    generator), with the noise gradient asked for when ``terminal``, and what is wrong with
+    how it answered that: ``(result, problem)``. An estimator that gives no noise gradient
+    refuses the request (:class:`~gradest.errors.NoNoiseGradient`; then the estimate
+    without it is the result, no problem); one that returns None for it silently has the
+    problem named."""
+    call = {**inputs, "noise": noise, "generator": generator()}
+    if not terminal:
+        return est.estimate(model, sampler, objective, **call), None
+    try:
+        result = est.estimate(model, sampler, objective, noise_grad=True, **call)
+    except NoNoiseGradient:
+        call["generator"] = generator()
+        return est.estimate(model, sampler, objective, **call), None
+    if result.noise_grad is None:
+        return result, (
+            "noise_grad=True returned None: an estimator without a noise gradient refuses "
+            "the request (gradest.plugin.NoNoiseGradient), never answers with a silent None"
+        )
+    return result, None
 
 
 def noise_grad_error(estimate: Tensor, truth: Tensor) -> float:
@@ -130,7 +163,8 @@ def definition_errors(
     * ``"trajectory"``: the relative error of the estimate on the path to the definition;
     * ``"noise"`` (``noise=`` with a deterministic sampler only): that of the estimate
       that samples from ``noise`` itself, and ``"noise_grad"`` its initial-noise gradient
-      for a terminal objective;
+      for a terminal objective (``"problems"``: an estimator that answered
+      ``noise_grad=True`` with a silent None instead of refusing it);
     * ``"surrogate"`` (``surrogate=True``): the relative error of the surrogate loss's
       autograd gradient to the estimate (pass ``surrogate=False`` for an estimator whose
       calls depend on the calls before them, as ``auto``'s do: its first call probes);
@@ -171,10 +205,12 @@ def definition_errors(
     deterministic = not bool(sampler.coefficients()[2].ne(0).any())
     if noise is not None and deterministic:
         terminal = kind == "terminal"
-        sampled = copy.deepcopy(fresh).estimate(
-            model, sampler, objective, noise=noise, cond=cond, noise_grad=terminal,
-            generator=copy_generator(start),
+        sampled, problem = estimate_from_noise(
+            copy.deepcopy(fresh), model, sampler, objective, noise, terminal, {"cond": cond},
+            lambda: copy_generator(start),
         )  # fmt: skip
+        if problem:
+            errors["problems"] = [problem]
         errors["noise"] = relative_error(sampled.flat(), definition.grad)
         if terminal and definition.noise_grad is not None and sampled.noise_grad is not None:
             errors["noise_grad"] = noise_grad_error(sampled.noise_grad, definition.noise_grad)
@@ -219,9 +255,12 @@ def assert_matches_definition(
     errors = definition_errors(estimator, model, sampler, objective, surrogate=surrogate, **inputs)
     result = errors.pop("estimate")
     mismatches = errors.pop("decisions")
+    problems = errors.pop("problems", [])
     name = repr(estimator) if not isinstance(estimator, str) else estimator
     if mismatches:
         raise AssertionError(f"{name}: decisions differ: " + "; ".join(dict.fromkeys(mismatches)))
+    if problems:
+        raise AssertionError(f"{name}: " + "; ".join(problems))
     failed = {key: value for key, value in errors.items() if not value <= rtol}
     if failed:
         detail = ", ".join(f"{key} {value:.2e}" for key, value in failed.items())

@@ -241,8 +241,12 @@ class TrajectoryGradientEstimator(Protocol):
     ``(model, sampler, objective)`` and the same keyword arguments, ``engine=`` included
     (``"autograd"`` or ``"func"``; a plugin may ignore it). Implementations are
     frozen attrs classes whose fields are their options (a plugin without attrs takes its
-    options as constructor keyword arguments). Beyond the two methods below, an estimator
-    may define (``gradest.base.EstimatorBase`` does):
+    options as constructor keyword arguments). Both methods are required: the registry
+    skips a plugin without either (:func:`missing_verbs`; a ``surrogate()`` can be made
+    from ``estimate()`` with ``gradest.plugin.estimated_surrogate``). ``estimate(...,
+    noise_grad=True)`` returns the initial-noise gradient or raises
+    :class:`~gradest.errors.NoNoiseGradient`; it never answers with None. Beyond the two
+    methods below, an estimator may define (``gradest.base.EstimatorBase`` does):
 
     * ``check_steps(num_steps)``: raise if its options cannot run on an ``N``-step
       sampler (callers such as ``gradest finetune`` call it before any work);

@@ -39,12 +39,13 @@ import torch
 from torch import Tensor, nn
 
 from gradest.diffusion_samplers import DDIM
-from gradest.errors import InvalidType, InvalidValue, MissingDependency
+from gradest.errors import InvalidType, InvalidValue
 from gradest.integrations.diffusers_schedulers import (
     DDIMSchedule,
     FlowMatchSchedule,
     ddim_schedule,
     flow_match_schedule,
+    is_ddpm_family,
 )
 from gradest.samplers import FlowSDE, RectifiedFlow, StochasticFlowMatch
 from gradest.symbolic import outside_fake_mode
@@ -135,7 +136,7 @@ def sampler_from_scheduler(
             ``thresholding=True``, a learned or "large" DDPM variance, an unknown
             ``prediction_type``), or an option of the other family.
     """
-    if _is_ddpm_family(scheduler):
+    if is_ddpm_family(scheduler):
         if sde_noise_level is not None:
             raise InvalidValue(
                 f"sde_noise_level={sde_noise_level!r} is Flow-GRPO's SDE on a flow-matching "
@@ -157,17 +158,6 @@ def sampler_from_scheduler(
     if sde_noise_level is None:
         return euler
     return FlowSDE(times=euler.times, noise_level=sde_noise_level)
-
-
-def _is_ddpm_family(scheduler: Any) -> bool:
-    try:
-        from diffusers import DDIMScheduler, DDPMScheduler
-    except ImportError as err:
-        raise MissingDependency(
-            "sampler_from_scheduler needs diffusers: pip install diffusers "
-            "(or gradest's integrations extra)"
-        ) from err
-    return isinstance(scheduler, DDIMScheduler | DDPMScheduler)
 
 
 def _flow_match_sampler(schedule: FlowMatchSchedule) -> RectifiedFlow | StochasticFlowMatch:

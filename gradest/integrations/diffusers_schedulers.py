@@ -77,6 +77,24 @@ class DDIMSchedule:
         }
 
 
+def diffusers_module() -> Any:
+    """The ``diffusers`` package, imported when a scheduler is read (it is optional)."""
+    try:
+        import diffusers
+    except ImportError as err:
+        raise MissingDependency(
+            "sampler_from_scheduler needs diffusers: pip install diffusers "
+            "(or gradest's integrations extra)"
+        ) from err
+    return diffusers
+
+
+def is_ddpm_family(scheduler: Any) -> bool:
+    """Whether ``scheduler`` is a ``DDIMScheduler`` or ``DDPMScheduler`` (a DDIM sampler's)."""
+    diffusers = diffusers_module()
+    return isinstance(scheduler, diffusers.DDIMScheduler | diffusers.DDPMScheduler)
+
+
 def _check_num_inference_steps(num_inference_steps: Any) -> None:
     if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
         raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
@@ -91,14 +109,7 @@ def flow_match_schedule(
     :func:`gradest.integrations.diffusers.sampler_from_scheduler` builds its sampler on
     (documented there; the same arguments and refusals).
     """
-    try:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-    except ImportError as err:
-        raise MissingDependency(
-            "sampler_from_scheduler needs diffusers: pip install diffusers "
-            "(or gradest's integrations extra)"
-        ) from err
-    if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+    if not isinstance(scheduler, diffusers_module().FlowMatchEulerDiscreteScheduler):
         raise InvalidType(
             f"sampler_from_scheduler takes a diffusers FlowMatchEulerDiscreteScheduler (the "
             f"Euler sampler of rectified-flow models such as SD3 and Flux), DDIMScheduler or "
@@ -154,15 +165,8 @@ def ddim_schedule(
     """The grid and levels of a ``DDIMScheduler`` / ``DDPMScheduler``: what
     :func:`gradest.integrations.diffusers.sampler_from_scheduler` builds its DDIM from
     (documented there; the same arguments and refusals)."""
-    try:
-        from diffusers import DDIMScheduler, DDPMScheduler
-    except ImportError as err:
-        raise MissingDependency(
-            "sampler_from_scheduler needs diffusers: pip install diffusers "
-            "(or gradest's integrations extra)"
-        ) from err
-    is_ddpm = isinstance(scheduler, DDPMScheduler)
-    if not (is_ddpm or isinstance(scheduler, DDIMScheduler)):
+    is_ddpm = isinstance(scheduler, diffusers_module().DDPMScheduler)
+    if not is_ddpm_family(scheduler):
         raise InvalidType(
             f"a DDIM sampler needs a diffusers DDIMScheduler or DDPMScheduler, got "
             f"{type(scheduler).__name__}; for FlowMatchEulerDiscreteScheduler use "

@@ -347,8 +347,8 @@ class EstimatorBase:
         if loss is None:
             raise InvalidType(
                 f"estimator {self!r} combined its gradients outside the engine, so it has no "
-                f"surrogate loss; combine them with gradest.vjp.add_grads/scale_grads, or use "
-                f"gradest.base.surrogate_from_estimate(model, est.estimate(...))"
+                f"surrogate loss; combine them with gradest.plugin.add_grads/scale_grads, or "
+                f"make its surrogate from its estimate with gradest.plugin.estimated_surrogate"
             )
         return Surrogate(
             loss=loss,
@@ -395,7 +395,7 @@ class EstimatorBase:
     check_specs: ClassVar[tuple[str, ...]] = ()
 
     #: This estimator's entries in ``gradest compare``'s default line-up (its recommended
-    #: forms; gradest's own estimators only, :func:`gradest.registry.line_up`).
+    #: forms; gradest's own estimators only, :func:`gradest.plugin.line_up`).
     compare_specs: ClassVar[tuple[str, ...]] = ()
 
     #: Its entries in ``gradest cost``'s default line-up (gradest's own estimators only).

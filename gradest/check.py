@@ -59,7 +59,7 @@ DRAW_SEEDS = 4
 def default_specs(steps: int) -> list[str]:
     """Every registered estimator with its defaults, then the configurations each one pins
     (its ``check_specs``: the known truths of docs/design.md#known-truths and non-default
-    options, :func:`gradest.registry.line_up`), less those whose options need more than
+    options, :func:`gradest.plugin.line_up`), less those whose options need more than
     ``steps`` steps (an explicit list is not filtered: there such an option is the user's
     error)."""
     names = sorted(available_estimators())

@@ -1467,7 +1467,7 @@ variants of each):
   depends on returns a zero estimate, the right one for that draw; only a loss that
   depends on no step's velocity at all is refused.
 - **Plugins.** What a plugin estimator returns is checked wherever gradest uses it
-  (`gradest.compare`, `gradest check`, `auto`, `gradest.base.surrogate_from_estimate`):
+  (`gradest.compare`, `gradest check`, `auto`, `gradest.plugin.surrogate_from_estimate`):
   one gradient tensor per trainable parameter, none for anything else, of the parameter's
   shape, dtype and device, and finite; anything else is one line naming the plugin. A
   plugin that raises, or calls `sys.exit()`, in its constructor or `estimate()` (in

@@ -91,7 +91,7 @@ class AlignProp(EstimatorBase):
 
     name: ClassVar[str] = "alignprop"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = ("alignprop:min=2,max=5",)
     compare_specs: ClassVar[tuple[str, ...]] = ("alignprop",)
     cost_specs: ClassVar[tuple[str, ...]] = ("alignprop",)

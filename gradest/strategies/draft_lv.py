@@ -79,7 +79,7 @@ class DraftLV(EstimatorBase):
 
     name: ClassVar[str] = "draft_lv"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = ("draft_lv:copies=3",)
     compare_specs: ClassVar[tuple[str, ...]] = ("draft_lv",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(

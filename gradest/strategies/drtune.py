@@ -81,7 +81,7 @@ class DRTune(ShortcutDiffusion):
 
     name: ClassVar[str] = "drtune"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = ("drtune:samples=2,scale=none",)
     compare_specs: ClassVar[tuple[str, ...]] = ("drtune",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(

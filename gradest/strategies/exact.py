@@ -66,7 +66,7 @@ class Exact(EstimatorBase):
     name: ClassVar[str] = "exact"
     always_exact: ClassVar[bool] = True
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = ("exact:checkpoint=true",)
     compare_specs: ClassVar[tuple[str, ...]] = ("exact",)
     cost_specs: ClassVar[tuple[str, ...]] = ("exact", "exact:checkpoint=true")

@@ -229,7 +229,7 @@ class Jagg(EstimatorBase):
 
     name: ClassVar[str] = "jagg"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = (
         "jagg:window=2,order=1",
         "jagg:window=4,shared_knots=true",

@@ -91,7 +91,7 @@ class Refl(EstimatorBase):
 
     name: ClassVar[str] = "refl"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = ("refl:last_steps=3",)
     compare_specs: ClassVar[tuple[str, ...]] = ("refl",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(

@@ -162,7 +162,7 @@ class ShortcutDiffusion(EstimatorBase):
 
     name: ClassVar[str] = "sdo"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = (
         "sdo:full_sum=true",
         "sdo:samples=3",

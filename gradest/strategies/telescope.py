@@ -120,7 +120,7 @@ class Telescope(EstimatorBase):
 
     name: ClassVar[str] = "telescope"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = ("telescope:mean_depth=3,min_depth=2",)
     compare_specs: ClassVar[tuple[str, ...]] = ("telescope",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(

@@ -191,7 +191,7 @@ class Truncated(EstimatorBase):
 
     name: ClassVar[str] = "truncated"
     # The check's pinned configurations, compare's and cost's default entries
-    # (gradest.registry.line_up asks every estimator for these).
+    # (gradest.plugin.line_up asks every estimator for these).
     check_specs: ClassVar[tuple[str, ...]] = (
         "truncated:k={N}",
         "truncated:random=uniform,k_min=2",

@@ -44,7 +44,7 @@ Reward = Callable[[Tensor], Tensor]
 
 def surrogate_loss(est: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Surrogate:
     """``est.surrogate(...)``, or for an estimator without one, the linear surrogate of its
-    estimate (:func:`gradest.base.surrogate_from_estimate`) in the same record."""
+    estimate (:func:`gradest.plugin.surrogate_from_estimate`) in the same record."""
     if callable(getattr(est, "surrogate", None)):
         # A plugin's surrogate that is not a scalar loss: one line naming it, before its backward.
         return check_surrogate(est, est.surrogate(model, *args, **kwargs))  # type: ignore[no-any-return]

@@ -73,7 +73,7 @@ _UNITS = {
 
 def default_estimators() -> list[str]:
     """``gradest cost``'s default estimators: each built-in's ``cost_specs`` (the registry
-    asks the estimators, :func:`gradest.registry.line_up`)."""
+    asks the estimators, :func:`gradest.plugin.line_up`)."""
     return line_up("cost")
 
 

@@ -93,7 +93,8 @@ def test_drtune_is_in_the_default_compare_line_up_and_lists_its_paper():
     assert "drtune" in compare_line_up()
     doc = DRTune.__doc__ or ""
     assert "arXiv 2405.00760" in doc.splitlines()[0]
-    assert "When to use it" in doc and "When not to" in doc and "What it drops" in doc
+    flat = " ".join(doc.split())
+    assert "Preferred for" in flat and "Not recommended" in flat and "What it drops" in flat
 
 
 # -- 2. the estimator is its definition ------------------------------------------------------

@@ -105,7 +105,7 @@ METRICS = ("adam_cosine", "cosine")
 
 def _parse_candidates(text: str) -> tuple[str, ...]:
     """``exact,jagg:window=4,tau=0.9,sdo``: a spec list in the one list syntax
-    (:mod:`gradest.specs`), inside a spec wrapped in parentheses:
+    (:func:`gradest.plugin.split_spec_list`), inside a spec wrapped in parentheses:
     ``auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)``."""
     from gradest.plugin import split_spec_list
 
@@ -245,7 +245,7 @@ class Auto(EstimatorBase):
 
     Attributes:
         candidates: estimator specs to choose from; in a spec string the one list syntax
-            (:mod:`gradest.specs`) in parentheses, e.g.
+            (:func:`gradest.plugin.split_spec_list`) in parentheses, e.g.
             ``auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)``.
         max_bias: exclude candidates whose relative bias to exact exceeds this (None: no
             bound).

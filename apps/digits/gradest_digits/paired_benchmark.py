@@ -464,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--estimators",
         default=DEFAULT_ESTIMATORS,
-        help="estimator specs in the one list syntax of gradest.specs, e.g. "
+        help="estimator specs in the one list syntax of gradest.plugin.split_spec_list, e.g. "
         "'exact,jagg:window=4,tau=0.9,sdo'",
     )
     parser.add_argument("--seeds", type=int, default=8)

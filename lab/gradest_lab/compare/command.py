@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"gradest compare: {left} left out (no {args.objective} objectives)")
         specs = kept
     # --seeds, --draws, --repeats, --steps and --batch are whole numbers >= 1 by their type
-    # (gradest.integers.WholeNumber), checked as they are parsed.
+    # (gradest.plugin.WholeNumber), checked as they are parsed.
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise InvalidValue(f"--dtype must be float64 or float32, got {args.dtype!r}")

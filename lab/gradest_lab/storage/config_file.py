@@ -9,9 +9,9 @@ types::
     lr = 1e-4
     labels = "null"
 
-A setting that is a list of estimator specs (a flag with ``type=gradest.specs.spec_list_text``)
-takes either one string in the list syntax of :mod:`gradest.specs` or an array of spec
-strings: ``estimators = "exact,jagg:window=4,tau=0.9,sdo"`` and ``estimators = ["exact",
+A setting that is a list of estimator specs (a flag with
+``type=gradest.plugin.spec_list_text``) takes either one string in the list syntax of
+:func:`gradest.plugin.split_spec_list` or an array of spec strings: ``estimators = "exact,jagg:window=4,tau=0.9,sdo"`` and ``estimators = ["exact",
 "jagg:window=4,tau=0.9", "sdo"]`` are the same list. A single-estimator setting takes one
 spec, whose list-valued options use the same syntax (``estimator =
 "auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)"``).
@@ -83,7 +83,7 @@ def _checked(key: str, value: Any, action: argparse.Action, path: Path) -> Any:
         value = float(value)
     elif kind is spec_list_text:
         # A list of estimator specs: one string in the list syntax or an array of spec
-        # strings, both read by gradest.specs (the file's text is checked here).
+        # strings, both read by gradest.plugin.split_spec_list (the file's text is checked here).
         try:
             if isinstance(value, list) and all(isinstance(v, str) for v in value):
                 value = format_spec_list(value)

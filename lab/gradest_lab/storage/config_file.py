@@ -11,7 +11,8 @@ types::
 
 A setting that is a list of estimator specs (a flag with
 ``type=gradest.plugin.spec_list_text``) takes either one string in the list syntax of
-:func:`gradest.plugin.split_spec_list` or an array of spec strings: ``estimators = "exact,jagg:window=4,tau=0.9,sdo"`` and ``estimators = ["exact",
+:func:`gradest.plugin.split_spec_list` or an array of spec strings:
+``estimators = "exact,jagg:window=4,tau=0.9,sdo"`` and ``estimators = ["exact",
 "jagg:window=4,tau=0.9", "sdo"]`` are the same list. A single-estimator setting takes one
 spec, whose list-valued options use the same syntax (``estimator =
 "auto:candidates=(exact,jagg:window=4,tau=0.9,sdo)"``).

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from gradest import InvalidValue, RectifiedFlow, rollout
 from gradest.integrations.distributed import check_same_estimator, rank_generator
-from gradest.plugin import Cost, Surrogate, check_surrogate, is_stateful, surrogate_from_estimate
+from gradest.plugin import Cost, Surrogate, check_surrogate, estimated_surrogate, is_stateful
 from gradest_digits.file_schema import first_line
 from gradest_digits.finetune_config import FinetuneConfig
 from gradest_digits.finetune_modes import Batch, mode_of, needs_base
@@ -44,18 +44,11 @@ Reward = Callable[[Tensor], Tensor]
 
 def surrogate_loss(est: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Surrogate:
     """``est.surrogate(...)``, or for an estimator without one, the linear surrogate of its
-    estimate (:func:`gradest.plugin.surrogate_from_estimate`) in the same record."""
+    estimate (:func:`gradest.plugin.estimated_surrogate`)."""
     if callable(getattr(est, "surrogate", None)):
         # A plugin's surrogate that is not a scalar loss: one line naming it, before its backward.
         return check_surrogate(est, est.surrogate(model, *args, **kwargs))  # type: ignore[no-any-return]
-    result = est.estimate(model, *args, **kwargs)
-    return Surrogate(
-        loss=surrogate_from_estimate(model, result, estimator=est),
-        value=float(result.info.get("loss", float("nan"))),
-        cost=result.cost,
-        info=result.info,
-        decisions=result.decisions,
-    )
+    return estimated_surrogate(est, model, *args, **kwargs)
 
 
 def checked_rewards(reward: Reward, images: Tensor, *, finite: bool = True) -> Tensor:

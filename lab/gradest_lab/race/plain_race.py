@@ -83,6 +83,7 @@ from gradest.plugin import (
     callable_entry,
     check_steps,
     check_surrogate,
+    estimated_surrogate,
     load_entry_points,
     supports,
 )
@@ -222,27 +223,14 @@ def forward_flops(task: RaceTask, model: nn.Module | None = None) -> int:
         return count_flops(lambda: model(*args, **kwargs))
 
 
-@attrs.frozen(eq=False)
-class _Fallback:
-    """A surrogate for an estimator without ``surrogate()``: the linear one of its estimate."""
-
-    loss: Tensor
-    cost: Cost
-    info: dict[str, Any]
-
-
 def _surrogate(est: Any, model: nn.Module, sampler: Any, problem: StepProblem, gen: Any) -> Any:
+    inputs = {"generator": gen, **problem.inputs}
     if callable(getattr(est, "surrogate", None)):
         # A plugin's result is checked like everywhere gradest backpropagates one it did
         # not build: a bare tensor or a vector loss is one line naming the plugin.
-        return check_surrogate(
-            est, est.surrogate(model, sampler, problem.objective, generator=gen, **problem.inputs)
-        )
-    from gradest.plugin import surrogate_from_estimate
-
-    result = est.estimate(model, sampler, problem.objective, generator=gen, **problem.inputs)
-    loss = surrogate_from_estimate(model, result, estimator=est)
-    return _Fallback(loss=loss, cost=result.cost, info=dict(result.info))
+        return check_surrogate(est, est.surrogate(model, sampler, problem.objective, **inputs))
+    # An estimator object passed in without a surrogate(): the linear one of its estimate.
+    return estimated_surrogate(est, model, sampler, problem.objective, **inputs)
 
 
 def exact_step_units(task: RaceTask, model: nn.Module | None = None) -> float:

@@ -165,10 +165,13 @@ class PreparedCompare:
     """A :func:`compare` whose arguments have all been checked; :meth:`run` does the work.
 
     Built by :func:`prepare_compare`, never by hand. Attributes as :func:`compare`'s
-    arguments, resolved: the estimators and the reference built, the seeds listed.
+    arguments, resolved: the estimators and the reference built, the seeds listed, and
+    ``parameters`` the model's trainable parameters by name (what every estimate must
+    cover).
     """
 
     model: torch.nn.Module
+    parameters: dict[str, torch.Tensor]
     sampler: AffineSampler
     objective: Objective
     estimators: list[Any]
@@ -242,16 +245,17 @@ def prepare_compare(
         )
     # Every draw's flattened gradient is kept for the statistics (seeds x draws of them):
     # a count that cannot fit is refused now, not by the allocator after hours of work.
+    parameters = trainable_parameters(model)
     check_allocation(
         f"draws={draws}",
         draws,
-        len(seed_list)
-        * sum(p.numel() * p.element_size() for p in trainable_parameters(model).values()),
+        len(seed_list) * sum(p.numel() * p.element_size() for p in parameters.values()),
         name="draws",
         detail=f"one flattened gradient per draw for each of {len(seed_list)} seeds",
     )
     return PreparedCompare(
         model=model,
+        parameters=parameters,
         sampler=sampler,
         objective=objective,
         estimators=resolved,
@@ -281,7 +285,7 @@ def _run_compare(plan: PreparedCompare) -> Report:
             trajectories[seed] = rollout(model, sampler, noise_fn(seed), cond=cond_of(seed))
         return trajectories[seed]
 
-    params = trainable_parameters(model)
+    params = plan.parameters
 
     def run(est: Any, seed: int, generator: torch.Generator) -> Any:
         trajectory = trajectory_of(seed)

@@ -161,10 +161,21 @@ def estimated_surrogate(
     The loss is :func:`surrogate_from_estimate` of the estimate (``sum_p <p, g_p>``: its
     gradient is the estimate, DDP averages it; it does not go through the model, so layer
     checkpointing and FSDP sharding do not apply); value, cost, info and decisions are the
-    estimate's.
+    estimate's. Like every built-in surrogate, its backward first checks that the model is
+    as the call left it (:class:`~gradest.errors.SurrogateOutdated` otherwise: the estimate
+    belongs to the model that was sampled, not to one stepped or switched since).
     """
+    start = ModelState.of(model)
     result = estimator.estimate(model, sampler, objective, **inputs)
     loss = surrogate_from_estimate(model, result, estimator=estimator)
+    if loss.requires_grad:
+        recorded = RecordedState.between(start, ModelState.of(model))
+        name = repr(estimator)
+
+        def on_backward(grad: Tensor) -> None:
+            recorded.check(ModelState.of(model), name)
+
+        loss.register_hook(on_backward)
     return Surrogate(
         loss=loss,
         value=result.value,

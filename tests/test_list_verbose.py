@@ -45,7 +45,7 @@ def test_every_builtin_declares_its_axes_and_points_at_the_cost_formulas():
     builtins = registry.builtin_estimators()
     assert set(builtins) == {
         "exact", "jagg", "sdo", "drtune", "truncated", "telescope", "draft_lv", "refl",
-        "alignprop",
+        "alignprop", "adjoint",
     }  # fmt: skip
     for name, cls in builtins.items():
         axes = axes_of(cls)

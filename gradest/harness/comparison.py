@@ -26,6 +26,7 @@ from gradest.harness.cost import (
     COST_DRAWS,
     count_flops,
     interleaved_wall_times,
+    peak_allocated_bytes,
     ratio,
     retained_activation_bytes,
 )
@@ -320,6 +321,7 @@ def _run_compare(plan: PreparedCompare) -> Report:
         stochastic = is_stochastic(est, lambda e, g: run(e, seed_list[0], g).flat())
         per_seed: list[TrajectoryStats] = []
         fallback: list[float] = []
+        reconstruction: list[float] = []
         param_vjps: list[int] = []
         flats: list[list[Tensor]] = []
         for seed in seed_list:
@@ -331,6 +333,12 @@ def _run_compare(plan: PreparedCompare) -> Report:
             param_vjps += [r.cost.param_vjps for r in results]
             fallback += [
                 r.info["fallback_fraction"] for r in results if "fallback_fraction" in r.info
+            ]
+            # Deterministic in the draw (a rebuilt path): one value per trajectory.
+            reconstruction += [
+                r.info["reconstruction_error"]
+                for r in results[:1]
+                if "reconstruction_error" in r.info
             ]
             progress.update(1)
         first = run(est, seed_list[0], draw_generator(seed_list[0], 0))
@@ -363,6 +371,7 @@ def _run_compare(plan: PreparedCompare) -> Report:
                 ),
                 tensors=tensor_stats(flats, [references[s] for s in seed_list], moment, layout),
                 fallback_fraction=sum(fallback) / len(fallback) if fallback else None,
+                reconstruction_error=Estimate.of(reconstruction) if reconstruction else None,
                 gate_cosines=list(first.info.get("gate_cosines", []) or []),
                 groups=[list(g) for g in first.info.get("groups", [])],
             )
@@ -462,6 +471,7 @@ def _measure_costs(
             retained_bytes=round(
                 sum(retained_activation_bytes(call) for _ in range(draws)) / draws
             ),
+            peak_bytes=round(sum(peak_allocated_bytes(call) for _ in range(draws)) / draws),
             wall_time_s=math.nan,
             cuda_peak_bytes=cuda_peak,
         )

@@ -14,9 +14,11 @@ JSON schema ``gradest.report/1`` (documented in docs/harness.md)::
                      "counts": {forwards_with_graph, forwards_without_graph, param_vjps,
                                 state_vjps, model_units},
                      "cost": {flops, flops_ratio, retained_bytes, retained_ratio,
-                              wall_time_s, wall_ratio, cuda_peak_bytes} | null,
+                              peak_bytes, peak_ratio, wall_time_s, wall_ratio,
+                              cuda_peak_bytes} | null,
                      "efficiency": mse x flops_ratio | null,
                      "fallback_fraction": float | null,
+                     "reconstruction_error": {"mean", "stderr"} | null,
                      "gate_cosines": [float | null], "groups": [[int]]}]}
 
 Ratios are to the reference (exact) estimator measured in the same process. The file is
@@ -48,6 +50,9 @@ class CostRow:
     retained_bytes: int
     wall_time_s: float
     cuda_peak_bytes: int | None = None
+    # Every storage the call creates and holds at once (activations, kept states,
+    # gradients, temporaries): gradest.harness.peak_allocated_bytes.
+    peak_bytes: int | None = None
 
     def with_wall_time(self, seconds: float) -> CostRow:
         return attrs.evolve(self, wall_time_s=seconds)
@@ -74,11 +79,14 @@ class EstimatorRow:
     sign_agreement: Estimate | None = None
     tensors: list[TensorStats] = attrs.field(factory=list)
     fallback_fraction: float | None = None
+    # ||z^_0 - z_0|| / ||z_0|| of estimators that rebuild the path (adjoint), over seeds.
+    reconstruction_error: Estimate | None = None
     gate_cosines: list[Any] = attrs.field(factory=list)
     groups: list[list[int]] = attrs.field(factory=list)
     cost: CostRow | None = None
     flops_ratio: float | None = None
     retained_ratio: float | None = None
+    peak_ratio: float | None = None
     wall_ratio: float | None = None
 
     def with_cost(self, cost: CostRow | None, baseline: CostRow | None) -> EstimatorRow:
@@ -89,6 +97,9 @@ class EstimatorRow:
             cost=cost,
             flops_ratio=ratio(cost.flops, baseline.flops),
             retained_ratio=ratio(cost.retained_bytes, baseline.retained_bytes),
+            peak_ratio=None
+            if cost.peak_bytes is None or baseline.peak_bytes is None
+            else ratio(cost.peak_bytes, baseline.peak_bytes),
             wall_ratio=ratio(cost.wall_time_s, baseline.wall_time_s),
         )
 
@@ -123,12 +134,17 @@ class EstimatorRow:
                 "flops_ratio": self.flops_ratio,
                 "retained_bytes": self.cost.retained_bytes,
                 "retained_ratio": self.retained_ratio,
+                "peak_bytes": self.cost.peak_bytes,
+                "peak_ratio": self.peak_ratio,
                 "wall_time_s": self.cost.wall_time_s,
                 "wall_ratio": self.wall_ratio,
                 "cuda_peak_bytes": self.cost.cuda_peak_bytes,
             },
             "efficiency": self.efficiency,
             "fallback_fraction": self.fallback_fraction,
+            "reconstruction_error": None
+            if self.reconstruction_error is None
+            else attrs.asdict(self.reconstruction_error),
             "gate_cosines": self.gate_cosines,
             "groups": self.groups,
         }
@@ -227,16 +243,18 @@ class Report:
             f"through them; param VJPs averaged over every draw).",
             "",
             "| estimator | cosine | Adam cosine | sign agree | rel. error | bias | variance | MSE "
-            "| FLOPs × | retained × | wall × | param VJPs | fallback | MSE × FLOPs× |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| FLOPs × | retained × | peak mem × | wall × | param VJPs | fallback "
+            "| recon. error | MSE × FLOPs× |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.rows:
             lines.append(
                 f"| `{r.label}` | {_pm(r.cosine, '.4f')} | {_pm(r.adam_cosine, '.4f')} "
                 f"| {_pm(r.sign_agreement, '.3f')} | {_pm(r.relative_error)} | {_pm(r.bias)} "
                 f"| {_pm(r.variance)} | {_pm(r.mse)} | {_fmt(r.flops_ratio)} | "
-                f"{_fmt(r.retained_ratio)} | {_fmt(r.wall_ratio)} | {_param_vjps(r)} | "
-                f"{_fmt(r.fallback_fraction, '.2f')} | {_fmt(r.efficiency)} |"
+                f"{_fmt(r.retained_ratio)} | {_fmt(r.peak_ratio)} | {_fmt(r.wall_ratio)} "
+                f"| {_param_vjps(r)} | {_fmt(r.fallback_fraction, '.2f')} "
+                f"| {_pm(r.reconstruction_error)} | {_fmt(r.efficiency)} |"
             )
         worst = [(r, worst_tensors(r.tensors)) for r in self.rows if r.tensors]
         if any(tensors and tensors[0].relative_error > 0 for _, tensors in worst):

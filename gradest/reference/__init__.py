@@ -1,14 +1,15 @@
 """Dense-Jacobian ground truth for small models, independent of the VJP engine.
 
 ``dense_chain`` materialises every step's Jacobians; ``exact_gradient`` and each
-estimator's definition (``jagg_definition``, ``sdo_definition``, ``drtune_definition``,
-``truncated_definition``, ``alignprop_definition``)
+estimator's definition (``adjoint_definition``, ``jagg_definition``, ``sdo_definition``,
+``drtune_definition``, ``truncated_definition``, ``alignprop_definition``)
 are evaluated from them by explicit matrix products. ``definition_gradient`` asks an
 estimator for its own definition (``EstimatorBase.definition``); ``expected_decisions`` for
 the decisions it must make, re-derived with the replays of
 :mod:`gradest.reference.decisions` (``replay_subset``, ``replay_uniform_int``, ...).
 """
 
+from gradest.reference.adjoint import adjoint_definition, adjoint_reconstruction
 from gradest.reference.alignprop import (
     alignprop_definition,
     alignprop_expectation,
@@ -61,6 +62,8 @@ from gradest.reference.truncated import (
 
 __all__ = [
     "DenseChain",
+    "adjoint_definition",
+    "adjoint_reconstruction",
     "alignprop_definition",
     "alignprop_expectation",
     "alignprop_noise_grad_definition",

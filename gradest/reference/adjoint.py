@@ -7,9 +7,16 @@ From the recorded end ``z_N`` alone, for ``k = N-1 .. 0``::
     g   += J(z^_k, t_k)^T (beta_k a_{k+1})
     a_k  = alpha_k a_{k+1} + beta_k A(z^_k, t_k)^T a_{k+1}
 
-with ``a_N = grad l(z_N)``; the noise gradient is ``a_0``. Every ``v``, ``J`` and ``A`` comes
-from the dense chain's ``evaluate`` (``jacrev``, float64) at the rebuilt states, not from
-the VJP engine.
+with ``a_N = grad l(z_N)``; the noise gradient is ``a_0``. ``solver="backsolve"`` (Euler
+samplers, ``alpha_k = 1``) is the explicit Euler step of the augmented ODE backwards, every
+term at the later state and time, as torchdiffeq's ``odeint_adjoint(method="euler")``::
+
+    g   += J(z^_{k+1}, t_{k+1})^T (beta_k a_{k+1})
+    a_k  = a_{k+1} + beta_k A(z^_{k+1}, t_{k+1})^T a_{k+1}
+    z^_k = z^_{k+1} - beta_k v(z^_{k+1}, t_{k+1})
+
+Every ``v``, ``J`` and ``A`` comes from the dense chain's ``evaluate`` (``jacrev``, float64)
+at the rebuilt states, not from the VJP engine.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from torch import Tensor
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.reference.dense import DenseChain
+
+#: How the states are rebuilt: the sampler's step inverted, or the Euler backsolve.
+SOLVERS = ("inverse", "backsolve")
 
 
 def adjoint_reconstruction(chain: DenseChain, order: int) -> Tensor:
@@ -44,11 +54,16 @@ def adjoint_reconstruction(chain: DenseChain, order: int) -> Tensor:
 
 
 def adjoint_definition(
-    chain: DenseChain, objective: Objective, order: int
+    chain: DenseChain, objective: Objective, order: int, solver: str = "inverse"
 ) -> tuple[Tensor, Tensor]:
-    """``(flat [P] gradient, noise gradient)`` of the continuous adjoint at ``order``."""
+    """``(flat [P] gradient, noise gradient)`` of the continuous adjoint at ``order``
+    (``solver="inverse"``) or of the Euler backsolve (``solver="backsolve"``)."""
     if not isinstance(objective, TerminalObjective):
         raise InvalidValue("adjoint is defined for terminal objectives only")
+    if solver not in SOLVERS:
+        raise InvalidValue(f"solver must be one of {SOLVERS}, got {solver!r}")
+    if solver == "backsolve":
+        return _backsolve_definition(chain, objective)
     states = adjoint_reconstruction(chain, order)
     shape = states.shape[1:]
     times = chain.sampler.times if chain.sampler is not None else chain.trajectory.times
@@ -61,4 +76,24 @@ def adjoint_definition(
         _, param_jacobian, state_jacobian = chain.evaluate(states[k], float(times[k]))
         grad = grad + param_jacobian.T @ (chain.beta[k] * adjoint)
         adjoint = chain.alpha[k] * adjoint + chain.beta[k] * state_jacobian.T @ adjoint
+    return grad, adjoint.reshape(shape)
+
+
+def _backsolve_definition(chain: DenseChain, objective: TerminalObjective) -> tuple[Tensor, Tensor]:
+    """The Euler backsolve: every term at the later state and time (module doc)."""
+    if bool((chain.alpha != 1).any()):
+        raise InvalidValue("the adjoint's backsolve is defined for Euler samplers (alpha_k = 1)")
+    shape = chain.trajectory.states.shape[1:]
+    times = chain.sampler.times if chain.sampler is not None else chain.trajectory.times
+    state = chain.trajectory.states[-1].to(torch.float64)
+    leaf = state.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (adjoint,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
+    adjoint = adjoint.reshape(-1)
+    grad = torch.zeros(chain.param_jacobians.shape[-1], dtype=torch.float64)
+    for k in reversed(range(chain.num_steps)):
+        velocity, param_jacobian, state_jacobian = chain.evaluate(state, float(times[k + 1]))
+        grad = grad + param_jacobian.T @ (chain.beta[k] * adjoint)
+        adjoint = adjoint + chain.beta[k] * state_jacobian.T @ adjoint
+        state = state - chain.beta[k] * velocity.reshape(shape)
     return grad, adjoint.reshape(shape)

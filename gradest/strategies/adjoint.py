@@ -29,6 +29,20 @@ and the noise gradient is ``a_0``. Where ``v`` does not depend on ``z`` the inve
 exact and so is the gradient. ``info["reconstruction_error"]`` is
 ``||z^_0 - z_0|| / ||z_0||`` (the noise, or the recorded first state).
 
+``solver="backsolve"`` is torchdiffeq's ``odeint_adjoint`` with ``method="euler"`` (and
+diffrax's ``BacksolveAdjoint`` with ``Euler``) on the sampler's grid, for Euler samplers
+(``alpha_k = 1``): the augmented ODE is integrated backwards by explicit Euler steps, each
+evaluated at the later state and the later time::
+
+    g   += J(z^_{k+1}, t_{k+1})^T (beta_k a_{k+1})
+    a_k  = a_{k+1} + beta_k (dv/dz at z^_{k+1}, t_{k+1})^T a_{k+1}
+    z^_k = z^_{k+1} - beta_k v(z^_{k+1}, t_{k+1})
+
+One joint VJP per step gives all three (``4NF`` with sampling, ``exact:checkpoint=true``'s
+cost), but the reverse step does not invert the forward one even where ``v`` ignores ``z``
+(it reads ``v`` at the later time): its error against ``exact`` is ``O(h)`` whatever the
+model, and ``order`` does not apply.
+
 Deterministic samplers only (``sigma_k = 0`` at every step: rectified-flow Euler, DDIM
 with ``eta = 0``): a stochastic step's noise would have to be stored, which is what this
 estimator exists not to do; ``exact:checkpoint=true`` is the choice there. Terminal
@@ -59,9 +73,9 @@ from gradest.base import EstimatorBase, estimated_surrogate
 from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
-from gradest.options import int_option
+from gradest.options import choice_option, int_option
 from gradest.protocol import Decisions, Definition
-from gradest.reference.adjoint import adjoint_definition
+from gradest.reference.adjoint import SOLVERS, adjoint_definition
 from gradest.reference.dense import DenseChain
 from gradest.symbolic import host_value
 from gradest.trajectory import affine_step
@@ -86,6 +100,19 @@ def check_invertible_steps(coefficients: tuple[Any, Any, Any], estimator: str = 
             )
 
 
+def check_euler_steps(coefficients: tuple[Any, Any, Any], estimator: str = "adjoint") -> None:
+    """Refuse a backsolve on a sampler whose steps are not Euler steps of an ODE
+    (``alpha_k != 1``: DDIM and other affine steps)."""
+    for k, scale in enumerate(coefficients[0]):
+        if float(scale) != 1.0:
+            raise InvalidValue(
+                f"{estimator}: solver='backsolve' integrates dz/dt = v backwards by Euler "
+                f"steps, but the sampler's step {k} is not one (alpha_{k} = {float(scale):g}, "
+                f"not 1: DDIM or another affine step); use solver=inverse, which inverts any "
+                f"deterministic affine step"
+            )
+
+
 @attrs.frozen
 class Adjoint(EstimatorBase):
     """Continuous adjoint: the exact recursion along states rebuilt by reverse steps.
@@ -106,13 +133,16 @@ class Adjoint(EstimatorBase):
     Attributes:
         order: velocity evaluations per reverse step (fixed-point iterations of the step's
             inversion); the rebuilt states, and the gradient, err by ``O(h^order)``.
+        solver: ``"inverse"`` (default): invert the sampler's own step; ``"backsolve"``:
+            torchdiffeq's ``odeint_adjoint(method="euler")`` on the sampler's grid, one joint
+            VJP per step at the later state and time (Euler samplers; ``O(h)``).
     """
 
     name: ClassVar[str] = "adjoint"
     objectives: ClassVar[tuple[str, ...]] = ("terminal",)
     # The check's pinned configurations, compare's and cost's default entries
     # (gradest.plugin.line_up asks every estimator for these).
-    check_specs: ClassVar[tuple[str, ...]] = ("adjoint:order=2",)
+    check_specs: ClassVar[tuple[str, ...]] = ("adjoint:order=2", "adjoint:solver=backsolve")
     compare_specs: ClassVar[tuple[str, ...]] = ("adjoint", "adjoint:order=2")
     cost_specs: ClassVar[tuple[str, ...]] = ("adjoint",)
     axes: ClassVar[EstimatorAxes] = EstimatorAxes(
@@ -126,9 +156,25 @@ class Adjoint(EstimatorBase):
         minimum=1,
         doc="velocity evaluations per reverse step (reconstruction error O(h^order))",
     )
+    solver: str = choice_option(
+        "inverse",
+        SOLVERS,
+        doc="'inverse': invert the sampler's step by fixed-point iterations; 'backsolve': "
+        "torchdiffeq's Euler backsolve (Euler samplers, one joint VJP per step, O(h))",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.solver == "backsolve" and self.order != 1:
+            raise InvalidValue(
+                f"adjoint: order={self.order} needs solver='inverse' (order counts the "
+                f"fixed-point iterations of the inversion; the backsolve is one Euler step "
+                f"per sampler step); drop order or use solver=inverse"
+            )
 
     def _terminal(self, ctx: EstimationContext) -> tuple[ParamGradient, Tensor | None]:
         check_invertible_steps(ctx.host_coefficients, repr(self))
+        if self.solver == "backsolve":
+            check_euler_steps(ctx.host_coefficients, repr(self))
         alpha, beta, _ = ctx.host_coefficients
         times = ctx.host_times
         first, final = self._ends(ctx)
@@ -138,8 +184,17 @@ class Adjoint(EstimatorBase):
         state = final
         grads: ParamGradient | None = None
         for k in reversed(range(ctx.num_steps)):
-            state = self._reverse_step(ctx, k, state)
-            _, state_grad, step_grads = ctx.field.joint_vjp(state, times[k], beta[k] * adjoint)
+            cotangent = beta[k] * adjoint
+            if self.solver == "backsolve":
+                # One joint VJP at the later state and time serves the adjoint, the
+                # parameter term and the reverse Euler step of the state.
+                velocity, state_grad, step_grads = ctx.field.joint_vjp(
+                    state, times[k + 1], cotangent
+                )
+                state = state - beta[k] * velocity
+            else:
+                state = self._reverse_step(ctx, k, state)
+                _, state_grad, step_grads = ctx.field.joint_vjp(state, times[k], cotangent)
             grads = add_grads(grads, step_grads)
             # alpha = 1 (Euler) skips a multiply; adjoint * 1.0 == adjoint exactly.
             adjoint = (adjoint if alpha[k] == 1.0 else alpha[k] * adjoint) + state_grad
@@ -199,6 +254,6 @@ class Adjoint(EstimatorBase):
         return Decisions()
 
     def definition(self, chain: DenseChain, objective: Objective, decisions: Any) -> Definition:
-        """The exact recursion along the densely rebuilt states (``order`` iterations)."""
+        """The recursion along the densely rebuilt states (``order``, ``solver``)."""
         del decisions
-        return Definition(*adjoint_definition(chain, objective, self.order))
+        return Definition(*adjoint_definition(chain, objective, self.order, self.solver))

@@ -32,17 +32,31 @@ from gradest.reference.dense import DenseChain
 SOLVERS = ("inverse", "backsolve")
 
 
+def _deterministic_times(chain: DenseChain) -> Tensor:
+    """The chain's time grid, after refusing a sampler whose steps add noise."""
+    if chain.sampler is None:
+        return chain.trajectory.times
+    if bool((chain.sampler.coefficients()[2] != 0).any()):
+        raise InvalidValue("adjoint is defined for deterministic samplers (sigma_k = 0) only")
+    return chain.sampler.times
+
+
+def _loss_gradient(final: Tensor, objective: TerminalObjective) -> Tensor:
+    """``a_N = grad l(z_N)``, flat."""
+    leaf = final.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (adjoint,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
+    return adjoint.reshape(-1)
+
+
 def adjoint_reconstruction(chain: DenseChain, order: int) -> Tensor:
     """The states ``z^_0 .. z^_N`` rebuilt from the recorded ``z_N`` by ``order``
     fixed-point iterations of each step's inversion (``[N+1, ...]``, float64)."""
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
         raise InvalidValue(f"order must be an int >= 1, got {order!r}")
-    sigma = chain.sampler.coefficients()[2] if chain.sampler is not None else None
-    if sigma is not None and bool((sigma != 0).any()):
-        raise InvalidValue("adjoint is defined for deterministic samplers (sigma_k = 0) only")
+    times = _deterministic_times(chain)
     shape = chain.trajectory.states.shape[1:]
     states = [chain.trajectory.states[-1].to(torch.float64)]
-    times = chain.sampler.times if chain.sampler is not None else chain.trajectory.times
     for k in reversed(range(chain.num_steps)):
         later, alpha, beta = states[0], float(chain.alpha[k]), float(chain.beta[k])
         guess = later
@@ -66,11 +80,8 @@ def adjoint_definition(
         return _backsolve_definition(chain, objective)
     states = adjoint_reconstruction(chain, order)
     shape = states.shape[1:]
-    times = chain.sampler.times if chain.sampler is not None else chain.trajectory.times
-    leaf = states[-1].detach().requires_grad_(True)
-    with torch.enable_grad():
-        (adjoint,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
-    adjoint = adjoint.reshape(-1)
+    times = _deterministic_times(chain)
+    adjoint = _loss_gradient(states[-1], objective)
     grad = torch.zeros(chain.param_jacobians.shape[-1], dtype=torch.float64)
     for k in reversed(range(chain.num_steps)):
         _, param_jacobian, state_jacobian = chain.evaluate(states[k], float(times[k]))
@@ -83,13 +94,10 @@ def _backsolve_definition(chain: DenseChain, objective: TerminalObjective) -> tu
     """The Euler backsolve: every term at the later state and time (module doc)."""
     if bool((chain.alpha != 1).any()):
         raise InvalidValue("the adjoint's backsolve is defined for Euler samplers (alpha_k = 1)")
+    times = _deterministic_times(chain)
     shape = chain.trajectory.states.shape[1:]
-    times = chain.sampler.times if chain.sampler is not None else chain.trajectory.times
     state = chain.trajectory.states[-1].to(torch.float64)
-    leaf = state.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (adjoint,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
-    adjoint = adjoint.reshape(-1)
+    adjoint = _loss_gradient(state, objective)
     grad = torch.zeros(chain.param_jacobians.shape[-1], dtype=torch.float64)
     for k in reversed(range(chain.num_steps)):
         velocity, param_jacobian, state_jacobian = chain.evaluate(state, float(times[k + 1]))

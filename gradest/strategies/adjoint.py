@@ -74,7 +74,7 @@ from gradest.context import EstimationContext
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
 from gradest.options import choice_option, int_option
-from gradest.protocol import Decisions, Definition
+from gradest.protocol import Definition
 from gradest.reference.adjoint import SOLVERS, adjoint_definition
 from gradest.reference.dense import DenseChain
 from gradest.symbolic import host_value
@@ -247,11 +247,8 @@ class Adjoint(EstimatorBase):
 
     # -- the contract -----------------------------------------------------------------------
 
-    def expected_decisions(
-        self, chain: DenseChain, objective: Objective, generator: torch.Generator
-    ) -> Decisions:
-        """No choices: the empty record (what its hooks report: they record none)."""
-        return Decisions()
+    # No expected_decisions: it makes no choices, and gradest check expects the empty
+    # record of an estimator whose hooks record none (EstimatorBase's default).
 
     def definition(self, chain: DenseChain, objective: Objective, decisions: Any) -> Definition:
         """The recursion along the densely rebuilt states (``order``, ``solver``)."""

@@ -130,17 +130,22 @@ class ModelState:
             for name, tensor in buffers.items():
                 extend((name, id(tensor), None if tensor is None else tensor._version))
                 keep(tensor)
-            # A slot registered as None holds no module (named_modules skips it too).
             children = module._modules
-            names = (
-                tuple(name for name, child in children.items() if child is not None)
-                if children
-                else ()
-            )
+            if not children:
+                mark(0)
+                continue
+            kids: list[Any] = list(children.values())
+            if None in kids:
+                # A slot registered as None holds no module (named_modules skips it too).
+                names = tuple(name for name, child in children.items() if child is not None)
+                kids = [child for child in kids if child is not None]
+            else:
+                names = tuple(children)
             mark(len(names))
             if names:
                 mark(names)
-                pending.extend([c for c in reversed(children.values()) if c is not None])
+                kids.reverse()
+                pending.extend(kids)
         return cls(signature, objects)
 
     def same_as(self, other: ModelState) -> bool:

@@ -119,8 +119,8 @@ class Adjoint(EstimatorBase):
 
     Preferred when memory is what limits the chain: very long chains or large latents
     (video), where even the ``N`` states that ``exact:checkpoint=true`` keeps do not fit;
-    it keeps one state at a time. Not recommended for trained models with curved paths at
-    few steps, where the rebuilt states drift from the sampled ones (its error against
+    it keeps one state at a time. Not recommended for trained models with curved paths,
+    where the rebuilt states drift from the sampled ones (its error against
     ``exact`` is ``O(h^order)``; ``info["reconstruction_error"]`` shows it), and
     ``exact:checkpoint=true`` is exact at about the same cost.
 

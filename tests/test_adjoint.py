@@ -3,6 +3,7 @@ convergence order, torchdiffeq's `odeint_adjoint`, its memory and its refusals."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -365,3 +366,23 @@ def adjoint_table() -> str:
 def test_the_adjoint_figures_in_the_docs_are_the_committed_reports():
     page = (ROOT / "docs" / "estimators.md").read_text(encoding="utf-8")
     assert adjoint_table() in page
+
+
+def test_the_committed_convergence_figure_is_what_its_script_computes(tmp_path):
+    """benchmarks/adjoint_convergence.py (deterministic) reproduces the committed record,
+    and its fitted slopes are the orders."""
+    script = ROOT / "benchmarks" / "adjoint_convergence.py"
+    spec = importlib.util.spec_from_file_location("adjoint_convergence_script", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    committed = json.loads(
+        (ROOT / "docs/results/compare_adjoint/convergence.json").read_text(encoding="utf-8")
+    )
+    assert committed["steps"] == module.STEPS
+    for name, expected_order in (("adjoint:order=2", 2), ("adjoint:solver=backsolve", 1)):
+        errors = module.errors_against_exact(name)
+        row = committed["estimators"][name]
+        assert errors == pytest.approx(row["errors"], rel=1e-9), name
+        assert abs(module.fitted_slope(errors) - expected_order) <= 0.1, name
+    assert set(committed["estimators"]) == set(module.SPECS)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from recorded_problem import BATCH, DIM, STEPS, objective_of, problem, run
 from test_ddim import hand_built
+from test_jagg import _log_log_slope as log_log_slope
 
 import gradest
 from gradest.errors import InvalidValue
@@ -111,12 +111,7 @@ CONVERGENCE_STEPS = [8, 16, 32, 64]
 
 def _log_log_slope(steps: list[int], errors: list[float]) -> tuple[float, float]:
     """Least-squares slope of log(error) against log(h) = -log(N), and the largest residual."""
-    x = torch.tensor([-math.log(n) for n in steps], dtype=torch.float64)
-    y = torch.tensor([math.log(e) for e in errors], dtype=torch.float64)
-    design = torch.stack([x, torch.ones_like(x)], dim=1)
-    fit = torch.linalg.lstsq(design, y[:, None]).solution.squeeze(1)
-    residual = y - design @ fit
-    return float(fit[0]), float(residual.abs().max())
+    return log_log_slope([1.0 / n for n in steps], errors)
 
 
 def _errors_against_exact(estimator: Adjoint) -> list[float]:

@@ -334,12 +334,9 @@ def _run_compare(plan: PreparedCompare) -> Report:
             fallback += [
                 r.info["fallback_fraction"] for r in results if "fallback_fraction" in r.info
             ]
-            # Deterministic in the draw (a rebuilt path): one value per trajectory.
-            reconstruction += [
-                r.info["reconstruction_error"]
-                for r in results[:1]
-                if "reconstruction_error" in r.info
-            ]
+            if "reconstruction_error" in results[0].info:
+                # Deterministic in the draw (a rebuilt path): one value per trajectory.
+                reconstruction.append(results[0].info["reconstruction_error"])
             progress.update(1)
         first = run(est, seed_list[0], draw_generator(seed_list[0], 0))
         rows.append(

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
-from gradest.reference.dense import DenseChain
+from gradest.reference.dense import DenseChain, loss_gradient
 
 #: How the states are rebuilt: the sampler's step inverted, or the Euler backsolve.
 SOLVERS = ("inverse", "backsolve")
@@ -39,14 +39,6 @@ def _deterministic_times(chain: DenseChain) -> Tensor:
     if bool((chain.sampler.coefficients()[2] != 0).any()):
         raise InvalidValue("adjoint is defined for deterministic samplers (sigma_k = 0) only")
     return chain.sampler.times
-
-
-def _loss_gradient(final: Tensor, objective: TerminalObjective) -> Tensor:
-    """``a_N = grad l(z_N)``, flat."""
-    leaf = final.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (adjoint,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
-    return adjoint.reshape(-1)
 
 
 def adjoint_reconstruction(chain: DenseChain, order: int) -> Tensor:
@@ -81,7 +73,7 @@ def adjoint_definition(
     states = adjoint_reconstruction(chain, order)
     shape = states.shape[1:]
     times = _deterministic_times(chain)
-    adjoint = _loss_gradient(states[-1], objective)
+    adjoint = loss_gradient(states[-1], objective)
     grad = torch.zeros(chain.param_jacobians.shape[-1], dtype=torch.float64)
     for k in reversed(range(chain.num_steps)):
         _, param_jacobian, state_jacobian = chain.evaluate(states[k], float(times[k]))
@@ -97,7 +89,7 @@ def _backsolve_definition(chain: DenseChain, objective: TerminalObjective) -> tu
     times = _deterministic_times(chain)
     shape = chain.trajectory.states.shape[1:]
     state = chain.trajectory.states[-1].to(torch.float64)
-    adjoint = _loss_gradient(state, objective)
+    adjoint = loss_gradient(state, objective)
     grad = torch.zeros(chain.param_jacobians.shape[-1], dtype=torch.float64)
     for k in reversed(range(chain.num_steps)):
         velocity, param_jacobian, state_jacobian = chain.evaluate(state, float(times[k + 1]))

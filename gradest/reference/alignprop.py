@@ -35,7 +35,7 @@ from torch import Tensor
 
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
-from gradest.reference.dense import DenseChain, exact_cotangents
+from gradest.reference.dense import DenseChain, exact_cotangents, loss_gradient
 
 
 def keep_probabilities(num_steps: int, low: int, high: int) -> tuple[float, ...]:
@@ -51,21 +51,13 @@ def kept_steps(draws: Sequence[int]) -> tuple[int, ...]:
     return tuple(k for k, r in enumerate(draws) if k >= r)
 
 
-def _initial_adjoint(chain: DenseChain, objective: TerminalObjective) -> Tensor:
-    final = chain.trajectory.states[-1].to(torch.float64)
-    leaf = final.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (a_final,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
-    return a_final.reshape(-1)
-
-
 def _weighted_adjoints(
     chain: DenseChain, objective: TerminalObjective, weights: Sequence[float]
 ) -> Tensor:
     """``e_N = grad l(z_N)``, ``e_k = alpha_k e_{k+1} + w_k beta_k A_k^T e_{k+1}``: ``[N+1, D]``.
 
     ``w_k`` in {0, 1} is the adjoint of one kept set; ``w_k = p_k`` its expectation."""
-    adjoints = [_initial_adjoint(chain, objective)]
+    adjoints = [loss_gradient(chain.trajectory.states[-1], objective)]
     for k in reversed(range(chain.num_steps)):
         a_next = adjoints[0]
         step = chain.alpha[k] * a_next

@@ -143,13 +143,17 @@ def dense_chain(
     )
 
 
+def loss_gradient(state: Tensor, objective: TerminalObjective) -> Tensor:
+    """``grad l(state)`` of the terminal loss, flat ``[D]`` (float64 in, float64 out)."""
+    leaf = state.detach().to(torch.float64).requires_grad_(True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
+    return grad.reshape(-1)
+
+
 def terminal_adjoints(chain: DenseChain, objective: TerminalObjective) -> Tensor:
     """``a_0 .. a_N`` by ``a_k = alpha_k a_{k+1} + beta_k A_k^T a_{k+1}``: ``[N+1, D]``."""
-    final = chain.trajectory.states[-1].to(torch.float64)
-    leaf = final.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (a_final,) = torch.autograd.grad(objective.loss_fn(leaf).sum(), leaf)
-    adjoints = [a_final.reshape(-1)]
+    adjoints = [loss_gradient(chain.trajectory.states[-1], objective)]
     for k in reversed(range(chain.num_steps)):
         a_next = adjoints[0]
         adjoints.insert(

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
-from gradest.reference.dense import DenseChain
+from gradest.reference.dense import DenseChain, loss_gradient
 from gradest.samplers import require_interpolant
 
 
@@ -42,9 +42,6 @@ def draft_lv_definition(
     for eps in renoise.to(torch.float64):
         state = sampler.noised(states[-1], last, eps)
         velocity, jacobian, _ = chain.evaluate(state, t)
-        final = (alpha * state + beta * velocity.reshape(shape) + recorded_noise_term).detach()
-        final.requires_grad_(True)
-        with torch.enable_grad():
-            (adjoint,) = torch.autograd.grad(objective.loss_fn(final).sum(), final)
-        total = total + jacobian.T @ (beta * adjoint.reshape(-1)) / copies
+        final = alpha * state + beta * velocity.reshape(shape) + recorded_noise_term
+        total = total + jacobian.T @ (beta * loss_gradient(final, objective)) / copies
     return total, torch.zeros(shape, dtype=torch.float64)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gradest.errors import InvalidValue
 from gradest.objectives import Objective, TerminalObjective
-from gradest.reference.dense import DenseChain
+from gradest.reference.dense import DenseChain, loss_gradient
 from gradest.samplers import require_interpolant
 
 
@@ -29,8 +29,5 @@ def refl_definition(chain: DenseChain, objective: Objective, step: int) -> tuple
     shape = chain.trajectory.states.shape[1:]
     state = chain.trajectory.states[step].to(torch.float64)
     predicted = scale * state + jump * chain.velocities[step].reshape(shape)
-    predicted = predicted.detach().requires_grad_(True)
-    with torch.enable_grad():
-        (adjoint,) = torch.autograd.grad(objective.loss_fn(predicted).sum(), predicted)
-    grad = chain.param_jacobians[step].T @ (jump * adjoint.reshape(-1))
+    grad = chain.param_jacobians[step].T @ (jump * loss_gradient(predicted, objective))
     return grad, torch.zeros(shape, dtype=torch.float64)

@@ -23,7 +23,9 @@ Swap estimators by name; train with the surrogate loss::
 # -- paths, objectives and conditioning -------------------------------------------------------
 # rollout(model, sampler, noise) records a Trajectory; TerminalObjective / StepwiseObjective
 # are what is differentiated; flow_matching_objective / flow_matching_trajectory build the
-# flow-matching loss; SharedCondition marks a cond value that must not be repeated per row.
+# flow-matching loss; SharedCondition marks a cond value that must not be repeated per row;
+# model_rng_seed(generator) is the seed of the stream a model's dropout draws from when an
+# estimate is given generator= (seed a hand-written loop with it to draw the same masks).
 # -- measuring and errors ---------------------------------------------------------------------
 # compare() measures estimators against exact into a Report (loaded on first use: the
 # measuring tools live in gradest.harness); GradestError is the base of every error
@@ -66,6 +68,7 @@ from gradest.protocol import (
     TrajectoryGradientEstimator,
 )
 from gradest.registry import UnknownEstimatorError, available_estimators, estimator
+from gradest.replay import model_rng_seed
 from gradest.samplers import AffineSampler, FlowSDE, RectifiedFlow
 from gradest.trajectory import Trajectory, rollout
 
@@ -121,6 +124,7 @@ __all__ = [
     "estimator",
     "flow_matching_objective",
     "flow_matching_trajectory",
+    "model_rng_seed",
     "rl",
     "rollout",
 ]

@@ -228,7 +228,11 @@ class EstimatorBase:
                 (:class:`~gradest.protocol.SamplingInputs`).
             trajectory: instead of ``noise``, a path recorded with ``gradest.rollout``.
             cond: the model's keyword arguments.
-            generator: the only source of randomness.
+            generator: the only source of randomness: the estimator's draws, and the
+                stream a model in training mode draws its dropout masks from (seeded with
+                :func:`gradest.model_rng_seed`, so they do not follow ``torch.manual_seed``;
+                without ``generator`` they come from the global RNG, as in a hand-written
+                loop).
             noise_grad: also return the gradient w.r.t. the initial noise (terminal only).
             on_nonfinite: ``"raise"`` (default) raises :class:`~gradest.NonFiniteError`
                 naming the tensor, the step and the estimator at the first NaN/Inf;

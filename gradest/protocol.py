@@ -210,7 +210,9 @@ class SamplingInputs(TypedDict, total=False):
         trajectory: a path recorded with ``gradest.rollout`` on the same sampler.
         cond: keyword arguments for the model (class labels, text embeddings;
             :mod:`gradest.conditioning`).
-        generator: the only source of randomness (sampled steps, truncation, SDE noise).
+        generator: the only source of randomness (sampled steps, truncation, SDE noise;
+            a training-mode model's dropout draws from a stream seeded by it,
+            :func:`gradest.model_rng_seed`; without it, from the global RNG).
     """
 
     noise: Tensor | None

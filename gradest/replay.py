@@ -62,8 +62,21 @@ RNG_LOCK = threading.RLock()
 _UNKNOWN = object()  # a step not evaluated yet in this estimate
 
 
-def _seed_from(generator: torch.Generator) -> int:
-    """A 63-bit seed read from a copy of ``generator`` (the generator itself is unchanged)."""
+def model_rng_seed(generator: torch.Generator) -> int:
+    """The seed of the stream a model's random layers draw from in an estimate given
+    ``generator=generator`` (read from a copy: ``generator`` is unchanged).
+
+    With ``generator=`` an estimate's dropout masks come from a stream of their own,
+    ``torch.Generator().manual_seed(model_rng_seed(generator))`` swapped in as torch's
+    default generator for the model's calls, so they depend on ``generator`` alone (not on
+    ``torch.manual_seed``, other threads or earlier calls) and the global RNG is neither
+    read nor advanced. A hand-written loop draws its masks from the global RNG; seeded
+    with ``torch.manual_seed(gradest.model_rng_seed(g))`` before its first model call, it
+    draws the masks of the estimate given ``g`` in that state (on CPU; on CUDA the CUDA
+    generator is seeded likewise). Without ``generator=`` the model draws from the global
+    RNG as a hand-written loop does, so ``torch.manual_seed(s)`` before either gives the
+    same masks.
+    """
     copy = generator.clone_state()
     with outside_fake_mode():  # the generator is a real object even under FakeTensorMode
         return int(torch.randint(0, 2**62, (1,), generator=copy, device=generator.device).item())
@@ -127,7 +140,7 @@ class StepRandomness:
             return self._snapshot()
         if self._stream is None:
             assert self._generator is not None
-            seed = _seed_from(self._generator)
+            seed = model_rng_seed(self._generator)
             cpu = torch.Generator().manual_seed(seed).get_state()
             cuda = (
                 torch.Generator(device=self._cuda).manual_seed(seed).get_state()

@@ -1452,7 +1452,30 @@ variants of each):
   rollout's recorded states) are bounded by what they would allocate (e.g. copies x
   batch x state size x element size x tensors) against the device's memory (on the CPU,
   the machine's physical memory), before any work; the message gives the largest value
-  that fits.
+  that fits. `from_pipeline`'s sizes are bounded the same way before any model call:
+  `num_inference_steps` by its schedule (on the CPU) and, for DDIM / DDPM, by the
+  scheduler's `num_train_timesteps`; `height` / `width` and `num_images_per_prompt` by the
+  initial latents and prompt embeddings (twice under CFG) in the denoiser's dtype against
+  the pipeline device's memory.
+- **Pipeline sizes.** Every size of `gradest.integrations.pipelines` (`from_pipeline`'s
+  `num_inference_steps`, `num_images_per_prompt`, `height`, `width`,
+  `max_sequence_length`; the sides and `rows` of `unpack_latents`, `flux_image_ids` and
+  `sdxl_time_ids`; `dynamic_shift_mu`'s `image_seq_len`) is an int (numpy / torch integers
+  too) >= 1 within int64: a bool, float or string is `InvalidType`, `0`, `-3` or `2**64`
+  `InvalidValue`, naming `name=value`. `max_sequence_length` is at most 512 T5 tokens (the
+  SD3 / Flux pipelines' limit) or the T5 tokenizer's `model_max_length` where smaller.
+  `pack_latents` takes `[B, C, H, W]` with H and W even, naming the shape and the fix
+  (image sides multiples of 2 x `vae_scale_factor`); Flux's latent sides are even
+  (`tests/test_pipeline_sizes.py`).
+- **Setups that would run with wrong numbers.** A flow-matching transformer (SD3, Flux,
+  ...) under a `DDIM` sampler; classifier-free guidance given a negative value for some of
+  the prompt keys the model takes but not all (`negative_pooled_projections` missing); a
+  conditioning tensor without one row per sample under CFG, named itself rather than its
+  negative counterpart (`tests/test_guided_setups.py`).
+- **Saved states.** `auto`'s `load_state_dict` checks the state against the schema
+  `state_dict` writes (keys, types, bounds, choices among the candidates, the model's
+  signature, gradient shapes and dtypes) and refuses in one line naming the field path,
+  leaving its schedules unchanged (`lab/tests/test_auto_state_validation.py`).
 - **Batch statistics.** A model with a batch-norm layer (any
   `torch.nn.modules.batchnorm._BatchNorm`, `SyncBatchNorm` included) that normalizes with
   the call's batch statistics (training mode, or `track_running_stats=False` in any mode)
@@ -1499,6 +1522,14 @@ variants of each):
   (SD3's caption projection as wide as its blocks, Flux's rope axes summing to the head
   size, a UNet's widths divisible by its heads and norm groups, per-block lists as long
   as the blocks); each refusal names the field, the value and the fix.
+- **Reward and VAE configs.** `gradest cost --reward file.json` / `--decoder`, and the
+  recipes' learned rewards (CLIP `config.json`, ImageReward's `med_config.json`, HPSv2's
+  open_clip `arch=` file), check every size or count field, found by name (`*_size`,
+  `*_dim`, `num_*`, `*_layers`, `*_heads`, `*_channels`, `layers_per_block`, ...) and in
+  nested sections too, as a whole number >= 1 (no bool, float, string or, in gradest's own
+  formats, null), and the architecture (`kind`, `model_type`) against the ones the code
+  builds; each refusal is one line naming the file, the dotted field
+  (`vision.num_hidden_layers=0`), the value and the fix.
 - **Reports.** Non-finite values are shown as such: `nan`, `inf` in report.md (`-` is
   "not measured"), and report.json stays strict JSON (`json.dumps(allow_nan=False)`):
   a non-finite float is the string `"NaN"`, `"Infinity"` or `"-Infinity"`.

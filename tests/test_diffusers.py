@@ -132,7 +132,7 @@ def test_other_schedulers_are_refused_with_the_fix():
         sampler_from_scheduler(diffusers.DDIMScheduler(clip_sample=False), 10, sde_noise_level=0.7)
     with pytest.raises(ValueError, match="invert_sigmas=True"):
         sampler_from_scheduler(scheduler(invert_sigmas=True), 4)
-    with pytest.raises(ValueError, match="num_inference_steps must be >= 1"):
+    with pytest.raises(ValueError, match="num_inference_steps must be an int >= 1"):
         sampler_from_scheduler(scheduler(), 0)
 
 

@@ -10,7 +10,10 @@ care the gradient would belong to other dropout masks than the path it was taken
   ``torch.manual_seed``, and leave the global RNG where the loop leaves it;
 * an approximate estimator is reproducible from the same seed;
 * a model in eval mode, or in training mode without random layers, is untouched (its
-  stacked calls stay batched).
+  stacked calls stay batched);
+* given ``generator=``, the masks come from a stream seeded by
+  ``gradest.model_rng_seed(generator)``: a hand-written loop seeded with it equals the
+  estimate bit for bit, and the global RNG is neither read nor advanced.
 """
 
 from __future__ import annotations
@@ -97,6 +100,57 @@ def test_dropout_really_changes_the_gradient():
     train, _ = gradient(model.train(), "exact", "estimate", "autograd", 0)
     evaluated, _ = gradient(model.eval(), "exact", "estimate", "autograd", 0)
     assert not torch.allclose(train, evaluated)
+
+
+def gradient_with_generator(model: nn.Module, spec: str, call: str, generator_seed: int):
+    """The gradient given ``generator=``, and the global RNG state before and after."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    est = gradest.estimator(spec)
+    before = torch.get_rng_state()
+    if call == "estimate":
+        flat = est.estimate(model, FLOW, OBJECTIVE, noise=NOISE, generator=generator).flat()
+    else:
+        sur = est.surrogate(model, FLOW, OBJECTIVE, noise=NOISE, generator=generator)
+        flat = torch.cat(
+            [g.reshape(-1) for g in torch.autograd.grad(sur.loss, list(model.parameters()))]
+        )
+    return flat, before, torch.get_rng_state()
+
+
+@pytest.mark.parametrize(("spec", "call"), [("exact", "estimate"), ("exact", "surrogate")])
+@pytest.mark.parametrize("generator_seed", [0, 5])
+def test_with_a_generator_the_masks_are_the_generators_stream(spec, call, generator_seed):
+    """The documented semantics of ``generator=`` (docs/integrations.md, "Dropout with
+    generator="): the masks come from a stream seeded by ``gradest.model_rng_seed(g)``, so
+    a hand-written loop seeded with it gets the same gradient bit for bit, the global RNG
+    neither decides the masks nor moves, and the loop under the same ``torch.manual_seed``
+    alone draws other masks."""
+    model = DropoutVelocity().train()
+    seed = gradest.model_rng_seed(torch.Generator().manual_seed(generator_seed))
+    want, _ = handwritten(model, seed)
+    for global_seed in (0, 123):
+        torch.manual_seed(global_seed)
+        got, before, after = gradient_with_generator(model, spec, call, generator_seed)
+        assert torch.equal(got, want)
+        assert torch.equal(before, after)  # the global RNG is neither read nor advanced
+    unseeded, _ = handwritten(model, generator_seed)
+    assert not torch.allclose(unseeded, want)
+
+
+def test_a_generator_moves_on_so_the_next_estimate_draws_new_masks():
+    model = DropoutVelocity().train()
+    generator = torch.Generator().manual_seed(3)
+    seed = gradest.model_rng_seed(generator)
+    assert gradest.model_rng_seed(generator) == seed  # reading the seed moves nothing
+    est = gradest.estimator("exact")
+    first = est.estimate(model, FLOW, OBJECTIVE, noise=NOISE, generator=generator).flat()
+    assert gradest.model_rng_seed(generator) != seed
+    second = est.estimate(model, FLOW, OBJECTIVE, noise=NOISE, generator=generator).flat()
+    assert not torch.allclose(first, second)
+    # In eval mode nothing is drawn and the generator stays where it was.
+    still = gradest.model_rng_seed(generator)
+    est.estimate(model.eval(), FLOW, OBJECTIVE, noise=NOISE, generator=generator)
+    assert gradest.model_rng_seed(generator) == still
 
 
 @pytest.mark.parametrize("spec", ["jagg:window=3,tau=-1", "sdo:samples=2", "truncated:k=2"])

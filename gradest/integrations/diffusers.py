@@ -54,6 +54,7 @@ from gradest.symbolic import outside_fake_mode
 # sampler modules).
 __all__ = [
     "DDIM",
+    "FLOW_MATCHING_MODELS",
     "DiffusersVelocity",
     "StochasticFlowMatch",
     "sampler_from_scheduler",
@@ -61,6 +62,29 @@ __all__ = [
 ]
 
 NUM_TRAIN_TIMESTEPS = 1000
+
+# The diffusers model classes published only as flow-matching models (their pipelines
+# sample them with FlowMatchEulerDiscreteScheduler): their output is a rectified-flow
+# velocity, which a diffusion sampler (DDIM / DDPM) would read as an epsilon or v
+# prediction, silently. Architectures also trained as diffusion models (DiT, UNets, PixArt)
+# are not listed: their objective cannot be read from the class.
+FLOW_MATCHING_MODELS = frozenset(
+    {
+        "SD3Transformer2DModel",
+        "FluxTransformer2DModel",
+        "ChromaTransformer2DModel",
+        "AuraFlowTransformer2DModel",
+        "SanaTransformer2DModel",
+        "Lumina2Transformer2DModel",
+        "CogView4Transformer2DModel",
+        "HiDreamImageTransformer2DModel",
+        "QwenImageTransformer2DModel",
+        "WanTransformer3DModel",
+        "HunyuanVideoTransformer3DModel",
+        "LTXVideoTransformer3DModel",
+        "MochiTransformer3DModel",
+    }
+)
 
 
 @overload
@@ -314,6 +338,17 @@ class DiffusersVelocity(nn.Module):
     def config(self) -> Any:
         return self.model.config
 
+    @property
+    def prompt_keys(self) -> tuple[str, ...]:
+        """The ``cond`` keys that carry the prompt (the model's required conditioning
+        not given in ``fixed_kwargs``): under
+        :class:`~gradest.integrations.guidance.ClassifierFreeGuidance` each needs its
+        ``negative_`` counterpart."""
+        keys = tuple(k for k in self.required_cond if k not in self.fixed_kwargs)
+        if self.required_added_cond and _ADDED not in self.fixed_kwargs:
+            keys += (_ADDED,)
+        return keys
+
     def check_latents(self, z: Tensor) -> None:
         """Raise a ValueError naming the config field when ``z`` cannot fit the transformer."""
         name, config = type(self.model).__name__, self.model.config
@@ -401,12 +436,24 @@ class DiffusersVelocity(nn.Module):
             )
 
     def check_sampler(self, sampler: Any) -> None:
-        """Raise a ValueError when ``sampler`` is a :class:`~gradest.DDIM` whose scheduler
-        calls the model at other timesteps than this wrapper does at its grid (a wrapper
-        built without :meth:`for_sampler`): the velocities would be the model's at the
-        wrong noise levels, silently. gradest calls it once per estimate and rollout."""
+        """Raise a ValueError when ``sampler`` cannot drive this model: a
+        :class:`~gradest.DDIM` (a diffusion sampler, reading the output as epsilon or v)
+        on a flow-matching model (:data:`FLOW_MATCHING_MODELS`: SD3, Flux, ...), or a
+        ``DDIM`` whose scheduler calls the model at other timesteps than this wrapper does
+        at its grid (a wrapper built without :meth:`for_sampler`): either way the steps
+        would be wrong, silently. gradest calls it once per estimate and rollout."""
         if not isinstance(sampler, DDIM):
             return
+        name = type(self.model).__name__
+        if name in FLOW_MATCHING_MODELS:
+            raise InvalidValue(
+                f"{name} is a flow-matching model (it predicts a rectified-flow velocity) "
+                f"but the sampler is a DDIM, a diffusion sampler that would read that "
+                f"velocity as a {sampler.prediction!r} prediction; sample it on its own "
+                f"scheduler's grid with gradest.integrations.diffusers.sampler_from_scheduler("
+                f"FlowMatchEulerDiscreteScheduler(...), num_inference_steps) (or "
+                f"gradest.RectifiedFlow(steps=N))"
+            )
         with outside_fake_mode():  # the grid is a host object
             times = sampler.times[:-1].tolist()
             wanted = sampler.model_timesteps().tolist()

@@ -16,7 +16,9 @@ import attrs
 import torch
 from torch import Tensor
 
+from gradest._checks import check_allocation
 from gradest.errors import InvalidType, InvalidValue, MissingDependency
+from gradest.samplers import _GRID_BYTES_PER_STEP, as_int
 
 
 @attrs.frozen
@@ -95,11 +97,55 @@ def is_ddpm_family(scheduler: Any) -> bool:
     return isinstance(scheduler, diffusers.DDIMScheduler | diffusers.DDPMScheduler)
 
 
-def _check_num_inference_steps(num_inference_steps: Any) -> None:
-    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int):
-        raise InvalidType(f"num_inference_steps must be an int >= 1, got {num_inference_steps!r}")
-    if num_inference_steps < 1:
-        raise InvalidValue(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+# Bytes per sampling step that building a sampler holds at once: the float64 sigmas a
+# caller may pass (Flux), diffusers' ``set_timesteps`` (float64 sigmas and timesteps and
+# their float32 tensors), the float64 copies the schedules here compare, and the sampler's
+# float64 grid and coefficients (``gradest.samplers``). A lower bound, so that a refusal is
+# certain.
+SCHEDULE_BYTES_PER_STEP = 8 + 2 * 8 + 2 * 4 + 2 * 8 + _GRID_BYTES_PER_STEP
+
+
+def check_num_inference_steps(scheduler: Any, num_inference_steps: Any) -> int:
+    """``num_inference_steps`` as a Python int the scheduler can take and its schedule
+    fits in memory (built on the CPU), checked before ``set_timesteps`` allocates it:
+    an integer (numpy / torch integers too) >= 1; for ``DDIMScheduler`` /
+    ``DDPMScheduler`` at most ``num_train_timesteps`` (their ``set_timesteps`` refuses
+    more).
+
+    Raises:
+        InvalidType: not an integer (a bool, a float, a string).
+        InvalidValue: below 1, more steps than the scheduler takes, or a schedule larger
+            than the memory.
+    """
+    steps = as_int(num_inference_steps)
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise InvalidType(
+            f"num_inference_steps must be an int >= 1, got num_inference_steps="
+            f"{num_inference_steps!r} (a {type(num_inference_steps).__name__}); pass a whole "
+            f"number, e.g. num_inference_steps=28"
+        )
+    if steps < 1:
+        raise InvalidValue(
+            f"num_inference_steps must be an int >= 1, got num_inference_steps={steps}; "
+            f"e.g. num_inference_steps=28"
+        )
+    name = type(scheduler).__name__
+    if is_ddpm_family(scheduler):
+        train = scheduler.config.get("num_train_timesteps")
+        if isinstance(train, int) and steps > train:
+            raise InvalidValue(
+                f"num_inference_steps={steps} is more than the scheduler's "
+                f"num_train_timesteps={train} ({name} takes at most one step per training "
+                f"timestep); use num_inference_steps <= {train}"
+            )
+    check_allocation(
+        f"num_inference_steps={steps}",
+        steps + 1,
+        SCHEDULE_BYTES_PER_STEP,
+        name="num_inference_steps",
+        detail="the schedule's sigmas, timesteps and grid alone",
+    )
+    return steps
 
 
 def flow_match_schedule(
@@ -118,7 +164,7 @@ def flow_match_schedule(
             f"FlowMatchEulerDiscreteScheduler(...) for it; for another DDPM-family scheduler "
             f"build DDIMScheduler.from_config(scheduler.config) (docs/integrations.md)"
         )
-    _check_num_inference_steps(num_inference_steps)
+    num_inference_steps = check_num_inference_steps(scheduler, num_inference_steps)
     # diffusers' config-registered attributes are invisible to type checkers.
     source: Any = scheduler
     config = source.config
@@ -173,7 +219,7 @@ def ddim_schedule(
             f"sampler_from_scheduler, for another DDPM-family scheduler build "
             f"DDIMScheduler.from_config(scheduler.config)"
         )
-    _check_num_inference_steps(num_inference_steps)
+    num_inference_steps = check_num_inference_steps(scheduler, num_inference_steps)
     name = type(scheduler).__name__
     source: Any = scheduler
     config = source.config

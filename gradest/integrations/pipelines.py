@@ -42,9 +42,12 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest._checks import finite_number
+from gradest._checks import check_allocation, finite_number
 from gradest.errors import InvalidType, InvalidValue, MissingDependency
+from gradest.integers import INT64_MAX
+from gradest.integrations.diffusers_schedulers import check_num_inference_steps
 from gradest.integrations.guidance import NEGATIVE_PREFIX, ClassifierFreeGuidance, EmbeddedGuidance
+from gradest.samplers import as_int
 
 __all__ = [
     "PIPELINES",
@@ -68,49 +71,189 @@ PIPELINES = {
 #: The pipelines' ``__call__`` defaults: ``(num_inference_steps, guidance_scale)``.
 DEFAULTS = {"sd3": (28, 7.0), "flux": (28, 3.5), "sdxl": (50, 5.0), "sd": (50, 7.5)}
 _DDIM_SCHEDULERS = ("DDIMScheduler", "DDPMScheduler")
+#: The most T5 tokens ``StableDiffusion3Pipeline`` and ``FluxPipeline`` take: their
+#: ``check_inputs`` refuse a longer ``max_sequence_length`` (and the T5 tokenizers they
+#: ship have ``model_max_length=512``).
+T5_MAX_TOKENS = 512
+# CLIP's context when a pipeline has no tokenizer to read it from.
+_CLIP_TOKENS = 77
+
+
+# -- sizes ------------------------------------------------------------------------------------
+
+
+def _size(name: str, value: Any, example: int) -> int:
+    """``value`` as a Python int in ``[1, 2**63 - 1]``: one rule for every size and count.
+
+    numpy and torch integer scalars (and 0-d integer arrays) count as ints, as wherever
+    gradest takes a number (:func:`gradest.samplers.as_int`). A bool, a float (``16.0``
+    too), a string or None is a type error: diffusers would take a float size as far as
+    ``range`` or ``torch.zeros`` and fail there. ``example``: a value to suggest.
+
+    Raises:
+        InvalidType: not an integer.
+        InvalidValue: below 1, or above int64 (what torch's sizes and numpy's hold).
+    """
+    number = as_int(value)
+    if isinstance(number, bool) or not isinstance(number, int):
+        if isinstance(number, float) and number.is_integer() and number >= 1:
+            example = int(number)
+        raise InvalidType(
+            f"{name} must be an int >= 1, got {name}={value!r} (a {type(value).__name__}); "
+            f"pass a whole number, e.g. {name}={example}"
+        )
+    if number < 1:
+        raise InvalidValue(
+            f"{name} must be an int >= 1 (a size or a count), got {name}={value!r}; "
+            f"e.g. {name}={example}"
+        )
+    if number > INT64_MAX:
+        raise InvalidValue(
+            f"{name}={value!r} is above 2**63 - 1, the largest integer torch holds (and far "
+            f"more than any tensor fits); e.g. {name}={example}"
+        )
+    return number
+
+
+def _even_side(name: str, value: Any, example: int) -> int:
+    """A latent side of Flux's packed latents: a size, and even (2 x 2 patches)."""
+    side = _size(name, value, example)
+    if side % 2:
+        raise InvalidValue(
+            f"{name}={value!r} must be even: Flux packs latents in 2 x 2 patches, so each "
+            f"latent side is even; make the image's height and width multiples of "
+            f"2 x vae_scale_factor (16 for Flux's 8x VAE), e.g. {name}={side + 1}"
+        )
+    return side
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype); 4 for anything else."""
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+
+
+def _token_limit(tokenizer: Any) -> int | None:
+    """A tokenizer's ``model_max_length``, or None where it has none (transformers sets
+    ``int(1e30)`` when a tokenizer was saved without one)."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= INT64_MAX:
+        return None
+    return limit
 
 
 # -- latents and schedule pieces --------------------------------------------------------------
 
 
 def pack_latents(latents: Tensor) -> Tensor:
-    """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]``: ``FluxPipeline._pack_latents``."""
-    b, c, h, w = latents.shape
+    """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]``: ``FluxPipeline._pack_latents``.
+
+    Raises:
+        InvalidType: ``latents`` is not a tensor.
+        InvalidValue: not ``[B, C, H, W]`` with every dimension >= 1 and ``H``, ``W`` even.
+    """
+    if not isinstance(latents, Tensor):
+        raise InvalidType(
+            f"latents must be a torch.Tensor [B, C, H, W], got a {type(latents).__name__}"
+        )
+    shape = tuple(latents.shape)
+    if len(shape) != 4 or min(shape) < 1:
+        raise InvalidValue(
+            f"latents has shape {shape}; pack_latents takes [B, C, H, W] latents with every "
+            f"dimension >= 1 (one sample: latents[None])"
+        )
+    b, c, h, w = shape
+    if h % 2 or w % 2:
+        raise InvalidValue(
+            f"latents has shape {shape}: H={h} and W={w} must be even, since Flux packs 2 x 2 "
+            f"patches; make the image's height and width multiples of 2 x vae_scale_factor "
+            f"(16 for Flux's 8x VAE)"
+        )
     latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return latents.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
 def unpack_latents(packed: Tensor, height: int, width: int) -> Tensor:
-    """The inverse of :func:`pack_latents` for ``[B, C, height, width]`` latents."""
-    b, _, channels = packed.shape
-    latents = packed.view(b, height // 2, width // 2, channels // 4, 2, 2)
-    return latents.permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, height, width)
+    """The inverse of :func:`pack_latents` for ``[B, C, height, width]`` latents.
+
+    Raises:
+        InvalidType: ``packed`` is not a tensor, or a size is not an int.
+        InvalidValue: a size below 1 or odd, or ``packed`` not ``[B, (height/2)(width/2),
+            4C]`` (the result has its elements: nothing more is allocated).
+    """
+    h, w = _even_side("height", height, 64), _even_side("width", width, 64)
+    if not isinstance(packed, Tensor):
+        raise InvalidType(
+            f"packed must be a torch.Tensor [B, (height/2)(width/2), 4C], got a "
+            f"{type(packed).__name__}"
+        )
+    shape, positions = tuple(packed.shape), (h // 2) * (w // 2)
+    if len(shape) != 3 or shape[1] != positions or shape[2] % 4 or min(shape) < 1:
+        raise InvalidValue(
+            f"packed has shape {shape}; for height={h}, width={w} unpack_latents takes "
+            f"[B, (height/2)(width/2), 4C] = [B, {positions}, a multiple of 4] (pass the "
+            f"latent sides the latents were packed from)"
+        )
+    b, _, channels = shape
+    latents = packed.view(b, h // 2, w // 2, channels // 4, 2, 2)
+    return latents.permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
 
 
 def flux_image_ids(height: int, width: int) -> Tensor:
-    """``FluxPipeline._prepare_latent_image_ids`` for ``[*, *, height, width]`` latents."""
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
+    """``FluxPipeline._prepare_latent_image_ids`` for ``[*, *, height, width]`` latents.
+
+    Raises:
+        InvalidType: a size is not an int.
+        InvalidValue: a size below 1 or odd (the latents are packed in 2 x 2 patches), or
+            ids that would not fit in the machine's memory.
+    """
+    h, w = _even_side("height", height, 64), _even_side("width", width, 64)
+    # Three ids of the default dtype per packed position, refused before torch.zeros.
+    check_allocation(
+        f"flux_image_ids(height={height!r}, width={width!r})",
+        (h // 2) * (w // 2),
+        3 * _itemsize(torch.get_default_dtype()),
+        name="(height / 2) * (width / 2)",
+        detail="3 ids per packed position",
+    )
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
     return ids.reshape(-1, 3)
 
 
 def dynamic_shift_mu(scheduler: Any, image_seq_len: int, max_shift: float = 1.15) -> float:
     """``mu`` for a scheduler with dynamic shifting: the pipelines' ``calculate_shift``
     with the scheduler's config (``max_shift``: the default where the config has none;
-    SD3's pipeline uses 1.16, Flux's 1.15)."""
+    SD3's pipeline uses 1.16, Flux's 1.15).
+
+    Raises:
+        InvalidType: ``image_seq_len`` is not an int.
+        InvalidValue: ``image_seq_len`` below 1 or above int64.
+    """
+    seq_len = _size("image_seq_len", image_seq_len, 4096)
     c = scheduler.config
     base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
     base_shift, top = c.get("base_shift", 0.5), c.get("max_shift", max_shift)
     slope = (top - base_shift) / (max_len - base_len)
-    return image_seq_len * slope + (base_shift - slope * base_len)
+    return seq_len * slope + (base_shift - slope * base_len)
 
 
 def sdxl_time_ids(height: int, width: int, rows: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """SDXL's ``add_time_ids`` as its pipeline builds them by default: ``(original h, w,
     crop top, left, target h, w) = (height, width, 0, 0, height, width)``, one row per
-    sample (``[rows, 6]``)."""
-    return torch.tensor([[height, width, 0, 0, height, width]], dtype=dtype).repeat(rows, 1)
+    sample (``[rows, 6]``).
+
+    Raises:
+        InvalidType: a size is not an int, or ``dtype`` not a torch dtype.
+        InvalidValue: a size below 1 or above int64, or ``rows`` whose ids would not fit
+            in the machine's memory.
+    """
+    h, w = _size("height", height, 1024), _size("width", width, 1024)
+    count = _size("rows", rows, 1)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidType(f"dtype must be a torch.dtype, got dtype={dtype!r}")
+    check_allocation(f"sdxl_time_ids(rows={rows!r})", count, 6 * _itemsize(dtype), name="rows")
+    return torch.tensor([[h, w, 0, 0, h, w]], dtype=dtype).repeat(count, 1)
 
 
 # -- the helper ---------------------------------------------------------------------------------
@@ -208,12 +351,6 @@ def _prompts(name: str, value: Any, count: int | None = None) -> list[str]:
     return list(value)
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidValue(f"{name} must be an integer >= 1, got {name}={value!r}")
-    return value
-
-
 def from_pipeline(
     pipe: Any,
     prompt: str | Sequence[str],
@@ -247,21 +384,35 @@ def from_pipeline(
             vae_scale_factor``).
         width: pixels (default as ``height``).
         num_images_per_prompt: samples per prompt.
-        max_sequence_length: T5 tokens (SD3: 256, Flux: 512 by default).
+        max_sequence_length: T5 tokens (SD3: 256, Flux: 512 by default; at most 512, the
+            pipelines' limit, and the T5 tokenizer's ``model_max_length``).
         guidance_rescale: SDXL / SD's ``guidance_rescale`` (in [0, 1]).
         true_cfg_scale: Flux's "true CFG" with ``negative_prompt`` (> 1 to use it).
         eta: DDIM's noise (SDXL / SD).
 
+    Every size (``num_inference_steps``, ``num_images_per_prompt``, ``height``,
+    ``width``, ``max_sequence_length``) is an int (numpy and torch integers too) >= 1,
+    checked before any model call or allocation against what it would allocate: the
+    schedule (on the CPU), the initial latents and the prompt embeddings (on the
+    pipeline's device), each against that device's memory; DDIM's steps against the
+    scheduler's ``num_train_timesteps``, T5's tokens against the tokenizer's.
+
     Raises:
-        TypeError: a pipeline it does not know, a scheduler gradest cannot take.
-        ValueError: a bad argument (one line naming it, its value and the fix).
+        TypeError: a pipeline it does not know, a scheduler gradest cannot take, a size
+            that is not an int (:class:`~gradest.errors.InvalidType`).
+        ValueError: a bad argument (one line naming it, its value and the fix;
+            :class:`~gradest.errors.InvalidValue`).
     """
     family = pipeline_family(pipe)
     prompts = _prompts("prompt", prompt)
-    copies = _positive_int("num_images_per_prompt", num_images_per_prompt)
     default_steps, default_scale = DEFAULTS[family]
-    steps = _positive_int(
-        "num_inference_steps", default_steps if num_inference_steps is None else num_inference_steps
+    # Every size is an int >= 1 here; what it would allocate is bounded below, once the
+    # pipeline's shapes are read, and all before the first model call (encode_prompt).
+    copies = _size("num_images_per_prompt", num_images_per_prompt, 1)
+    steps = _size(
+        "num_inference_steps",
+        default_steps if num_inference_steps is None else num_inference_steps,
+        default_steps,
     )
     scale = finite_number(
         "guidance_scale", default_scale if guidance_scale is None else guidance_scale, 0
@@ -286,6 +437,7 @@ def from_pipeline(
             f"max_sequence_length={max_sequence_length!r} is T5's (SD3, Flux); the {family} "
             f"pipeline's CLIP tokenizers have a fixed length: leave it unset"
         )
+    tokens = _t5_tokens(pipe, family, max_sequence_length)
     denoiser = pipe.transformer if family in ("sd3", "flux") else pipe.unet
     if denoiser is None:
         raise InvalidValue(
@@ -332,7 +484,7 @@ def from_pipeline(
         multiple = factor * 2 ** (len(config.block_out_channels) - 1)
     sizes: dict[str, int] = {}
     for name, given in (("height", height), ("width", width)):
-        size = sample * factor if given is None else _positive_int(name, given)
+        size = sample * factor if given is None else _size(name, given, sample * factor)
         if size % multiple:
             raise InvalidValue(
                 f"{name}={size} must be a multiple of {multiple} for this pipeline (the VAE's "
@@ -343,12 +495,98 @@ def from_pipeline(
     h, w = sizes["height"], sizes["width"]
     batch = len(prompts) * copies
     device = pipe._execution_device
+    check_num_inference_steps(pipe.scheduler, steps)
+    _check_memory(
+        pipe, family, denoiser, device, prompts=len(prompts), copies=copies, height=h,
+        width=w, cfg=cfg, tokens=tokens,
+    )  # fmt: skip
     with torch.no_grad():
-        cond = _encode(pipe, family, prompts, negatives, copies, device, cfg, max_sequence_length)
+        cond = _encode(pipe, family, prompts, negatives, copies, device, cfg, tokens)
     return _assemble(
         pipe, family, denoiser, cond, batch=batch, height=h, width=w, steps=steps,
         scale=scale, cfg=cfg, rescale=rescale, true_cfg=true_cfg, eta=eta,
     )  # fmt: skip
+
+
+def _t5_tokens(pipe: Any, family: str, value: Any) -> int | None:
+    """``max_sequence_length`` checked against the T5 tokenizer's ``model_max_length`` and
+    the pipelines' own limit (:data:`T5_MAX_TOKENS`); None: the pipeline's default."""
+    if value is None or family not in ("sd3", "flux"):
+        return None
+    default = 256 if family == "sd3" else 512
+    tokens = _size("max_sequence_length", value, default)
+    attribute = "tokenizer_3" if family == "sd3" else "tokenizer_2"
+    limit = _token_limit(getattr(pipe, attribute, None))
+    if limit is not None and limit < T5_MAX_TOKENS:
+        source = f"pipe.{attribute}.model_max_length={limit}"
+    else:
+        limit, source = T5_MAX_TOKENS, f"the {family} pipeline takes at most {T5_MAX_TOKENS}"
+    if tokens > limit:
+        raise InvalidValue(
+            f"max_sequence_length={value!r} is more T5 tokens than this pipeline takes "
+            f"({source}); use max_sequence_length <= {limit} (default {min(default, limit)})"
+        )
+    return tokens
+
+
+def _check_memory(
+    pipe: Any,
+    family: str,
+    denoiser: Any,
+    device: Any,
+    *,
+    prompts: int,
+    copies: int,
+    height: int,
+    width: int,
+    cfg: bool,
+    tokens: int | None,
+) -> None:
+    """Refuse sizes whose tensors cannot fit on the pipeline's device, before any is
+    allocated: the initial latents (:meth:`PipelineSampling.noise`) and the prompt
+    embeddings ``encode_prompt`` returns (CFG: twice), in the denoiser's dtype.
+
+    A lower bound on what sampling holds (the text encoders' activations and the
+    ``repeat`` copies ``encode_prompt`` makes are left out), so that a refusal is certain:
+    first ``height`` / ``width`` for ``len(prompt)`` samples, then every image more.
+    """
+    config = denoiser.config
+    factor = int(pipe.vae_scale_factor)
+    item = _itemsize(getattr(denoiser, "dtype", None))
+    # Latent channels per latent pixel (Flux's packed in_channels hold 2 x 2 pixels).
+    channels = int(config.in_channels) // (4 if family == "flux" else 1)
+    pixels = (height // factor) * (width // factor)
+    check_allocation(
+        f"height={height}, width={width}",
+        pixels,
+        prompts * channels * item,
+        name=f"(height / {factor}) * (width / {factor})",
+        device=device,
+        detail=f"the initial latents of {prompts} prompt(s), {channels} channels of {item} "
+        f"bytes per latent pixel",
+    )
+    clip = _token_limit(getattr(pipe, "tokenizer", None)) or _CLIP_TOKENS
+    if family == "sd3":  # CLIP's tokens and T5's, side by side
+        sequence = clip + (256 if tokens is None else tokens)
+    elif family == "flux":
+        sequence = 512 if tokens is None else tokens
+    else:
+        sequence = clip
+    text_width = (
+        config.joint_attention_dim if family in ("sd3", "flux") else config.cross_attention_dim
+    )
+    if isinstance(text_width, list | tuple):  # a UNet's per-block widths: the narrowest
+        text_width = min(text_width)
+    embeddings = (2 if cfg else 1) * sequence * int(text_width) * item
+    check_allocation(
+        f"num_images_per_prompt={copies}",
+        copies,
+        prompts * (pixels * channels * item + embeddings),
+        name="num_images_per_prompt",
+        device=device,
+        detail=f"per image of each of {prompts} prompt(s): the initial latents and "
+        f"{'both halves of the CFG' if cfg else 'the'} prompt embeddings",
+    )
 
 
 def _diffusers() -> Any:

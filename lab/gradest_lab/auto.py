@@ -60,16 +60,27 @@ separated by `` | ``);
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
+import math
+import reprlib
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
 import torch
 
-from gradest import AffineSampler, InvalidValue, TerminalObjective, Trajectory, rollout
+from gradest import (
+    AffineSampler,
+    InvalidType,
+    InvalidValue,
+    TerminalObjective,
+    Trajectory,
+    rollout,
+)
 from gradest.harness import TensorLayout, adam_cosine, mean_of, second_moment, trajectory_stats
 from gradest.plugin import (
     Cost,
@@ -407,53 +418,29 @@ class Auto(EstimatorBase):
         """Restore :meth:`state_dict`'s schedules on ``model`` (replacing this instance's
         schedules there).
 
+        The state is checked whole against the schema :meth:`state_dict` writes before
+        any of it is kept (:class:`_StateReader`): the keys of every record (none
+        missing, none unknown), every field's type (an int is an int, not a bool or a
+        float; a float is finite), its bounds (counts at least 0, cosines within
+        [-1, 1], costs above 0), the signature's trainable parameters (this model's, in
+        order, of the same shapes and dtypes), the specs measured (among this auto's
+        candidates) and the choice (one its table holds), the counts agreeing
+        (one exact gradient per probe) and the gradients (1-D, one value per trainable
+        parameter entry, the parameters' dtype, finite). A refused state changes
+        nothing: the schedules there before stay. The gradients are moved to the
+        parameters' device (a checkpoint is often loaded onto the CPU).
+
         Raises:
-            InvalidValue: ``state`` is not an ``auto`` schedule of this configuration, or
-                names trainable parameters ``model`` does not have.
+            InvalidType: a field of the wrong type (a list where a mapping belongs, a
+                bool or a float where an int does, a string where a number does).
+            InvalidValue: ``state`` is not an ``auto`` schedule of this configuration,
+                is not of this model's trainable parameters, or a field is missing,
+                unknown, out of its bounds or disagrees with another. Each is one line
+                naming the field's path in ``state`` (``state['schedules'][0]['choice']``),
+                its value and what is expected.
         """
-        if not isinstance(state, Mapping) or state.get("format") != self.STATE_FORMAT:
-            raise InvalidValue(
-                f"estimator 'auto': the saved schedule is not a {self.STATE_FORMAT!r} state"
-            )
-        mine = repr(self)
-        if state.get("auto") != mine:
-            raise InvalidValue(
-                f"estimator 'auto': the saved schedule is of {state.get('auto')!r}, not {mine}"
-            )
-        trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-        restored: dict[tuple[Any, ...], _Schedule] = {}
-        for saved in state.get("schedules", []):
-            model_name, params, *rest = saved["signature"]
-            identity = []
-            for name, shape, dtype in params:
-                p = trainable.get(name)
-                if p is None or list(p.shape) != list(shape) or str(p.dtype) != dtype:
-                    raise InvalidValue(
-                        f"estimator 'auto': the saved schedule is of a model with trainable "
-                        f"parameter {name!r} {tuple(shape)} {dtype}, which this model does not "
-                        f"have"
-                    )
-                identity.append((name, id(p), tuple(shape), dtype))
-            key = (
-                model_name,
-                tuple(identity),
-                *[tuple(part) if isinstance(part, list) else part for part in rest],
-            )
-            restored[key] = _Schedule(
-                choice=saved["choice"],
-                reason=saved["reason"],
-                calls=int(saved["calls"]),
-                probes_done=int(saved["probes_done"]),
-                measured={
-                    spec: _Measured(
-                        progress=list(m["progress"]), bias=list(m["bias"]), cost=list(m["cost"])
-                    )
-                    for spec, m in saved["measured"].items()
-                },
-                exact_grads=list(saved["exact_grads"]),
-                table={spec: dict(row) for spec, row in saved["table"].items()},
-            )
-        self.schedules.replace(model, restored)
+        restored = _StateReader(self, model).state(state)
+        self.schedules.replace(model, restored)  # only once every schedule is read
 
     # -- a whole call, handed to the estimator this call runs -----------------------------
 
@@ -833,6 +820,465 @@ class Auto(EstimatorBase):
 
         chosen: Any = estimator(decisions.choice)
         return chosen.definition(chain, objective, decisions.inner)
+
+
+# -- reading a saved schedule back (Auto.load_state_dict) -----------------------------------
+
+_MISSING: Any = object()
+"""A field the state lacks (a refusal shows it as ``missing``)."""
+
+_RESAVE = "save the state with auto.state_dict(model) and load it unchanged"
+_OTHER_MODEL = (
+    "load it into a model like the one it was saved from (the same class and trainable "
+    "parameters), or save this model's with auto.state_dict(model)"
+)
+_OTHER_AUTO = "load it into an auto of the options it was saved with"
+
+_ROUNDING = 1e-6
+"""How far a saved cosine may lie past +-1: it is computed in float64 and rounds there
+(a draw equal to its reference measures 1.0000000000000004)."""
+
+_STATE_KEYS = ("format", "auto", "schedules")
+# Derived from the records state_dict writes, so that the schema cannot drift from them.
+_SCHEDULE_KEYS = ("signature", *(field.name for field in attrs.fields(_Schedule)))
+_MEASURES = tuple(field.name for field in attrs.fields(_Measured))
+_ROW_KEYS = (*_MEASURES, "score")
+_SIGNATURE_PARTS = (
+    "the model class",
+    "its trainable parameters",
+    "the sampler class",
+    "its time grid",
+    "the objective kind",
+    "the state shape",
+)
+_KINDS = ("terminal", "stepwise")
+
+
+def _bounds(measure: str) -> tuple[str, Callable[[float], bool]]:
+    """What a saved measurement (a table's score too) may be, and the test of it; every
+    one is finite besides."""
+    if measure == "progress":
+        return "a finite float in [-1, 1] (a cosine)", lambda v: abs(v) <= 1 + _ROUNDING
+    if measure == "cost":
+        # The score divides by it: a cost of 0 would fail the next pick, not this load.
+        return "a finite float > 0 (units as a ratio to exact's)", lambda v: v > 0
+    what = "a relative bias" if measure == "bias" else "progress per unit cost"
+    return f"a finite float >= 0 ({what})", lambda v: v >= 0
+
+
+class _ShortRepr(reprlib.Repr):
+    """:mod:`reprlib`'s truncated repr, with a tensor described (dtype, shape), not printed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = limit
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = 4
+        self.maxlevel = 3
+
+    def repr_Tensor(self, value: torch.Tensor, level: int) -> str:  # noqa: N802 - reprlib's name
+        return f"<{_tensor_text(value)}>"
+
+
+def _tensor_text(value: torch.Tensor) -> str:
+    dtype = str(value.dtype).removeprefix("torch.")
+    where = "" if value.device.type == "cpu" else f" on {value.device}"
+    layout = "" if value.layout == torch.strided else f" ({value.layout})"
+    return f"{dtype} tensor of shape {tuple(value.shape)}{where}{layout}"
+
+
+def _short(value: Any, limit: int) -> str:
+    """``value``'s repr on one line (a nested tensor's repr would span lines), at most
+    about ``limit`` characters."""
+    text = " ".join(_ShortRepr(limit).repr(value).split())
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``value`` as a refusal shows it: its repr truncated to about ``limit`` characters
+    and its type named (``True (a bool)``), a tensor by its dtype and shape."""
+    if value is _MISSING:
+        return "missing"
+    if isinstance(value, torch.Tensor):
+        return f"a {_tensor_text(value)}"
+    text = _short(value, limit)
+    if value is None or isinstance(value, str):
+        return text
+    noun = type(value).__name__
+    return f"{text} ({'an' if noun[:1] in 'aeiouAEIOU' else 'a'} {noun})"
+
+
+def _at(path: str, key: Any) -> str:
+    """The path of ``key`` within the field at ``path``: ``state['schedules'][0]``."""
+    return f"{path}[{_short(key, 80)}]"
+
+
+def _listed(values: Sequence[Any]) -> str:
+    return ", ".join(repr(value) for value in values)
+
+
+def _refusal(
+    path: str,
+    value: Any,
+    expected: str,
+    *,
+    wrong_type: bool = False,
+    fix: str = _RESAVE,
+    problem: str | None = None,
+    limit: int = 80,
+) -> InvalidValue | InvalidType:
+    """The one-line error for the field at ``path``: its value (``problem`` when a value
+    alone does not say what is wrong), what is expected and how to get it. A field of the
+    wrong type is an :class:`InvalidType`; a missing one, or one of the right type that
+    does not fit, an :class:`InvalidValue`."""
+    error = InvalidType if wrong_type and value is not _MISSING else InvalidValue
+    said = problem or f"is {_shown(value, limit)}"
+    return error(
+        f"estimator 'auto' cannot load the saved schedule: {path} {said}, expected "
+        f"{expected}; {fix}"
+    )
+
+
+def _record(path: str, value: Any, keys: Sequence[str]) -> Mapping[str, Any]:
+    """``value``, a mapping with exactly ``keys``."""
+    if not isinstance(value, Mapping):
+        raise _refusal(path, value, f"a mapping with the keys {_listed(keys)}", wrong_type=True)
+    for key in value:
+        if key not in keys:
+            raise _refusal(_at(path, key), value[key], f"only the keys {_listed(keys)}")
+    for key in keys:
+        if key not in value:
+            raise _refusal(_at(path, key), _MISSING, f"every one of the keys {_listed(keys)}")
+    return value
+
+
+def _items(path: str, value: Any, what: str) -> Sequence[Any]:
+    """``value``, a list (or a tuple) of ``what``."""
+    if not isinstance(value, list | tuple):
+        raise _refusal(path, value, f"a list of {what}", wrong_type=True)
+    return value
+
+
+def _int(path: str, value: Any, what: str, minimum: int = 0) -> int:
+    """``value``, an int (not a bool, not a float) of at least ``minimum``."""
+    expected = f"an int >= {minimum} ({what})"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _refusal(path, value, expected, wrong_type=True)
+    if value < minimum:
+        raise _refusal(path, value, expected)
+    return value
+
+
+def _float(path: str, value: Any, expected: str, within: Callable[[float], bool]) -> float:
+    """``value``, a finite number (an int will do; a bool will not) that is ``within``."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _refusal(path, value, expected, wrong_type=True)
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not (math.isfinite(number) and within(number)):
+        raise _refusal(path, value, expected)
+    return number
+
+
+def _text(path: str, value: Any, what: str) -> str:
+    """``value``, a str."""
+    if not isinstance(value, str):
+        raise _refusal(path, value, f"a str ({what})", wrong_type=True)
+    return value
+
+
+def _one_of(path: str, value: Any, allowed: Sequence[str], what: str) -> str:
+    """``value``, one of the strings ``allowed``."""
+    expected = (
+        f"{what}, one of {_listed(allowed)}" if len(allowed) > 1 else f"{allowed[0]!r} ({what})"
+    )
+    if not isinstance(value, str):
+        raise _refusal(path, value, expected, wrong_type=True)
+    if value not in allowed:
+        raise _refusal(path, value, expected)
+    return value
+
+
+class _StateReader:
+    """Reads a saved state (:meth:`Auto.state_dict`) back for one ``Auto`` and one model,
+    checked against the schema ``state_dict`` writes; builds the schedules without
+    touching the estimator's, so that a refused state changes nothing.
+
+    Checked, by principle rather than case by case: the keys of every record (none
+    missing, none unknown); every field's type (an int is not a bool or a float, a float
+    is a finite number, a str a str, a list where a list is, a mapping where a mapping
+    is); the bounds of counts (>= 0) and measurements (a cosine within [-1, 1], a cost
+    above 0); membership (the format and the auto's options are this one's; the specs
+    measured are among its candidates; a choice is one its schedule can have made; the
+    objective kind is one there is); agreement (the signature is of this model's class
+    and trainable parameters, in order, with their shapes and dtypes; no schedule's
+    signature twice; at most one probe per call; one exact gradient per probe, each 1-D
+    over every trainable parameter entry, in the parameters' dtype and finite; each
+    candidate's measurements as many as each other and at most one per probe).
+    The first field that does not fit raises one line (:func:`_refusal`).
+    """
+
+    def __init__(self, auto: Auto, model: torch.nn.Module) -> None:
+        self.auto, self.model = auto, model
+        self.trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # A probe may measure exact in place of every candidate when none can run
+        # (Auto._eligible), so exact is a spec of every auto's schedules.
+        self.specs = tuple(dict.fromkeys((*auto.candidates, "exact")))
+        # A probe keeps exact's gradient flattened (GradientEstimate.flat): one value per
+        # trainable parameter entry, in the dtype torch.cat gives the parameters' dtypes.
+        self.size = sum(p.numel() for _, p in self.trainable)
+        dtypes = [p.dtype for _, p in self.trainable]
+        self.dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else None
+        self.device = self.trainable[0][1].device if self.trainable else None
+
+    def state(self, value: Any) -> dict[Signature, _Schedule]:
+        """The schedules of the saved ``value``, by signature."""
+        path = "state"
+        if not isinstance(value, Mapping):
+            raise _refusal(
+                path, value, "a mapping, as auto.state_dict(model) returns", wrong_type=True
+            )
+        # The format first: a state of another kind is named as such, not by its keys.
+        fmt = self.auto.STATE_FORMAT
+        _one_of(_at(path, "format"), value.get("format", _MISSING), (fmt,), "the format")
+        state = _record(path, value, _STATE_KEYS)
+        mine = repr(self.auto)
+        saved = _text(_at(path, "auto"), state["auto"], "the repr of the auto it was saved by")
+        if saved != mine:
+            # Shown up to this repr's length and more, so that the option that differs
+            # can be found.
+            raise _refusal(_at(path, "auto"), saved, mine, fix=_OTHER_AUTO, limit=len(mine) + 80)
+        where = _at(path, "schedules")
+        schedules = _items(where, state["schedules"], "schedules (mappings)")
+        restored: dict[Signature, _Schedule] = {}
+        first: dict[Signature, int] = {}
+        for index, saved_schedule in enumerate(schedules):
+            at = _at(where, index)
+            key, schedule = self.schedule(at, saved_schedule)
+            if key in first:
+                # A second schedule of one signature would silently replace the first.
+                raise _refusal(
+                    _at(at, "signature"),
+                    saved_schedule["signature"],
+                    f"a signature of its own, not that of {_at(where, first[key])}",
+                )
+            first[key], restored[key] = index, schedule
+        return restored
+
+    def schedule(self, path: str, value: Any) -> tuple[Signature, _Schedule]:
+        """One saved schedule, and the signature it is kept by."""
+        saved = _record(path, value, _SCHEDULE_KEYS)
+        key = self.signature(_at(path, "signature"), saved["signature"])
+        reason = _text(_at(path, "reason"), saved["reason"], "why it picked its choice")
+        calls = _int(_at(path, "calls"), saved["calls"], "the calls so far")
+        probes = _int(_at(path, "probes_done"), saved["probes_done"], "the probes so far")
+        if probes > calls:
+            raise _refusal(
+                _at(path, "probes_done"),
+                probes,
+                f"an int from 0 to its calls, {calls}: every probe is a call",
+            )
+        measured = self.measured(_at(path, "measured"), saved["measured"], probes)
+        table = self.table(_at(path, "table"), saved["table"])
+        grads = self.gradients(_at(path, "exact_grads"), saved["exact_grads"], probes)
+        choice = self.choice(_at(path, "choice"), saved["choice"], table)
+        schedule = _Schedule(
+            choice=choice,
+            reason=reason,
+            calls=calls,
+            probes_done=probes,
+            measured=measured,
+            exact_grads=grads,
+            table=table,
+        )
+        return key, schedule
+
+    def signature(self, path: str, value: Any) -> Signature:
+        """The signature (:func:`_signature`) a saved one names, with this model's
+        parameters: it must be of this model's class and trainable parameters."""
+        parts = _items(path, value, ", ".join(_SIGNATURE_PARTS))
+        if len(parts) != len(_SIGNATURE_PARTS):
+            raise _refusal(
+                path, parts, f"a list of {len(_SIGNATURE_PARTS)}: {', '.join(_SIGNATURE_PARTS)}"
+            )
+        own = type(self.model).__name__
+        model_name = _text(_at(path, 0), parts[0], _SIGNATURE_PARTS[0])
+        if model_name != own:
+            raise _refusal(
+                _at(path, 0), model_name, f"{own!r}, this model's class", fix=_OTHER_MODEL
+            )
+        params = self.parameters(_at(path, 1), parts[1])
+        sampler = _text(_at(path, 2), parts[2], _SIGNATURE_PARTS[2])
+        where = _at(path, 3)
+        times = _items(where, parts[3], "floats (the sampler's times)")
+        if not times:
+            raise _refusal(where, times, "a non-empty list of floats (the sampler's times)")
+        grid = tuple(
+            _float(_at(where, i), t, "a finite float (a time of the grid)", lambda _: True)
+            for i, t in enumerate(times)
+        )
+        kind = _one_of(_at(path, 4), parts[4], _KINDS, _SIGNATURE_PARTS[4])
+        shape: tuple[int, ...] | None = None
+        if parts[5] is not None:  # None: the call had no state tensor to take a shape of
+            where = _at(path, 5)
+            sizes = _items(where, parts[5], "ints (a state's shape past the batch), or None")
+            shape = tuple(_int(_at(where, i), n, "a size") for i, n in enumerate(sizes))
+        return (model_name, params, sampler, grid, kind, shape)
+
+    def parameters(
+        self, path: str, value: Any
+    ) -> tuple[tuple[str, int, tuple[int, ...], str], ...]:
+        """A signature's trainable parameters: this model's, in order, of the same shapes
+        and dtypes (any other list names a schedule this model never uses, and gradients
+        that do not fit it)."""
+        entries = _items(path, value, "[name, shape, dtype] entries, one per trainable parameter")
+        saved = []
+        for i, entry in enumerate(entries):
+            at = _at(path, i)
+            part = _items(at, entry, "3: [name, shape, dtype]")
+            if len(part) != 3:
+                raise _refusal(at, entry, "a list of 3: [name, shape, dtype]")
+            name = _text(_at(at, 0), part[0], "the parameter's name")
+            sizes = _items(_at(at, 1), part[1], "ints (the parameter's shape)")
+            shape = tuple(_int(_at(_at(at, 1), j), n, "a size") for j, n in enumerate(sizes))
+            dtype = _text(_at(at, 2), part[2], "the parameter's dtype, e.g. 'torch.float32'")
+            saved.append((name, shape, dtype))
+        own = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.trainable]
+        for i, (entry, mine) in enumerate(itertools.zip_longest(saved, own)):
+            if entry == mine:
+                continue
+            if entry is None:
+                raise _refusal(
+                    path,
+                    entries,
+                    f"this model's {len(own)} trainable parameters, in order (it stops "
+                    f"before {mine[0]!r})",
+                    fix=_OTHER_MODEL,
+                )
+            expected = (
+                f"no more entries: this model has {len(own)} trainable parameters"
+                if mine is None
+                else f"[{mine[0]!r}, {list(mine[1])}, {mine[2]!r}], this model's trainable "
+                f"parameter {i}"
+            )
+            raise _refusal(_at(path, i), entries[i], expected, fix=_OTHER_MODEL)
+        return tuple(
+            (name, id(p), shape, dtype)
+            for (name, shape, dtype), (_, p) in zip(saved, self.trainable, strict=True)
+        )
+
+    def specs_in(self, path: str, value: Any, what: str) -> Mapping[str, Any]:
+        """A mapping from candidate specs (this auto's) to ``what``."""
+        if not isinstance(value, Mapping):
+            raise _refusal(path, value, f"a mapping from candidate spec to {what}", wrong_type=True)
+        for spec in value:
+            if not isinstance(spec, str) or spec not in self.specs:
+                raise _refusal(
+                    _at(path, spec),
+                    spec,
+                    f"keys among this auto's candidates: {_listed(self.specs)}",
+                    wrong_type=not isinstance(spec, str),
+                    problem=(
+                        "is a key that is not one of this auto's candidates"
+                        if isinstance(spec, str)
+                        else f"is a key of type {type(spec).__name__}"
+                    ),
+                )
+        return value
+
+    def measured(self, path: str, value: Any, probes: int) -> dict[str, _Measured]:
+        """Each candidate's measurements: as many of each, one per probe batch that
+        measured it (at most ``probes``)."""
+        measured = {}
+        for spec, record in self.specs_in(path, value, "its measurements").items():
+            at = _at(path, spec)
+            fields = _record(at, record, _MEASURES)
+            lists: dict[str, list[float]] = {}
+            for name in _MEASURES:
+                where = _at(at, name)
+                values = _items(where, fields[name], "floats, one per probe batch")
+                if not 1 <= len(values) <= probes:
+                    raise _refusal(
+                        where,
+                        values,
+                        f"1 to probes_done ({probes}) floats, one per probe batch that "
+                        f"measured {spec!r}",
+                    )
+                if lists and len(values) != len(lists[_MEASURES[0]]):
+                    raise _refusal(
+                        where,
+                        values,
+                        f"as many floats as {_at(at, _MEASURES[0])} "
+                        f"({len(lists[_MEASURES[0]])}), one per probe batch",
+                    )
+                expected, within = _bounds(name)
+                lists[name] = [
+                    _float(_at(where, i), v, expected, within) for i, v in enumerate(values)
+                ]
+            measured[spec] = _Measured(**lists)
+        return measured
+
+    def table(self, path: str, value: Any) -> dict[str, dict[str, float]]:
+        """The table of the last pick: per candidate its measurements and score."""
+        table = {}
+        for spec, row in self.specs_in(path, value, "its row").items():
+            at = _at(path, spec)
+            fields = _record(at, row, _ROW_KEYS)
+            table[spec] = {
+                name: _float(_at(at, name), fields[name], *_bounds(name)) for name in _ROW_KEYS
+            }
+        return table
+
+    def gradients(self, path: str, value: Any, probes: int) -> list[torch.Tensor]:
+        """The exact gradients of the probes so far, one per probe, moved to the
+        parameters' device."""
+        grads = _items(path, value, "exact gradients (tensors), one per probe batch")
+        if len(grads) != probes:
+            raise _refusal(
+                path, grads, f"probes_done ({probes}) exact gradients, one per probe batch"
+            )
+        return [self.gradient(_at(path, i), g) for i, g in enumerate(grads)]
+
+    def gradient(self, path: str, value: Any) -> torch.Tensor:
+        """One exact gradient: 1-D over every trainable parameter entry, finite."""
+        dtype = "a" if self.dtype is None else str(self.dtype).removeprefix("torch.")
+        expected = (
+            f"a finite {dtype} tensor of shape ({self.size},): exact's gradient over this "
+            f"model's trainable parameters, flattened"
+        )
+        if not isinstance(value, torch.Tensor):
+            raise _refusal(path, value, expected, wrong_type=True)
+        if (
+            is_symbolic(value)
+            or value.layout != torch.strided
+            or tuple(value.shape) != (self.size,)
+            or value.dtype != self.dtype
+        ):
+            raise _refusal(path, value, expected)
+        if not bool(torch.isfinite(value).all()):
+            raise _refusal(
+                path, value, expected, problem=f"is {_shown(value)} holding NaN or infinity"
+            )
+        return value.detach().to(self.device)
+
+    def choice(self, path: str, value: Any, table: Mapping[str, Any]) -> str | None:
+        """The pick: None while probing, else one its table holds (a pick is made from
+        the table; ``exact`` when the table is empty, no candidate having fit
+        ``probe_budget``)."""
+        if value is None:
+            return None
+        picked_from = list(table) or ["exact"]
+        expected = (
+            f"None (still probing) or one of its table's candidates: {_listed(picked_from)}"
+            if table
+            else "None (still probing) or 'exact' (its table is empty)"
+        )
+        if not isinstance(value, str):
+            raise _refusal(path, value, expected, wrong_type=True)
+        if value not in picked_from:
+            raise _refusal(path, value, expected)
+        return value
 
 
 def _no_probe() -> dict[str, Any]:

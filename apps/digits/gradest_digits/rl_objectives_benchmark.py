@@ -50,13 +50,19 @@ def parse_mode(spec: str) -> tuple[str, dict[str, str]]:
     """``"grpo:kl=0.1,lr=3e-4"`` -> ``("grpo", {"kl": "0.1", "lr": "3e-4"})``; an
     ``est=`` estimator spec may hold ``:`` and ``=`` but no ``,``."""
     name, _, rest = spec.partition(":")
-    items = [item.partition("=") for item in rest.split(",") if item]
-    options = {key: value for key, _, value in items}
-    if any(not value or key not in MODE_KEYS for key, value in options.items()):
-        raise SystemExit(
-            f"--modes {spec!r}: keys must be {', '.join(MODE_KEYS)} with values, "
-            f"e.g. grpo:kl=0.1,lr=3e-4,est=sdo"
-        )
+    options: dict[str, str] = {}
+    for key, _, value in (item.partition("=") for item in rest.split(",") if item):
+        if not value or key not in MODE_KEYS:
+            raise SystemExit(
+                f"--modes {spec!r}: keys must be {', '.join(MODE_KEYS)} with values, "
+                f"e.g. grpo:kl=0.1,lr=3e-4,est=sdo"
+            )
+        if key in options:  # never the last one silently: the run would not be the one written
+            raise SystemExit(
+                f"--modes {spec!r} sets {key!r} twice ({key}={options[key]} and {key}={value}); "
+                f"give each key once"
+            )
+        options[key] = value
     return name, options
 
 

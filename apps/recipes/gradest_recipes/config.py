@@ -624,12 +624,13 @@ def saved_setting_problem(key: str, value: Any) -> str | None:
 
 def _canonical_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     """``values`` under the settings' own names (aliases and hyphens resolved); two names
-    of one setting with different values are refused."""
+    of one setting are refused, even with one value (``lr`` and ``learning-rate``: each
+    setting is given once, as the lab's ``--config`` files and every option list)."""
     out: dict[str, Any] = {}
     named: dict[str, str] = {}
     for key, value in values.items():
         name = canonical(key)
-        if name in out and out[name] != value:
+        if name in out:
             raise RecipeConfigError(
                 f"setting {name} is given twice in {source}, as {named[name]!r}={out[name]!r} "
                 f"and {key!r}={value!r}; give it once"
@@ -732,6 +733,26 @@ def _parse_set(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _set_values(texts: Sequence[str], *, flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``--set KEY=VALUE`` overrides, each setting once: a key given by two ``--set``
+    (in any of its names: ``lr``, ``learning-rate``), or by ``--set`` and its own flag
+    (``--set lr=1e-4 --lr 2e-4``), is refused rather than letting one of them win
+    silently. ``flags``: the settings the command line's flags gave, by setting name."""
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # setting -> the --set text that gave it
+    for text in texts:
+        key, value = _parse_set(text)
+        if key in given or key in flags:
+            first = f"--set {given[key]}" if key in given else f"--set {text}"
+            second = f"--set {text}" if key in given else f"its flag --{key}"
+            raise RecipeConfigError(
+                f"setting {key} is given twice on the command line, as {first} and "
+                f"{second}; give it once"
+            )
+        values[key], given[key] = value, text
+    return values
+
+
 def _spellings(name: str) -> list[str]:
     """``--a_b`` and ``--a-b`` (one spelling when the name has no underscore)."""
     return list(dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]))
@@ -817,10 +838,7 @@ def config_from_argv(
     parser = build_parser(family)
     args = vars(parser.parse_args(argv))
     file = args.pop("config", None)
-    overrides: dict[str, Any] = {}
-    for text in args.pop("set_values", None) or []:
-        key, value = _parse_set(text)
-        overrides[key] = value
+    overrides = _set_values(args.pop("set_values", None) or [], flags=args)
     overrides.update(args)
     user: dict[str, Any] = {}
     if file is not None:

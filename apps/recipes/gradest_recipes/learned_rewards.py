@@ -41,6 +41,13 @@ differentiable (``apps/recipes/tests/test_learned_rewards.py`` bounds the differ
                 ``[ENC]`` added as the original does).
 =============== =========================================================================
 
+Every config a reward builds its model from is checked before the model is built
+(:func:`gradest_lab.cost.config_checks.check_config`, the rule ``gradest cost --reward``
+applies too): every size and count a whole number >= 1, in the nested configs too, and
+the architecture one the loader builds. A mistake is one
+:class:`~gradest_recipes.errors.RecipeConfigError` line naming the file, the field's
+dotted path (``vision_config.num_hidden_layers``), its value and the fix.
+
 Every reward also takes ``download`` (``0`` by default: a hub name is read from the hub
 cache only, ``local_files_only=True``; ``1`` lets transformers / huggingface_hub fetch
 it). A missing checkpoint is one :class:`~gradest_recipes.errors.RecipeConfigError` line
@@ -54,6 +61,7 @@ first use; text embeddings need no gradient and are computed without one.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -64,6 +72,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gradest_lab.cost.config_checks import check_config, library_config_errors
 from torch import Tensor, nn
 
 from gradest_recipes.errors import RecipeConfigError
@@ -106,6 +115,11 @@ IMAGEREWARD_REPO = "THUDM/ImageReward"
 IMAGEREWARD_FILE = "ImageReward.pt"
 IMAGEREWARD_MED_CONFIG = "med_config.json"
 IMAGEREWARD_TOKENIZER = "bert-base-uncased"
+# The architectures (config.json's model_type) each loader builds: CLIPModel, or for the
+# aesthetic predictor its vision tower alone; ImageReward's med_config.json is a BERT's.
+CLIP_TYPES = ("clip",)
+AESTHETIC_TYPES = ("clip", "clip_vision_model")
+MED_TYPES = ("bert",)
 EXTRA = "pip install './apps/recipes[learned-rewards]'"
 
 
@@ -466,8 +480,6 @@ def _needs(reward: str, module: str) -> RecipeConfigError:
 
 
 def _import(reward: str, module: str) -> Any:
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -486,6 +498,48 @@ def _from_pretrained(
         )
     except (OSError, ValueError) as err:
         raise _missing(reward, what, where, put, option, err) from None
+    except library_config_errors() as err:  # a config value its library refuses
+        raise RecipeConfigError(
+            f"reward {reward!r}: the {what} at {where!r} has a config its library refuses "
+            f"({_one_line(err)}); fix its config.json or pass --reward "
+            f"'{reward}:{option}=/path/to/folder'"
+        ) from None
+
+
+def _transformers_config_file(where: str, download: bool) -> Path | None:
+    """The ``config.json`` transformers reads for ``where``: a folder's, or a hub repo's
+    (from the cache; fetched first with ``download``, as ``from_pretrained`` would).
+    None when there is none to read: ``from_pretrained`` then says what is missing."""
+    path = Path(where).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+        return file if file.is_file() else None
+    if _is_local(where):
+        return None
+    try:
+        hub = importlib.import_module("huggingface_hub")
+        return Path(hub.hf_hub_download(where, "config.json", local_files_only=not download))
+    except (ImportError, OSError, ValueError):  # not in the cache, no such repo, offline
+        return None
+
+
+def _check_transformers_config(
+    where: str, *, download: bool, reward: str, model_types: Sequence[str]
+) -> None:
+    """Refuse the transformers ``config.json`` of ``where`` before a model is built from it
+    (module docstring). ``null`` sizes pass: transformers writes an unset optional size so
+    (``cross_attention_hidden_size``), and refuses one it needs (``_from_pretrained``)."""
+    file = _transformers_config_file(where, download)
+    if file is None:
+        return
+    try:
+        config = json.loads(file.read_text("utf-8"))
+    except (OSError, ValueError):
+        return  # unreadable: from_pretrained's own refusal names the file (_missing)
+    check_config(
+        config, where=f"reward {reward!r}: {str(file)!r}", choices={"model_type": model_types},
+        types={"text_config": dict, "vision_config": dict}, nulls=True, error=RecipeConfigError,
+    )  # fmt: skip
 
 
 def _hub_file(
@@ -594,6 +648,9 @@ def aesthetic(
     found: dict[str, Any] = dict(
         download=download, reward="aesthetic", what="CLIP model", option="model", put=put
     )
+    _check_transformers_config(
+        model, download=download, reward="aesthetic", model_types=AESTHETIC_TYPES
+    )
     config = _from_pretrained(transformers.AutoConfig, model, **found)
     vision_only = getattr(config, "model_type", "") == "clip_vision_model"
     clip = _from_pretrained(
@@ -619,6 +676,7 @@ def _clip_score(
     *, logit_scale: bool, put: str, round_crop: bool,
 ) -> ClipScoreReward:  # fmt: skip
     transformers = _import(reward, "transformers")
+    _check_transformers_config(model, download=download, reward=reward, model_types=CLIP_TYPES)
     clip = _from_pretrained(
         transformers.CLIPModel, model, download=download, reward=reward,
         what="CLIP model", option="model", put=put,
@@ -680,6 +738,18 @@ def hpsv2(
         config = Path(arch).expanduser()
         if not config.is_file():
             raise RecipeConfigError(f"reward 'hpsv2': no open_clip model config {arch!r}")
+        where = f"reward 'hpsv2': {str(config)!r}"
+        try:
+            fields = json.loads(config.read_text("utf-8"))
+        except (OSError, ValueError) as err:
+            raise RecipeConfigError(
+                f"{where} is not a JSON model config ({_one_line(err)})"
+            ) from None
+        # open_clip writes an unset size as null (its ResNets' vision_cfg.patch_size).
+        check_config(
+            fields, where=where, types={"vision_cfg": dict, "text_cfg": dict}, nulls=True,
+            error=RecipeConfigError,
+        )  # fmt: skip
         open_clip.add_model_config(config)
         name = config.stem
     if name not in open_clip.list_models():
@@ -816,6 +886,14 @@ def imagereward(
         raise RecipeConfigError(
             f"reward 'imagereward': {str(med_path)!r} is not a JSON config ({_one_line(err)})"
         ) from None
+    # _blip_configs reads these fields with int() / float() / str(), which would round 2.5
+    # to 2 and take true for 1: each is checked first, and no null (no default here).
+    check_config(
+        med, where=f"reward 'imagereward': {str(med_path)!r}",
+        choices={"model_type": MED_TYPES},
+        types={"hidden_act": str, "layer_norm_eps": float, "pad_token_id": int},
+        error=RecipeConfigError,
+    )  # fmt: skip
     state = _load_weights(checkpoint, "imagereward", "ImageReward checkpoint")
     vision_state, text_state, head_state = convert_imagereward_state_dict(state)
     vision_config, text_config = _blip_configs(vision_state, med, checkpoint)

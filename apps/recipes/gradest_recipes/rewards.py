@@ -104,19 +104,46 @@ def _bad(spec: str, why: str) -> RecipeConfigError:
     )
 
 
+def _reward_options(spec: str) -> dict[str, str]:
+    """A built-in reward's options as texts, in order: ``"color:r=1,g=0.5"`` ->
+    ``{"r": "1", "g": "0.5"}``.
+
+    The one reader of a reward spec's options. Each option is ``key=value`` (a comma ends
+    one; empty items are skipped), its key one the reward takes, and each key is given
+    once: ``aesthetic:model=A,model=B`` is refused, not read as ``model=B``, as gradest's
+    estimator specs refuse ``jagg:window=2,window=4``.
+
+    Raises:
+        RecipeConfigError: an option that is not ``key=value``, a key the reward does not
+            take, or a key given twice (one line naming the setting, the key and the fix).
+    """
+    name, _, rest = spec.strip().partition(":")
+    if name not in _OPTIONS:
+        raise _bad(spec, f"{name!r} is not a built-in reward")
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _OPTIONS[name]:
+            allowed = ", ".join(_OPTIONS[name]) or "none"
+            raise _bad(spec, f"{name!r} takes options {allowed}, got {item!r}")
+        if key in options:
+            raise RecipeConfigError(
+                f"setting reward={spec!r} sets option {key!r} twice ({key}={options[key]!r} "
+                f"and {key}={value.strip()!r}); give each option once"
+            )
+        options[key] = value.strip()
+    return options
+
+
 def resolve_reward(spec: str) -> Reward:
     """The reward callable for a ``reward`` setting (built-in name or ``module:function``)."""
     name, _, options = spec.strip().partition(":")
     if name in BUILTIN_REWARDS:
         kwargs: dict[str, Any] = {}
-        for item in filter(None, (part.strip() for part in options.split(","))):
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or key not in _OPTIONS[name]:
-                allowed = ", ".join(_OPTIONS[name]) or "none"
-                raise _bad(spec, f"{name!r} takes options {allowed}, got {item!r}")
+        for key, value in _reward_options(spec).items():
             try:
-                kwargs[key] = _OPTIONS[name][key](value.strip())
+                kwargs[key] = _OPTIONS[name][key](value)
             except ValueError as err:
                 raise _bad(spec, f"option {key}={value!r} is {err}") from None
         if name not in LEARNED_REWARDS:

@@ -44,7 +44,6 @@ import numpy as np
 import torch
 from gradest_lab.storage.files import JsonLog, atomic_write, atomic_write_text
 from gradest_lab.storage.run_folder import (
-    RUN_LOCK,
     RUN_RECORD,
     RunFolder,
     RunRecord,
@@ -478,17 +477,6 @@ def _claimed(config: RecipeConfig, start: _Start) -> Iterator[RunFolder | None]:
         if refused is not None:
             raise refused
         yield claimed
-
-
-def _forget_unstarted(claimed: RunFolder | None) -> None:
-    """After a run that claimed a new folder failed before writing anything there (a
-    setting refused, a file that does not load): remove its ``run.json`` again, so that
-    the folder is as it was and the corrected command can start there."""
-    if claimed is None or claimed.continued:
-        return
-    with contextlib.suppress(OSError):
-        if set(os.listdir(claimed.path)) <= {RUN_RECORD, RUN_LOCK}:
-            (claimed.path / RUN_RECORD).unlink()
 
 
 class _EstimatorState:
@@ -1016,13 +1004,11 @@ def train(family: str, config: RecipeConfig) -> _Run:
     anything there is written."""
     inputs = _inputs_of(family, config)  # the settings first, then the folder
     start = _start_of(family, config)
-    with _claimed(config, start) as claimed:
-        try:
-            run = _Run(family, config, start, inputs)
-        except BaseException:
-            _forget_unstarted(claimed)
-            raise
-        return _train(family, run)
+    # A setting refused while the run is set up (fsdp needs accelerate's process state) is
+    # refused inside the claim, before anything but run.json is written: the claim then
+    # removes its run.json and the folders it created (gradest_lab.storage.run_folder).
+    with _claimed(config, start):
+        return _train(family, _Run(family, config, start, inputs))
 
 
 def _train(family: str, run: _Run) -> _Run:

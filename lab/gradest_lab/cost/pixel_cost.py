@@ -13,6 +13,7 @@ estimator's step (the objective of ``gradest cost --reward``), and counts its ca
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,7 +25,15 @@ from gradest_lab.cost.fused_attention import MODEL_FLOP_FORMULAS, fused_attentio
 from gradest_lab.cost.repeated_blocks import Measurement, measure_with_short_runs
 from gradest_lab.cost.training_cost import measure_step
 
-__all__ = ["PartCost", "PixelLoss", "PixelSetup", "part_cost", "pixel_setup", "resident_bytes"]
+__all__ = [
+    "PartCost",
+    "PixelLoss",
+    "PixelSetup",
+    "decoder_file",
+    "part_cost",
+    "pixel_setup",
+    "resident_bytes",
+]
 
 
 def resident_bytes(module: nn.Module) -> int:
@@ -151,14 +160,32 @@ def pixel_setup(
     device: str | torch.device = "meta",
 ) -> PixelSetup:
     """The family's VAE (or ``decoder``'s config) and the reward ``reward`` (a learned
-    reward's name, a reward config file, or ``pixels``: an elementwise reward) on meta."""
+    reward's name, a reward config file, or ``pixels``: an elementwise reward) on meta.
+
+    Both configs are checked before any model is built
+    (:func:`gradest_lab.cost.config_checks.check_config`: every size and count a whole
+    number >= 1, the reward's kind one :mod:`~gradest_lab.cost.reward_presets` knows).
+
+    Raises:
+        InvalidValue: a config that cannot build its model, in one line naming the option,
+            the file, the field and the fix.
+    """
+    from gradest_lab.cost.config_checks import check_config
     from gradest_lab.cost.decoder_presets import decoder_config, pixel_decoder
     from gradest_lab.cost.diffusers_presets import VAE_SCALE
     from gradest_lab.cost.reward_presets import reward_config, reward_model
 
     latent_size = (height // VAE_SCALE, width // VAE_SCALE)
     channels = int(latent_shape[-1]) // 4 if family == "flux" else int(latent_shape[1])
+    # The reward's config is read and checked first: a mistake in it is reported before
+    # the VAE is built (seconds for a full-size one).
+    reward_fields: dict[str, Any] | None = None
+    reward_name = "elementwise on the pixels"
+    if reward != "pixels":
+        reward_fields, reward_name = reward_config(reward)
     config, decoder_name = decoder_config(family, decoder)
+    where = decoder_name if decoder is None else f"--decoder {str(decoder_file(decoder))!r}"
+    check_config(config, where=where)  # diffusers takes a size of 0 or less without a word
     vae = pixel_decoder(
         config, family=family, latent_size=latent_size, latent_channels=channels,
         dtype=dtype, checkpointing=checkpointing, tile=tile, device=device,
@@ -166,9 +193,20 @@ def pixel_setup(
     notes = [n for n, on in (("checkpointing", checkpointing), (f"tiles {tile} px", tile)) if on]
     decoder_name += f" ({', '.join(notes)})" if notes else ""
     model = None
-    reward_name = "elementwise on the pixels"
-    if reward != "pixels":
-        reward_fields, reward_name = reward_config(reward)
+    if reward_fields is not None:
         model = reward_model(reward_fields, dtype=dtype, device=device)
     image_shape = (int(latent_shape[0]), 3, height, width)
     return PixelSetup(vae, model, decoder_name, reward_name, image_shape)
+
+
+def decoder_file(source: str | Path) -> Path:
+    """The file ``--decoder source`` reads: ``source`` itself, or the ``vae/config.json``
+    or ``config.json`` of a folder, in the order
+    :func:`~gradest_lab.cost.decoder_presets.decoder_config` looks (so that a message
+    names the file, not only the folder)."""
+    path = Path(source)
+    if path.is_dir():
+        for candidate in (path / "vae" / "config.json", path / "config.json"):
+            if candidate.is_file():
+                return candidate
+    return path

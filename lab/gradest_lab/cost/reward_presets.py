@@ -37,10 +37,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradest import InvalidValue, MissingDependency
-from gradest.plugin import whole_number_problem
+from gradest_lab.cost.config_checks import check_config, library_config_errors
 from gradest_lab.storage.files import read_json
 
-__all__ = ["REWARD_KINDS", "REWARD_PRESETS", "RewardModel", "reward_config", "reward_model"]
+__all__ = [
+    "REWARD_KINDS",
+    "REWARD_PRESETS",
+    "RewardModel",
+    "check_reward_config",
+    "reward_config",
+    "reward_model",
+]
 
 _CLIP_L14 = {
     "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
@@ -108,12 +115,15 @@ REWARD_PRESETS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
 }
 REWARD_KINDS = ("aesthetic", "clip-score", "blip-score")
+# The config's own fields that are not sizes (the sizes are checked by name).
+_FIELD_TYPES: dict[str, type] = {"vision": dict, "text": dict, "logit_scale": bool}
 _MEAN = (0.48145466, 0.4578275, 0.40821073)
 _STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def reward_config(source: str) -> tuple[dict[str, Any], str]:
-    """``(config, description)`` of a preset name or a JSON config file."""
+    """``(config, description)`` of a preset name or a JSON config file, the file's fields
+    checked (:func:`check_reward_config`) before any model is built from them."""
     if source in REWARD_PRESETS:
         return dict(REWARD_PRESETS[source]), source
     path = Path(source)
@@ -123,12 +133,24 @@ def reward_config(source: str) -> tuple[dict[str, Any], str]:
             f"'latent' (the transformer alone) nor a reward config .json file"
         )
     config = read_json(path, what="--reward")
-    if not isinstance(config, dict) or config.get("kind") not in REWARD_KINDS:
-        kind = config.get("kind") if isinstance(config, dict) else config
-        raise InvalidValue(
-            f"--reward {source!r}: field kind={kind!r} must be one of {', '.join(REWARD_KINDS)}"
-        )
+    check_reward_config(config, where=f"--reward {source!r}")
     return config, str(source)
+
+
+def check_reward_config(config: Any, *, where: str) -> None:
+    """Refuse a reward config that cannot build its model, in one line naming ``where``,
+    the field and the fix (:func:`gradest_lab.cost.config_checks.check_config`: every size
+    and count >= 1, in ``vision`` and ``text`` too; ``kind`` one of :data:`REWARD_KINDS`;
+    the sections objects, ``logit_scale`` true or false).
+
+    Raises:
+        InvalidValue: naming the field, its value and the fix.
+    """
+    check_config(config, where=where, choices={"kind": REWARD_KINDS}, types=_FIELD_TYPES)
+    if "kind" not in config:
+        raise InvalidValue(
+            f'{where}: field kind is missing; add "kind": one of {", ".join(REWARD_KINDS)}'
+        )
 
 
 def _unit(x: Tensor) -> Tensor:
@@ -222,7 +244,7 @@ def _built(cls: Any, fields: Mapping[str, Any], what: str, *, sdpa: bool = True)
     extra = {"attn_implementation": "sdpa"} if sdpa else {}
     try:
         return cls(**dict(fields), **extra)
-    except (TypeError, ValueError) as err:
+    except library_config_errors() as err:  # what the sizes' check leaves to transformers
         shown = " ".join(str(err).split())
         raise InvalidValue(f"--reward: the {what} config is invalid: {shown}") from err
 
@@ -238,12 +260,9 @@ def reward_model(
             "pricing a learned reward needs transformers: pip install transformers "
             "(or --reward latent)"
         ) from err
-    kind = config.get("kind")
-    if kind not in REWARD_KINDS:
-        raise InvalidValue(f"--reward: kind={kind!r} must be one of {', '.join(REWARD_KINDS)}")
-    for key in ("image_size", "text_tokens"):
-        if key in config and whole_number_problem(config[key], minimum=1) is not None:
-            raise InvalidValue(f"--reward: field {key}={config[key]!r} must be a whole number >= 1")
+    # Checked here too, not only in reward_config: Python callers pass their own dicts.
+    check_reward_config(config, where="--reward config")
+    kind = config["kind"]
     if kind != "aesthetic" and "text" not in config:
         raise InvalidValue(f"--reward: kind {kind!r} needs a 'text' config (its text encoder)")
     vision_fields = dict(config.get("vision", {}))

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gradest import InvalidValue
+from gradest_lab.race.task_options import parse_key_values
 
 __all__ = ["page_problems", "render", "stray_figures", "update_page"]
 
@@ -79,14 +80,11 @@ def _fractions(options: Mapping[str, str], default: str) -> list[float]:
     return [float(f) for f in options.get("fractions", default).split(",")]
 
 
-def _options(items: Sequence[str]) -> dict[str, str]:
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise InvalidValue(f"race-quote option {item!r} is not key=value")
-        options[key] = value
-    return options
+def _options(args: str, items: Sequence[str]) -> dict[str, str]:
+    """A block's ``key=value`` words (the lab's one reader: each key once)."""
+    return parse_key_values(
+        items, what=f"race-quote {args!r}: option", fix="write key=value, e.g. fraction=1"
+    )
 
 
 # -- the renderers ------------------------------------------------------------------------
@@ -266,8 +264,8 @@ def render(root: Path, args: str) -> str:
             f"{', '.join([*_RENDERERS, *_MATRIX_RENDERERS])}"
         )
     if words[0] in _MATRIX_RENDERERS:
-        return _MATRIX_RENDERERS[words[0]](_load_all(root, words[1]), _options(words[2:]))
-    return _RENDERERS[words[0]](_load(root, words[1]), _options(words[2:]))
+        return _MATRIX_RENDERERS[words[0]](_load_all(root, words[1]), _options(args, words[2:]))
+    return _RENDERERS[words[0]](_load(root, words[1]), _options(args, words[2:]))
 
 
 # -- where race figures may stand ------------------------------------------------------------

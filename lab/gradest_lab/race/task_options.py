@@ -111,6 +111,37 @@ def _coerce(key: str, text: str, default: Any, model: str) -> Any:
     )
 
 
+def parse_key_values(texts: Sequence[str], *, what: str, fix: str) -> dict[str, str]:
+    """``["lr=1e-4", "batch=32"]`` as ``{"lr": "1e-4", "batch": "32"}``: the lab's one
+    reader of ``key=value`` option lists (``--task-option``, a ``race-quote`` block's
+    options), keys and values stripped, the value everything after the first ``=``.
+
+    Each key is given once: a repeated key is refused rather than read as its last value,
+    as gradest's estimator specs refuse ``jagg:window=2,window=4``.
+
+    Args:
+        texts: the options, one ``key=value`` each.
+        what: how the caller names the list in messages (``"--task-option"``).
+        fix: what a malformed option is told to write instead.
+
+    Raises:
+        InvalidValue: an option without ``=``, key or value, or a key given twice (one
+            line naming ``what``, the option and the fix).
+    """
+    parsed: dict[str, str] = {}
+    for text in texts:
+        key, sep, value = (part.strip() for part in text.partition("="))
+        if not sep or not key or not value:
+            raise InvalidValue(f"{what} {text!r} is not KEY=VALUE; {fix}")
+        if key in parsed:
+            raise InvalidValue(
+                f"{what} {key} is given twice ({key}={parsed[key]} and {key}={value}); give "
+                f"each option once"
+            )
+        parsed[key] = value
+    return parsed
+
+
 def parse_task_options(
     factory: Callable[..., Any], texts: Sequence[str], *, model: str
 ) -> dict[str, Any]:
@@ -119,14 +150,9 @@ def parse_task_options(
     options = task_options(factory)
     known = describe_task_options(factory)
     open_ended = _takes_any_keyword(factory)
+    given = parse_key_values(texts, what="--task-option", fix=f"task {model!r} takes: {known}")
     parsed: dict[str, Any] = {}
-    for text in texts:
-        key, sep, value = text.partition("=")
-        key = key.strip()
-        if not sep or not key or not value.strip():
-            raise InvalidValue(
-                f"--task-option {text!r} is not KEY=VALUE; task {model!r} takes: {known}"
-            )
+    for key, value in given.items():
         if key in COMMON_PARAMETERS:
             flag = "--" + key.replace("_", "-")
             raise InvalidValue(f"--task-option {key}: set it with {flag} instead")
@@ -134,10 +160,8 @@ def parse_task_options(
             raise InvalidValue(
                 f"--task-option {key}: task {model!r} has no option {key!r}; it takes: {known}"
             )
-        if key in parsed:
-            raise InvalidValue(f"--task-option {key} is given twice")
         default = options.get(key, inspect.Parameter.empty)
-        parsed[key] = _coerce(key, value.strip(), default, model)
+        parsed[key] = _coerce(key, value, default, model)
     required = [k for k, d in options.items() if d is inspect.Parameter.empty and k not in parsed]
     if required:
         raise InvalidValue(

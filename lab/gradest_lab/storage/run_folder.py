@@ -7,7 +7,10 @@ applications' ``gradest finetune``, ``gradest pretrain`` and recipe runs) opens 
 * **Arguments first.** A command checks every argument (names, values, ranges, sizes,
   the files and models they name) before it looks at, locks or creates its folder, so a
   bad argument is refused as itself whether the folder is new or holds another run (and a
-  refused command leaves no folder behind).
+  refused command leaves no folder behind). What can only be checked once the run holds
+  its folder (a launcher's process state) is refused inside the claim, which then takes
+  back everything it made: its ``run.json``, its lock, the folder and the parents it
+  created; never what was there before.
 * **The folder records its run.** ``run.json`` holds the run's identity: the command
   (``"gradest race"``), the settings that define the run (those a continuation must
   share; the caller decides which) and its lineage (what it continues from, such as a
@@ -232,7 +235,11 @@ def claim_run_folder(
     """Open the run folder ``path`` for ``record``'s run, by the module's rule.
 
     Call it before writing anything in the folder; the body writes the run. The folder is
-    created if it does not exist.
+    created if it does not exist. A start refused here, or a body that fails before
+    anything but ``run.json`` is in the folder (a setting refused once the run holds its
+    folder), leaves nothing: the ``run.json`` this call published, the lock, and the
+    folder and the parents this call created are removed (never a folder that was there
+    before, nor the record of a run it continued).
 
     Args:
         path: the folder.
@@ -269,43 +276,66 @@ def claim_run_folder(
             f"{shown} holds no gradest run to continue{held}; {start}, or pass the folder of "
             f"the run to continue"
         )
-    missing = [folder, *folder.parents]
-    first_created = next((p for p in reversed(missing) if not p.exists()), None)
-    check_output_dir(folder, what=what)  # creates it
+    # What this start creates (the folder and the parents it lacks) is this start's to take
+    # back when it is refused: nothing that was there before is ever removed.
+    first_created = _first_missing(folder)
     lock = None
-    if not shared:
-        lock = try_lock(lock_path, command=record.command)
-        if lock is None:
-            holder = read_holder(lock_path)
-            raise FolderInUse(
-                f"{shown} is in use by {describe_holder(holder or {})}: one run writes a "
-                f"folder at a time; wait for it to finish, or pass a new --out"
-            )
-    continued, failed = True, False
+    try:
+        check_output_dir(folder, what=what)  # creates it
+        if not shared:
+            lock = try_lock(lock_path, command=record.command)
+            if lock is None:
+                holder = read_holder(lock_path)
+                raise FolderInUse(
+                    f"{shown} is in use by {describe_holder(holder or {})}: one run writes a "
+                    f"folder at a time; wait for it to finish, or pass a new --out"
+                )
+    except BaseException:
+        _remove_created(folder, first_created)
+        raise
+    published, failed = False, False
     try:
         continued = _check_owner(folder, record, shown, resume=resume, resume_hint=resume_hint)
+        published = not continued
         yield RunFolder(path=folder, record=record, continued=continued, lock=lock)
     except BaseException:
         failed = True
         raise
     finally:
-        # A run that failed before writing anything leaves nothing: not its record (removed
-        # while the lock is held), and not the folders it created (a user error is one line
-        # and no trace on disk).
-        untouched = failed and not continued and not shared and _entries(folder) == [RUN_RECORD]
-        if untouched:
+        # A start refused or failing before the run wrote anything leaves nothing: not the
+        # record it published (removed while the lock is held), and not the folders it
+        # created. "Nothing written" is judged by what is there, not by who removed what:
+        # a caller may have taken its record back itself. A shared folder is left as it
+        # is: another process may have joined the run on its record.
+        untouched = failed and not shared and set(_entries(folder)) <= {RUN_RECORD}
+        if untouched and published:
             with contextlib.suppress(OSError):
                 (folder / RUN_RECORD).unlink()
         if lock is not None:
             lock.release()
-        if untouched and first_created is not None:
-            for created in [folder, *folder.parents]:
-                try:
-                    created.rmdir()
-                except OSError:
-                    break  # not empty: something else is there now
-                if created == first_created:
-                    break
+        if untouched:
+            _remove_created(folder, first_created)
+
+
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost of ``folder`` and its parents that does not exist (what creating
+    ``folder`` creates first), or None when ``folder`` exists."""
+    return next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
+
+
+def _remove_created(folder: Path, first_created: Path | None) -> None:
+    """Remove ``folder`` and its parents up to ``first_created`` (those this start
+    created), innermost first, each only while empty: a folder something else has written
+    to since (another process, the user) is kept, and so is everything above it."""
+    if first_created is None:
+        return
+    for created in [folder, *folder.parents]:
+        try:
+            created.rmdir()
+        except OSError:
+            return  # not empty (or already gone): something else is there now
+        if created == first_created:
+            return
 
 
 def _check_owner(

@@ -189,9 +189,31 @@ def test_add_lora_rejects_bad_settings():
         add_lora(model, 2, target_modules=["to_q"])
     with pytest.raises(ValueError, match="alpha must be a number > 0"):
         add_lora(model, 2, alpha=-1.0)
+    with pytest.raises(ValueError, match="LoRA init must be one of 'default', 'gaussian'"):
+        add_lora(model, 2, init="uniform")
     # Nothing was injected by the failed calls.
     assert not lora_parameters(model)
     assert DIT_ATTENTION_TARGETS == ("qkv", "proj")
+
+
+def test_gaussian_init_draws_a_from_n_0_one_over_rank():
+    """peft's ``init_lora_weights="gaussian"`` (Flow-GRPO's): ``A ~ N(0, (1/r)^2)``, ``B = 0``;
+    the default is Kaiming-uniform, std ``1 / sqrt(3 in)``. The sample std of ``n`` normal
+    draws has relative standard error about ``1 / sqrt(2n)``; 5 of them bound it."""
+    rank, width = 4, 64
+    stds = {}
+    for init in ("default", "gaussian"):
+        torch.manual_seed(0)
+        model = add_lora(torch.nn.Sequential(torch.nn.Linear(width, width)), rank,
+                         target_modules=["0"], init=init)  # fmt: skip
+        lora = lora_parameters(model)
+        a = next(v for k, v in lora.items() if "lora_A" in k)
+        b = next(v for k, v in lora.items() if "lora_B" in k)
+        assert torch.count_nonzero(b) == 0
+        stds[init] = (float(a.std()), a.numel())
+    for init, want in (("gaussian", 1 / rank), ("default", 1 / (3 * width) ** 0.5)):
+        std, n = stds[init]
+        assert abs(std / want - 1) < 5 / (2 * n) ** 0.5, (init, std, want)
 
 
 # torch's note that sdpa's CPU backward has no vmap rule (the dense reference's jacrev).

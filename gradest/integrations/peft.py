@@ -41,6 +41,10 @@ def _matches(module_name: str, targets: Sequence[str]) -> bool:
     return any(module_name == t or module_name.endswith("." + t) for t in targets)
 
 
+#: ``add_lora``'s ``init`` names and peft's ``init_lora_weights`` for each.
+_LORA_INITS: dict[str, Any] = {"default": True, "gaussian": "gaussian"}
+
+
 def add_lora(
     model: nn.Module,
     rank: int,
@@ -48,6 +52,7 @@ def add_lora(
     target_modules: Sequence[str] = DIT_ATTENTION_TARGETS,
     alpha: float | None = None,
     adapter_name: str = "default",
+    init: str = "default",
 ) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place and freeze everything else.
 
@@ -71,6 +76,9 @@ def add_lora(
             transformers e.g. ``("to_q", "to_k", "to_v", "to_out.0")``.
         alpha: the LoRA scale numerator (default ``rank``: scale 1).
         adapter_name: peft's adapter name (parameter names contain it).
+        init: how ``A`` starts (``B`` starts at zero either way): ``"default"``, peft's
+            Kaiming-uniform; ``"gaussian"``, peft's ``init_lora_weights="gaussian"``,
+            ``N(0, 1/rank)`` (Flow-GRPO's SD3 configuration).
 
     Returns:
         ``model`` itself, with adapters injected.
@@ -93,6 +101,10 @@ def add_lora(
         raise InvalidValue(f"LoRA alpha must be a number > 0 (or None for rank), got {alpha!r}")
     if not isinstance(model, nn.Module):
         raise InvalidType(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if init not in _LORA_INITS:
+        raise InvalidValue(
+            f"LoRA init must be one of {', '.join(map(repr, _LORA_INITS))}, got init={init!r}"
+        )
     matched = [name for name, _ in model.named_modules() if name and _matches(name, targets)]
     if not matched:
         layers = [n for n, m in model.named_modules() if isinstance(m, _ADAPTER_LAYERS)]
@@ -133,6 +145,7 @@ def add_lora(
         target_modules=list(targets),
         lora_dropout=0.0,
         bias="none",
+        init_lora_weights=_LORA_INITS[init],
     )
     inject_adapter_in_model(config, model, adapter_name=adapter_name)
     return model

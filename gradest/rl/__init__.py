@@ -1,9 +1,10 @@
 """Reinforcement-learning objectives on recorded sampling paths, as stepwise objectives.
 
 * :mod:`gradest.rl.flow_grpo`: Flow-GRPO's group advantages, clipped surrogate and the KL
-  penalty to a frozen reference model.
+  penalty to a frozen reference model, and the training statistics it logs
+  (:func:`grpo_step_statistics`: ``approx_kl``, ``clipfrac``, ...).
 * :mod:`gradest.rl.prompt_stats`: Flow-GRPO's per-prompt advantages, the statistics
-  gathered across processes.
+  gathered across processes, and its ``zero_std_ratio`` (:func:`zero_std_ratio`).
 * :mod:`gradest.rl.adjoint_matching`: adjoint matching (memoryless sampler, lean adjoint,
   regression loss).
 * :data:`LOG_PROB_REDUCTIONS` / :func:`check_reduction`: how a step's log-density under a
@@ -27,11 +28,12 @@ from gradest.rl.flow_grpo import (
     ADVANTAGE_EPS,
     group_advantages,
     grpo_objective,
+    grpo_step_statistics,
     leading_steps,
     reference_velocities,
     step_kl,
 )
-from gradest.rl.prompt_stats import gather_samples, prompt_advantages
+from gradest.rl.prompt_stats import gather_samples, prompt_advantages, zero_std_ratio
 from gradest.samplers import LOG_PROB_REDUCTIONS, check_reduction
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "gather_samples",
     "group_advantages",
     "grpo_objective",
+    "grpo_step_statistics",
     "leading_steps",
     "lean_adjoint",
     "memoryless_flow",
@@ -52,4 +55,5 @@ __all__ = [
     "reference_velocities",
     "regression_objective",
     "step_kl",
+    "zero_std_ratio",
 ]

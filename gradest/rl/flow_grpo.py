@@ -35,6 +35,10 @@ surrogate's cotangent is the policy gradient ``-A_b (d log pi / d v_k) / (N B)``
 whose ratio has left the band on the side its advantage favours contributes nothing. The
 KL's cotangent is ``w_k beta_k^2 (v_k - v_ref,k) / (s_k^2 N B)`` (``/ D`` for ``"mean"``),
 zero when the policy is the reference.
+
+What Flow-GRPO logs of each trained timestep (``approx_kl``, the ``clipfrac`` family,
+``policy_loss``, its ``kl_loss``) is :func:`grpo_step_statistics`, from the same velocity
+the loss of that step evaluates.
 """
 
 from __future__ import annotations
@@ -277,6 +281,113 @@ def grpo_objective(
         return loss + float(weights[k]) * kl.mean() / steps
 
     return StepwiseObjective(loss_fn)
+
+
+def grpo_step_statistics(
+    sampler: FlowSDE,
+    trajectory: Trajectory,
+    k: int,
+    velocity: Tensor,
+    old_log_probs: Tensor,
+    clip: float = 0.2,
+    *,
+    reduction: str = "sum",
+    advantages: Tensor | None = None,
+    reference: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Flow-GRPO's training statistics of step ``k`` at ``velocity``, as 0-dim tensors.
+
+    What Flow-GRPO's ``scripts/train_sd3.py`` logs of each trained timestep, from the
+    velocity :func:`grpo_objective`'s loss evaluates at step ``k`` (no model call; no
+    graph: ``velocity`` is detached), with ``r_b = exp(log pi_theta(k, b) - log pi_old(k, b))``
+    and each a mean over the batch::
+
+        approx_kl       = 0.5 mean_b (log pi_theta(k, b) - log pi_old(k, b))^2
+        clipfrac        = mean_b [|r_b - 1| > eps]
+        clipfrac_gt_one = mean_b [r_b - 1 > eps]
+        clipfrac_lt_one = mean_b [1 - r_b > eps]
+        policy_loss     = mean_b max(-A_b r_b, -A_b clip(r_b, 1 - eps, 1 + eps))  (advantages=)
+        kl              = mean_b KL_{k,b}                                        (reference=)
+
+    ``policy_loss`` is the step's clipped surrogate loss before :func:`grpo_objective`'s
+    ``1 / N``; ``kl`` is :func:`step_kl` (the exact Gaussian KL, reduced as ``reduction``),
+    so Flow-GRPO's logged ``kl_loss`` is ``|h_k|`` times it with ``reduction="mean"``
+    (the module docstring). Flow-GRPO averages each statistic over the trained timesteps
+    and the batches of an optimizer step: average these over the steps an estimator
+    evaluated. At the sampling policy (``velocity`` the recorded one) ``approx_kl`` and
+    every ``clipfrac`` are 0. No host synchronisation: the values stay on the device.
+
+    Args:
+        sampler: the :class:`FlowSDE` the trajectory was sampled with.
+        trajectory: the recorded rollout (states are data).
+        k: the step, ``0 <= k < N``.
+        velocity: ``[B, ...]``, the policy's velocity at ``z_k``.
+        old_log_probs: ``[N, B]`` step log-probabilities under the sampling policy.
+        clip: PPO's ``eps`` (Flow-GRPO's ``clip_range``).
+        reduction: as in :func:`grpo_objective`; must match ``old_log_probs``.
+        advantages: ``[B]`` (already clipped, as the objective's); adds ``policy_loss``.
+        reference: ``[N, B, ...]`` reference velocities (:func:`reference_velocities`);
+            adds ``kl``.
+
+    Returns:
+        ``{"approx_kl", "clipfrac", "clipfrac_gt_one", "clipfrac_lt_one"}``, plus
+        ``"policy_loss"`` and ``"kl"`` when given what they need, each a 0-dim tensor in
+        the log-probabilities' dtype.
+    """
+    if not isinstance(sampler, FlowSDE):
+        raise InvalidType(
+            f"sampler must be the gradest.FlowSDE the trajectory was sampled with, "
+            f"got {type(sampler).__name__}"
+        )
+    if not isinstance(trajectory, Trajectory):
+        raise InvalidType(
+            f"trajectory must be a gradest.Trajectory (from gradest.rollout), "
+            f"got {type(trajectory).__name__}"
+        )
+    steps, batch = trajectory.num_steps, trajectory.batch_size
+    if not isinstance(old_log_probs, Tensor) or tuple(old_log_probs.shape) != (steps, batch):
+        raise InvalidValue(
+            f"old_log_probs must be [N, B] = [{steps}, {batch}], got {_shape_of(old_log_probs)}; "
+            f"use sampler.trajectory_log_probs(trajectory)"
+        )
+    if not isinstance(velocity, Tensor):
+        raise InvalidType(f"velocity must be a tensor [B, ...], got {type(velocity).__name__}")
+    if isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 < clip < 1:
+        raise InvalidValue(f"clip must be a float in (0, 1) (PPO's eps), got {clip!r}")
+    if advantages is not None and (
+        not isinstance(advantages, Tensor) or tuple(advantages.shape) != (batch,)
+    ):
+        raise InvalidValue(f"advantages must be [B] = [{batch}], got {_shape_of(advantages)}")
+    expected = tuple(trajectory.velocities.shape)
+    if reference is not None and (
+        not isinstance(reference, Tensor) or tuple(reference.shape) != expected
+    ):
+        raise InvalidValue(
+            f"reference must be [N, B, ...] = {list(expected)} (the reference model's "
+            f"velocities at the recorded states), got {_shape_of(reference)}"
+        )
+    with torch.no_grad():
+        velocity = velocity.detach()
+        # step_log_prob checks k, the velocity's shape and the grid.
+        log_prob = sampler.step_log_prob(trajectory, k, velocity, reduction=reduction)
+        difference = log_prob - old_log_probs[k].detach().to(log_prob)
+        ratio = torch.exp(difference)
+        eps = float(clip)
+        stats = {
+            "approx_kl": 0.5 * difference.square().mean(),
+            "clipfrac": ((ratio - 1.0).abs() > eps).to(log_prob.dtype).mean(),
+            "clipfrac_gt_one": (ratio - 1.0 > eps).to(log_prob.dtype).mean(),
+            "clipfrac_lt_one": (1.0 - ratio > eps).to(log_prob.dtype).mean(),
+        }
+        if advantages is not None:
+            advantage = advantages.detach().to(log_prob)
+            unclipped = -advantage * ratio
+            clipped = -advantage * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
+            stats["policy_loss"] = torch.maximum(unclipped, clipped).mean()
+        if reference is not None:
+            kl = step_kl(sampler, k, velocity, reference[k].detach(), reduction=reduction)
+            stats["kl"] = kl.mean().to(log_prob.dtype)
+    return stats
 
 
 def _checked_reference(reference: Any, trajectory: Trajectory, needed: bool) -> Tensor | None:

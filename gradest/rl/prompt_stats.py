@@ -28,7 +28,7 @@ from torch import Tensor
 from gradest.errors import InvalidValue
 from gradest.rl.flow_grpo import ADVANTAGE_EPS
 
-__all__ = ["gather_samples", "prompt_advantages"]
+__all__ = ["gather_samples", "prompt_advantages", "zero_std_ratio"]
 
 
 def _world(group: Any) -> tuple[int, int]:
@@ -58,6 +58,25 @@ def gather_samples(values: Tensor, group: Any = None) -> Tensor:
     return torch.cat(parts)
 
 
+def _check_samples(rewards: Any, prompts: Any) -> None:
+    """``rewards`` a 1-D float tensor ``[B]``, ``prompts`` integer ids of the same shape."""
+    if not isinstance(rewards, Tensor) or rewards.ndim != 1 or not rewards.is_floating_point():
+        shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
+        raise InvalidValue(f"rewards must be a 1-D floating-point tensor [B], got {shape}")
+    if (
+        not isinstance(prompts, Tensor)
+        or prompts.shape != rewards.shape
+        or prompts.is_floating_point()
+        or prompts.is_complex()
+        or prompts.dtype == torch.bool
+    ):
+        shape = tuple(prompts.shape) if isinstance(prompts, Tensor) else type(prompts).__name__
+        raise InvalidValue(
+            f"prompts must be an integer tensor [B] = [{rewards.shape[0]}] of prompt ids, "
+            f"got {shape}; pass the index of each sample's prompt"
+        )
+
+
 def prompt_advantages(
     rewards: Tensor,
     prompts: Tensor,
@@ -82,21 +101,7 @@ def prompt_advantages(
     Returns:
         ``[B]`` advantages in ``rewards``' dtype, in the order of ``rewards``.
     """
-    if not isinstance(rewards, Tensor) or rewards.ndim != 1 or not rewards.is_floating_point():
-        shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
-        raise InvalidValue(f"rewards must be a 1-D floating-point tensor [B], got {shape}")
-    if (
-        not isinstance(prompts, Tensor)
-        or prompts.shape != rewards.shape
-        or prompts.is_floating_point()
-        or prompts.is_complex()
-        or prompts.dtype == torch.bool
-    ):
-        shape = tuple(prompts.shape) if isinstance(prompts, Tensor) else type(prompts).__name__
-        raise InvalidValue(
-            f"prompts must be an integer tensor [B] = [{rewards.shape[0]}] of prompt ids, "
-            f"got {shape}; pass the index of each sample's prompt"
-        )
+    _check_samples(rewards, prompts)
     if not isinstance(global_std, bool):
         raise InvalidValue(f"global_std must be True or False, got {global_std!r}")
     if not bool(torch.isfinite(rewards).all()):
@@ -118,3 +123,39 @@ def prompt_advantages(
         std = torch.sqrt(squares / counts)[inverse]
     advantages = centred / (std + ADVANTAGE_EPS)
     return advantages[rank * batch : (rank + 1) * batch].to(rewards.dtype)
+
+
+def zero_std_ratio(rewards: Tensor, prompts: Tensor, *, group: Any = None) -> float:
+    """The fraction of the distinct prompts whose rewards, over every process, are all equal.
+
+    Flow-GRPO's ``calculate_zero_std_ratio`` (``scripts/train_sd3.py``), logged once per
+    epoch as ``zero_std_ratio``: a prompt whose gathered rewards have zero standard
+    deviation gives every one of its samples a zero advantage, so it adds nothing to the
+    surrogate's gradient. The rewards and prompt ids are gathered as in
+    :func:`prompt_advantages` (every process gets the same value). "Zero standard
+    deviation" is tested as "every reward of the prompt is the same number": numpy's
+    ``std`` of equal values can be a rounding residue (``np.std([0.1] * 3)`` is about
+    ``1e-17``), which Flow-GRPO's ``== 0`` would count as spread.
+
+    Args:
+        rewards: ``[B]`` rewards of this process's samples (floating point).
+        prompts: ``[B]`` integer prompt ids of the same samples (equal ids: one prompt,
+            across processes too).
+        group: the ``torch.distributed`` process group (default: the default group, if
+            initialized; a single process otherwise).
+
+    Returns:
+        A float in ``[0, 1]``: prompts with no spread over the distinct prompts gathered.
+    """
+    _check_samples(rewards, prompts)
+    if rewards.numel() == 0:
+        raise InvalidValue("rewards is empty: there are no prompts to count")
+    if not bool(torch.isfinite(rewards).all()):
+        raise InvalidValue("rewards contain NaN or Inf; check the reward function")
+    values = gather_samples(rewards.detach().to(torch.float64), group)
+    ids = gather_samples(prompts.detach().to(device=rewards.device, dtype=torch.int64), group)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    empty = torch.empty(unique.numel(), dtype=torch.float64, device=values.device)
+    low = empty.scatter_reduce(0, inverse, values, "amin", include_self=False)
+    high = empty.scatter_reduce(0, inverse, values, "amax", include_self=False)
+    return float((low == high).to(torch.float64).mean())

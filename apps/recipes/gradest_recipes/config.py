@@ -113,7 +113,16 @@ class RecipeConfig:
         default=False,
         metadata={"doc": "keep an EMA of the LoRA weights (diffusers EMAModel; checkpointed)"},
     )
-    ema_decay: float = attrs.field(default=0.9999, metadata={"doc": "EMA decay (EMAModel's)"})
+    ema_decay: float = attrs.field(
+        default=0.9999,
+        metadata={"doc": "EMA decay: at optimizer step s the EMA moves by 1 - min((1 + s) / "
+                         "(10 + s), ema_decay) (Flow-GRPO's EMAModuleWrapper)"},
+    )  # fmt: skip
+    ema_every: int = attrs.field(
+        default=1,
+        metadata={"doc": "update the EMA every n-th optimizer step, after the steps s with "
+                         "(s + 1) % n == 0 (Flow-GRPO's update_step_interval; grpo: 8)"},
+    )  # fmt: skip
     max_grad_norm: float = attrs.field(
         default=1.0, metadata={"doc": "gradient clipping norm (0: no clipping)"}
     )
@@ -121,6 +130,11 @@ class RecipeConfig:
     lora_alpha: float | None = attrs.field(
         default=None, metadata={"doc": "LoRA alpha (default: the rank, scale 1)"}
     )
+    lora_init: str = attrs.field(
+        default="default",
+        metadata={"doc": "LoRA A's initialisation: default (peft's Kaiming-uniform) or "
+                         "gaussian (N(0, 1/rank), Flow-GRPO's); B starts at zero"},
+    )  # fmt: skip
     lora_targets: tuple[str, ...] = attrs.field(
         default=("to_q", "to_k", "to_v", "to_out.0"),
         converter=lambda value: tuple(value) if isinstance(value, list | tuple) else value,
@@ -129,6 +143,12 @@ class RecipeConfig:
     estimator: str = attrs.field(
         default="sdo", metadata={"doc": "gradest estimator spec, e.g. jagg:window=4"}
     )
+    detach_unconditional: bool = attrs.field(
+        default=False,
+        metadata={"doc": "CFG in training: the unconditional half detached, gradient through "
+                         "the conditional one only (Flow-GRPO's noise_pred_uncond.detach(); "
+                         "grpo: true); false trains through both halves"},
+    )  # fmt: skip
     num_inference_steps: int = attrs.field(default=28, metadata={"doc": "sampling steps N"})
     guidance_scale: float = attrs.field(
         default=7.0, metadata={"doc": "CFG scale (Flux: the guidance embedding's value)"}
@@ -153,8 +173,10 @@ class RecipeConfig:
     )  # fmt: skip
     reward: str = attrs.field(
         default="brightness",
-        metadata={"doc": "brightness, contrast, color:r=..,g=..,b=.., or module:function"},
-    )
+        metadata={"doc": "brightness, contrast, color:r=..,g=..,b=.., a learned reward "
+                         "(aesthetic:model=PATH, ...), module:function, or a weighted sum "
+                         "of them: '0.7*pickscore:model=PATH + 0.3*brightness'"},
+    )  # fmt: skip
     objective: str = attrs.field(
         default="reward",
         metadata={"doc": "reward (backprop through the sampler), grpo (Flow-GRPO with KL) or "
@@ -222,6 +244,24 @@ class RecipeConfig:
     keep_checkpoints: int = attrs.field(
         default=2, metadata={"doc": "newest checkpoints kept (0: keep all)"}
     )
+    eval_prompts: int = attrs.field(
+        default=0,
+        metadata={"doc": "prompts held out of the embeddings for evaluation: the file's last "
+                         "n, never trained on (0: none)"},
+    )  # fmt: skip
+    eval_every: int = attrs.field(
+        default=0,
+        metadata={"doc": "steps between evaluations on the held-out prompts, also at step 0 "
+                         "and at the end (0: no evaluation)"},
+    )  # fmt: skip
+    eval_num_inference_steps: int = attrs.field(
+        default=40,
+        metadata={"doc": "deterministic sampling steps of an evaluation (Flow-GRPO's "
+                         "sample.eval_num_steps)"},
+    )  # fmt: skip
+    eval_batch_size: int = attrs.field(
+        default=8, metadata={"doc": "held-out prompts a process samples at once in an evaluation"}
+    )
 
     def __attrs_post_init__(self) -> None:
         validate(self)
@@ -257,25 +297,51 @@ TINY_DEFAULTS: dict[str, Any] = {
     "sample_every": 0,
     "save_every": 0,
     "sample_count": 2,
+    "eval_num_inference_steps": 3,
+    "eval_batch_size": 2,
 }
 
+#: Flow-GRPO's LoRA targets (``scripts/train_sd3.py``): the joint attention's image-stream
+#: and context-stream projections.
+FLOW_GRPO_LORA_TARGETS = (
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+)  # fmt: skip
+#: ``lora_init``'s values.
+LORA_INITS = ("default", "gaussian")
 #: The objectives (``objective``): the reward recipes and the RL recipes.
 OBJECTIVES = ("reward", "grpo", "adjoint_matching")
 #: Settings that differ between objectives (after the family's, before the tiny defaults).
 #: grpo: Flow-GRPO's optimizer settings (config/base.py's train.learning_rate and
 #: train.adam_weight_decay).
+#: Its LoRA (rank 32, alpha 64, gaussian init on the 8 attention projections of both
+#: streams), EMA (decay 0.9, every 8 optimizer steps) and CFG (the unconditional half
+#: detached) are ``scripts/train_sd3.py``'s.
 OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"batch_size": 4, "lr": 3e-4, "weight_decay": 1e-4}
+    "grpo": {
+        "batch_size": 4,
+        "lr": 3e-4,
+        "weight_decay": 1e-4,
+        "lora_rank": 32,
+        "lora_alpha": 64.0,
+        "lora_init": "gaussian",
+        "lora_targets": FLOW_GRPO_LORA_TARGETS,
+        "use_ema": True,
+        "ema_decay": 0.9,
+        "ema_every": 8,
+        "detach_unconditional": True,
+    }
 }
-#: With ``tiny = true``, per objective (after :data:`TINY_DEFAULTS`).
+#: With ``tiny = true``, per objective (after :data:`TINY_DEFAULTS`): the LoRA keeps
+#: Flow-GRPO's alpha / rank of 2.
 TINY_OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"batch_size": 2, "group_size": 2, "rollout_batches": 1}
+    "grpo": {"batch_size": 2, "group_size": 2, "rollout_batches": 1, "lora_alpha": 4.0}
 }
 
 #: Settings a resumed run may change (how far it goes and what it writes, not the math).
 MAY_CHANGE_ON_RESUME = frozenset(
     {"steps", "out", "resume", "log_every", "sample_every", "sample_count", "save_every",
-     "keep_checkpoints", "report_to", "validation_prompt"}
+     "keep_checkpoints", "report_to", "validation_prompt", "eval_every", "eval_batch_size"}
 )  # fmt: skip
 
 #: Settings never written into a run's saved config (``config.toml``, the checkpoints'
@@ -370,8 +436,18 @@ def validate(config: RecipeConfig) -> None:
     for key in ("steps", "batch_size", "gradient_accumulation", "lora_rank",
                 "num_inference_steps", "log_every", "sample_count"):  # fmt: skip
         _positive_int(config, key)
-    for key in ("sample_every", "save_every", "keep_checkpoints"):
+    _positive_int(config, "ema_every")
+    if config.lora_init not in LORA_INITS:
+        raise _fail("lora_init", config.lora_init, f"must be one of {list(LORA_INITS)}")
+    for key in ("sample_every", "save_every", "keep_checkpoints", "eval_prompts", "eval_every"):
         _positive_int(config, key, minimum=0)
+    for key in ("eval_num_inference_steps", "eval_batch_size"):
+        _positive_int(config, key)
+    if config.eval_every and not config.eval_prompts:
+        raise _fail(
+            "eval_every", config.eval_every, "an evaluation needs held-out prompts",
+            "set eval_prompts = n to hold out the embeddings' last n prompts, or eval_every = 0",
+        )  # fmt: skip
     _positive_int(config, "seed", minimum=0)
     _finite(config, "lr", 0.0, strict=True)
     _finite(config, "weight_decay", 0.0)
@@ -802,10 +878,11 @@ def build_parser(family: str, description: str = "") -> argparse.ArgumentParser:
 
 
 def _reward_is_code(spec: Any) -> bool:
-    """Whether a ``reward`` setting names code to import (``module:fn``, ``file.py:fn``)."""
-    from gradest_recipes.rewards import BUILTIN_REWARDS
+    """Whether a ``reward`` setting names code to import (``module:fn``, ``file.py:fn``),
+    itself or in a term of a weighted sum (``brightness + contrast`` names none)."""
+    from gradest_recipes.rewards import reward_names_code
 
-    return isinstance(spec, str) and spec.strip().partition(":")[0] not in BUILTIN_REWARDS
+    return isinstance(spec, str) and reward_names_code(spec)
 
 
 def resolve_latest(out: str | Path) -> str | None:
@@ -866,10 +943,12 @@ def config_from_argv(
             )
     saved = saved_from(resume) if (saved_from is not None and resume) else None
     if saved is not None and "reward" not in user and _reward_is_code(saved.get("reward")):
+        import shlex  # a weighted sum has spaces: the option is shown ready to paste
+
         raise RecipeConfigError(
             f"setting reward: the resumed run's reward {saved['reward']!r} is code, which a "
-            f"resume does not import from the run's files; pass --reward {saved['reward']} "
-            f"(the same reward) to continue the run"
+            f"resume does not import from the run's files; pass --reward "
+            f"{shlex.quote(saved['reward'])} (the same reward) to continue the run"
         )
     config = load_config(family, overrides=user, saved=saved)
     return config, user

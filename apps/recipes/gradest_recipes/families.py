@@ -356,7 +356,11 @@ def build_family(
     if config.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     add_lora(
-        denoiser, config.lora_rank, target_modules=config.lora_targets, alpha=config.lora_alpha
+        denoiser,
+        config.lora_rank,
+        target_modules=config.lora_targets,
+        alpha=config.lora_alpha,
+        init=config.lora_init,
     )
     for name, parameter in denoiser.named_parameters():
         if "lora_" in name:
@@ -404,7 +408,11 @@ def build_family(
         if denoiser_config.guidance_embeds:
             inner = EmbeddedGuidance(inner, config.guidance_scale)
     velocity = (
-        ClassifierFreeGuidance(inner, config.guidance_scale) if guided(family, config) else inner
+        ClassifierFreeGuidance(
+            inner, config.guidance_scale, detach_unconditional=config.detach_unconditional
+        )
+        if guided(family, config)
+        else inner
     )
     if family == "flux":
         latent_shape: tuple[int, ...] = ((side // 2) ** 2, channels * 4)

@@ -31,6 +31,19 @@ Flow-GRPO also drops samples whose advantage is zero at every step before traini
 pads the count back to a multiple of the batch count); here every sample is kept (an
 exactly zero advantage needs a group of equal rewards; it adds nothing to the surrogate's
 gradient, only to the KL term's).
+
+Logged besides the reward, ``loss``, ``kl`` and the work: Flow-GRPO's training statistics
+(:data:`~gradest_recipes.rl_objectives.GRPO_STATISTICS`: ``approx_kl``, ``clipfrac``,
+``clipfrac_gt_one``, ``clipfrac_lt_one``, ``policy_loss``, ``kl_loss``), per trained batch
+the mean over the steps the estimator evaluated of each step's mean over the samples,
+from the velocities the surrogate's loss evaluates (no extra model call:
+:class:`~gradest_recipes.rl_objectives.StepStatistics`); and the sampling's
+``zero_std_ratio`` (:func:`gradest.rl.zero_std_ratio`: the fraction of the step's prompts
+whose rewards over every process are all equal). The recipe's ``train_step`` averages each
+over the step's batches and over the processes: Flow-GRPO logs them per optimizer step,
+a record here holds their mean over the step's optimizer steps. Before the first optimizer
+step of a step the policy is the sampling one, so ``approx_kl`` and the ``clipfrac``
+family are 0 there (up to the rounding of the velocity model's batched forwards).
 """
 
 from __future__ import annotations
@@ -44,7 +57,13 @@ from torch import Tensor
 
 from gradest.plugin import check_surrogate
 from gradest_recipes.config import RecipeConfig
-from gradest_recipes.rl_objectives import GrpoRollout, RLObjective, per_sample_reward
+from gradest_recipes.rl_objectives import (
+    GRPO_STATISTICS,
+    GrpoRollout,
+    RLObjective,
+    StepStatistics,
+    per_sample_reward,
+)
 
 __all__ = [
     "PROMPTS",
@@ -148,7 +167,7 @@ def train_on_rollout(
     shuffle: Callable[[int], torch.Generator],
     estimator_generator: Callable[[int], torch.Generator],
     after_update: Callable[[], None] = lambda: None,
-) -> tuple[list[float], float, float]:
+) -> tuple[list[float], float, float, dict[str, list[float]]]:
     """Flow-GRPO's training phase on one rollout (this process's samples ``rows`` of the
     prompts, ``advantages`` unclipped): ``num_inner_epochs`` reshuffled passes of
     ``rollout_batches`` batches, each on its first :func:`trained_steps` steps, an
@@ -157,7 +176,10 @@ def train_on_rollout(
 
     ``shuffle(pass)`` gives the permutation's generator, ``estimator_generator(micro)``
     the estimator's (``micro`` counts the batches of the step). Returns each batch's
-    ``sur.value``, the estimator's model units and the last gradient norm.
+    ``sur.value``, the estimator's model units, the last gradient norm, and per statistic
+    of :data:`~gradest_recipes.rl_objectives.GRPO_STATISTICS` its value for each batch
+    that evaluated a step (:meth:`StepStatistics.means`, at the policy of that batch's
+    surrogate: before its optimizer step).
     """
     from gradest.rl import leading_steps
 
@@ -165,6 +187,7 @@ def train_on_rollout(
     total = rollout.rewards.shape[0]
     batch = total // config.rollout_batches
     losses: list[float] = []
+    statistics: dict[str, list[float]] = {}
     units, grad_norm = 0.0, float("nan")
     for inner in range(config.num_inner_epochs):
         order = torch.randperm(total, generator=shuffle(inner)).to(rows.device)
@@ -172,9 +195,11 @@ def train_on_rollout(
             index = order[b * batch : (b + 1) * batch]
             part = _rows(rollout, index)
             sampler, path = leading_steps(rl.sampler, part.trajectory, trained_steps(config))
+            recorded = StepStatistics()
             objective = rl.grpo_objective(
-                sampler, attrs.evolve(part, trajectory=path), advantages[index]
-            )
+                sampler, attrs.evolve(part, trajectory=path), advantages[index],
+                statistics=recorded,
+            )  # fmt: skip
             generator = estimator_generator(inner * config.rollout_batches + b)
             with accelerator.accumulate(model):
                 sur = estimator.surrogate(
@@ -189,7 +214,9 @@ def train_on_rollout(
                     after_update()
             losses.append(float(sur.value))
             units += sur.cost.model_units()
-    return losses, units, grad_norm
+            for name, value in recorded.means().items():
+                statistics.setdefault(name, []).append(value)
+    return losses, units, grad_norm, statistics
 
 
 def _clip(model: torch.nn.Module, accelerator: Any, max_norm: float) -> float:
@@ -208,9 +235,12 @@ def grpo_step(
     recipe's generator, ``streams`` its ``(NOISE, ESTIMATOR, ROLLOUT)`` stream keys.
     Returns ``(rewards, losses, units, grad_norm, extras)`` as the
     recipe's ``train_step`` records them: each batch's mean reward, each trained batch's
-    ``sur.value``, the estimator's model units, the last gradient norm, and per batch
-    ``kl`` and ``objective_model_units``."""
-    from gradest.rl import prompt_advantages
+    ``sur.value``, the estimator's model units, the last gradient norm, and the lists it
+    averages: per rollout batch ``kl`` and ``objective_model_units``, per trained batch
+    the :data:`~gradest_recipes.rl_objectives.GRPO_STATISTICS` (``[nan]`` for one that no
+    batch of this process evaluated: every process must log the same names), and the
+    step's ``zero_std_ratio``."""
+    from gradest.rl import prompt_advantages, zero_std_ratio
 
     NOISE, ESTIMATOR, ROLLOUT = streams  # noqa: N806 (train.py's constants)
     config, accelerator, family, rl = run.config, run.accelerator, run.family, run.rl
@@ -241,13 +271,14 @@ def grpo_step(
     advantages = prompt_advantages(
         rollout.rewards.to(device), rows.to(device), global_std=config.global_std
     )
+    zero_std = zero_std_ratio(rollout.rewards.to(device), rows.to(device))
 
     def after_update() -> None:
         run.lr_scheduler.step()
         if run.ema is not None:
             run.ema.step(run.trainable)
 
-    losses, units, grad_norm = train_on_rollout(
+    losses, units, grad_norm, statistics = train_on_rollout(
         rl, rollout, rows, advantages.cpu(), model=run.model, estimator=run.estimator,
         optimizer=run.optimizer, accelerator=accelerator, make_cond=make_cond,
         shuffle=lambda inner: seeded(seed, SHUFFLE, step, inner, rank),
@@ -258,5 +289,7 @@ def grpo_step(
     extras = {
         "kl": kls,
         "objective_model_units": [float(2 * config.num_inference_steps)] * len(kls),
+        "zero_std_ratio": [zero_std],
+        **{name: statistics.get(name) or [float("nan")] for name in GRPO_STATISTICS},
     }
     return [float(x) for x in per_batch], losses, units, grad_norm, extras

@@ -6,7 +6,8 @@ typed record (:mod:`gradest_recipes.file_schema` lists every format and its read
 * ``done.json``, written after the final LoRA export: :class:`DoneRecord`
   (:func:`read_done`);
 * ``log.jsonl``: gradest's :class:`~gradest_lab.storage.files.JsonLog`, each record's ``step``
-  checked (:func:`read_log`, :func:`log_step`).
+  checked (:func:`read_log`, :func:`log_step`): the training records from step 1 on, and
+  with ``eval_every`` a record of step 0 holding only the evaluation before training.
 
 Each failure is one :class:`~gradest.errors.InvalidValue` line naming the file and the
 field, and the file is left as it is.
@@ -204,13 +205,14 @@ def read_done(path: str | Path) -> DoneRecord | None:
 
 
 def log_step(record: Mapping[str, Any], path: Path, number: int | None = None) -> int:
-    """The ``step`` of one record of the log ``path`` (``number``: its place, 1 first).
+    """The ``step`` of one record of the log ``path`` (``number``: its place, 1 first):
+    a step number from 1, or 0 for the evaluation before the first step (``eval_every``).
 
     Raises:
         InvalidValue: it has none, or not a step number; the log is left as it is.
     """
     step = record.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         place = f"record {number}" if number is not None else "a record"
         raise InvalidValue(
             f"{str(path)!r}: {place}'s step is {describe(step)}, not a step number; the log "

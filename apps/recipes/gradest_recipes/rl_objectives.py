@@ -33,7 +33,10 @@ What is logged besides the reward and ``sur.value`` (the full objective value):
 policy's Gaussian steps to the adapters-off model's (``reduction="sum"``: nats per sample
 over the whole path), at the rollout's own velocities; and ``objective_model_units``, the
 velocity-model work outside the estimator (the rollout's ``N`` forwards, plus ``N`` for
-GRPO's reference or ``2N`` for the lean adjoint).
+GRPO's reference or ``2N`` for the lean adjoint). grpo also logs Flow-GRPO's training
+statistics (:data:`GRPO_STATISTICS`, recorded by :class:`StepStatistics` from the
+velocities the estimator evaluates) and its ``zero_std_ratio``
+(:mod:`gradest_recipes.grpo_epoch`).
 """
 
 from __future__ import annotations
@@ -45,15 +48,35 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest import InvalidValue
+from gradest import InvalidValue, StepwiseObjective
 from gradest_recipes.config import RecipeConfig
 from gradest_recipes.errors import RecipeConfigError
 from gradest_recipes.families import Family
 from gradest_recipes.rewards import Reward, decoded_reward
 
-__all__ = ["GrpoRollout", "Prepared", "RLObjective", "per_sample_reward", "supports_stepwise"]
+__all__ = [
+    "GRPO_STATISTICS",
+    "GrpoRollout",
+    "Prepared",
+    "RLObjective",
+    "StepStatistics",
+    "per_sample_reward",
+    "supports_stepwise",
+]
 
 PerSample = Callable[[Tensor], Tensor]
+
+#: Flow-GRPO's training statistics the grpo recipe logs of each trained batch (names as in
+#: its ``scripts/train_sd3.py``): :func:`gradest.rl.grpo_step_statistics`, with its ``kl``
+#: scaled to Flow-GRPO's ``kl_loss`` (``|h_k|`` times the Gaussian KL, per element).
+GRPO_STATISTICS = (
+    "approx_kl",
+    "clipfrac",
+    "clipfrac_gt_one",
+    "clipfrac_lt_one",
+    "policy_loss",
+    "kl_loss",
+)
 
 
 def supports_stepwise(estimator: Any) -> bool:
@@ -120,6 +143,50 @@ class GrpoRollout:
     old_log_probs: Tensor
     reference: Tensor
     kl: float
+
+
+class StepStatistics:
+    """Flow-GRPO's training statistics (:data:`GRPO_STATISTICS`) of one trained batch.
+
+    :meth:`RLObjective.grpo_objective` with ``statistics=`` records, for every step whose
+    loss the estimator differentiates, :func:`gradest.rl.grpo_step_statistics` at the
+    velocity that loss was given (detached, no graph, no model call), the first time that
+    step is evaluated. ``exact`` and ``jagg`` evaluate every trained step; ``sdo``,
+    ``truncated`` and ``telescope`` only the steps they draw or keep, so the batch's
+    statistics are over those steps. The calls gradest makes without grad at the
+    *recorded* velocities (to complete ``sur.value`` over the steps not evaluated) are not
+    recorded: their ratio is 1 by construction. (A draw that evaluated no step at all would
+    leave gradest's check that the loss depends on some step to differentiate step 0 at
+    its recorded velocity, and that would be recorded; every built-in estimator evaluates
+    at least one step.)
+    """
+
+    def __init__(self) -> None:
+        self._steps: dict[int, dict[str, Tensor]] = {}
+
+    def record(self, k: int, values: dict[str, Tensor]) -> None:
+        """Keep step ``k``'s statistics (the first evaluation of a step, as
+        ``sur.value`` keeps its first loss)."""
+        self._steps.setdefault(k, values)
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps recorded, in order."""
+        return sorted(self._steps)
+
+    def means(self) -> dict[str, float]:
+        """Each statistic's mean over the recorded steps (Flow-GRPO averages its
+        per-timestep values alike); empty when no step was evaluated. One transfer."""
+        if not self._steps:
+            return {}
+        stacked = torch.stack(
+            [
+                torch.stack([values[name] for name in GRPO_STATISTICS])
+                for values in self._steps.values()
+            ]
+        )
+        means = stacked.double().mean(0).tolist()
+        return dict(zip(GRPO_STATISTICS, means, strict=True))
 
 
 class RLObjective:
@@ -212,23 +279,54 @@ class RLObjective:
             kl=self.path_kl(path.velocities, reference),
         )  # fmt: skip
 
-    def grpo_objective(self, sampler: Any, rollout: GrpoRollout, advantages: Tensor) -> Any:
+    def grpo_objective(
+        self,
+        sampler: Any,
+        rollout: GrpoRollout,
+        advantages: Tensor,
+        *,
+        statistics: StepStatistics | None = None,
+    ) -> Any:
         """:func:`gradest.rl.grpo_objective` on ``rollout`` (its trajectory on ``sampler``,
         the whole grid or its first steps: :func:`gradest.rl.leading_steps`), advantages
         clipped to ``[-adv_clip_max, adv_clip_max]``, Flow-GRPO's conventions (module
-        docstring)."""
-        from gradest.rl import grpo_objective
+        docstring). With ``statistics``, its ``loss_fn`` also records Flow-GRPO's training
+        statistics of every step the estimator evaluates there (:class:`StepStatistics`);
+        the loss and its gradient are unchanged."""
+        from gradest.rl import grpo_objective, grpo_step_statistics
 
         path = rollout.trajectory
         steps = path.num_steps
         limit = self.config.adv_clip_max
-        return grpo_objective(
-            sampler, path, rollout.old_log_probs[:steps],
-            advantages.clamp(-limit, limit).to(path.states.dtype),
-            clip=self.config.clip_range, reduction="mean",
+        old_log_probs, reference = rollout.old_log_probs[:steps], rollout.reference[:steps]
+        clipped = advantages.clamp(-limit, limit).to(path.states.dtype)
+        clip = self.config.clip_range
+        objective = grpo_objective(
+            sampler, path, old_log_probs, clipped, clip=clip, reduction="mean",
             kl_weight=self.kl_weights[:steps] if self.config.kl_weight > 0 else 0.0,
-            reference=rollout.reference[:steps],
+            reference=reference,
         )  # fmt: skip
+        if statistics is None:
+            return objective
+        evaluate = objective.loss_fn
+        # Flow-GRPO's kl_loss divides by sigma_t^2, not the step's variance sigma_t^2 |h_k|.
+        scales = sampler.step_sizes.abs().tolist()
+
+        def recorded(k: int, velocity: Tensor, given: Any) -> Tensor:
+            loss = evaluate(k, velocity, given)  # checks ``given`` is the objective's path
+            # An estimator differentiates the steps it evaluates (grad on, a velocity that
+            # requires grad); gradest completes sur.value over the other steps without grad
+            # at the recorded velocities, which are the old policy's: not statistics.
+            if torch.is_grad_enabled() and velocity.requires_grad:
+                values = grpo_step_statistics(
+                    sampler, path, k, velocity, old_log_probs, clip, reduction="mean",
+                    advantages=clipped, reference=reference,
+                )  # fmt: skip
+                values["kl_loss"] = scales[k] * values.pop("kl")
+                statistics.record(k, values)
+            return loss
+
+        return StepwiseObjective(recorded)
 
     def prepare(
         self,

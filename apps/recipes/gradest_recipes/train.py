@@ -7,13 +7,18 @@ and call ``est.surrogate(model, sampler, objective, noise=..., cond=...)``; then
 ``accelerator.backward(sur.loss)``, gradient clipping and ``optimizer.step()``.
 
 Outputs in ``out``: ``config.toml`` (every setting), ``log.jsonl`` (one record per
-``log_every`` steps), ``tensorboard/`` (the same scalars and the sample grids),
+``log_every`` steps and per evaluation), ``tensorboard/`` (the same scalars and the sample grids),
 ``samples/step_XXXXXX.png`` (a grid every ``sample_every`` steps and at the end),
 ``checkpoints/step_XXXXXX/`` (every ``save_every`` steps and at the end; see
 :mod:`gradest_recipes.checkpoints`) and ``lora/pytorch_lora_weights.safetensors`` (the
 final adapters in diffusers' format), plus the run folder's own ``run.json`` (the run's
 identity: :func:`run_record`) and, while the run writes, its lock ``.gradest-run.lock``
 (:mod:`gradest_lab.storage.run_folder`: a folder holds one run, written by one process at a time).
+
+With ``eval_prompts = n`` the embeddings' last ``n`` prompts are held out of training, and
+with ``eval_every`` the run evaluates on them at step 0, every ``eval_every`` steps and at
+the end (:mod:`gradest_recipes.evaluation`: fixed noise, a deterministic sampler, the EMA
+weights with ``use_ema``), logging ``eval_reward`` in that step's record.
 
 With ``objective = "grpo"`` or ``"adjoint_matching"`` (the scripts
 ``examples/recipes/{sd3,flux}_{grpo,adjoint_matching}.py``) each micro-step instead rolls
@@ -77,6 +82,17 @@ from gradest_recipes.config import (
     to_toml,
 )
 from gradest_recipes.embeddings import PromptEmbeddings, load_embeddings, tiny_embeddings
+from gradest_recipes.evaluation import (
+    EVAL,
+    EVAL_SEED,
+    ema_weights,
+    eval_batches,
+    eval_mode,
+    eval_sampler,
+    evaluates_at,
+    hold_out,
+    random_state_kept,
+)
 from gradest_recipes.families import (
     Family,
     build_family,
@@ -95,7 +111,14 @@ from gradest_recipes.records import (
     read_done,
     read_log,
 )
-from gradest_recipes.rewards import Reward, decode_images, resolve_reward, reward_objective
+from gradest_recipes.reward_sums import WeightedReward
+from gradest_recipes.rewards import (
+    Reward,
+    decode_images,
+    decoded_reward,
+    resolve_reward,
+    reward_objective,
+)
 from gradest_recipes.rl_objectives import RLObjective, per_sample_reward, supports_stepwise
 
 __all__ = ["main", "run_record", "script_main", "train"]
@@ -359,12 +382,15 @@ class _Inputs:
     Attributes:
         estimator: the estimator ``config.estimator`` builds.
         reward: the reward ``config.reward`` names.
-        embeddings: the prompt embeddings (``config.embeddings``, or the tiny ones).
+        embeddings: the prompt embeddings trained on (``config.embeddings``, or the tiny
+            ones; without the held-out prompts).
+        held_out: the last ``eval_prompts`` prompts, never trained on; None without.
     """
 
     estimator: Any
     reward: Reward
     embeddings: PromptEmbeddings
+    held_out: PromptEmbeddings | None = None
 
 
 def _inputs_of(family: str, config: RecipeConfig) -> _Inputs:
@@ -385,7 +411,8 @@ def _inputs_of(family: str, config: RecipeConfig) -> _Inputs:
     )
     if not config.tiny:
         check_pretrained_folder(family, config)
-    return _Inputs(estimator=estimator, reward=reward, embeddings=embeddings)
+    training, held_out = hold_out(embeddings, config.eval_prompts)
+    return _Inputs(estimator=estimator, reward=reward, embeddings=training, held_out=held_out)
 
 
 def _start_of(family: str, config: RecipeConfig) -> _Start:
@@ -633,7 +660,9 @@ class _Run:
         self.family_name = family_name
         self.estimator = inputs.estimator
         self.reward: Reward = inputs.reward
+        # What the run trains on: every prompt draw (batch, grpo_step) reads these.
         self.embeddings: PromptEmbeddings = inputs.embeddings
+        self.held_out: PromptEmbeddings | None = inputs.held_out
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.out = Path(config.out)
         self.start = start
@@ -657,6 +686,9 @@ class _Run:
         self.family.vae.to(accelerator.device)
         self.rl: RLObjective | None = (
             RLObjective(self.family, config) if config.objective != "reward" else None
+        )
+        self.eval_sampler: Any = (
+            eval_sampler(self.family, config) if self.held_out is not None else None
         )
         velocity = self.family.velocity
         if config.fsdp:  # torch's FSDP2, applied here: accelerate prepares FSDP on GPUs only
@@ -705,9 +737,9 @@ class _Run:
         self._checkpoint_with(self.lr_scheduler)
         self.ema: Any = None
         if config.use_ema:
-            from diffusers.training_utils import EMAModel
+            from gradest_recipes.ema import IntervalEMA
 
-            self.ema = EMAModel(trainable, decay=config.ema_decay)
+            self.ema = IntervalEMA(trainable, config.ema_decay, config.ema_every)
             self._checkpoint_with(self.ema)
         if is_stateful(self.estimator):
             # auto's schedule (its picks and probes so far) is part of the run: without it a
@@ -846,6 +878,14 @@ class _Run:
             losses.append(sur.value)
             units += sur.cost.model_units()
         self.step += 1
+        if isinstance(self.reward, WeightedReward):
+            # Each term's own (unweighted) mean over what the reward scored this step, under
+            # the same keys on every process (NaN where a process scored none) for the gather.
+            term_means = self.reward.take_term_means()
+            for term in self.reward.terms:
+                extras.setdefault(f"reward_{term.label}", []).append(
+                    term_means.get(term.label, float("nan"))
+                )
         names = sorted(extras)
         local = torch.tensor(
             [float(np.mean(values)), float(np.mean(losses))]
@@ -877,28 +917,43 @@ class _Run:
         if self.log is None:
             return
         self.log.append(values)
+        # The trackers: the evaluation's values (eval_*) under eval/, the rest under train/.
         scalars = {
-            f"train/{key}": value
+            f"eval/{key[len('eval_') :]}" if key.startswith("eval_") else f"train/{key}": value
             for key, value in values.items()
             if key != "step" and isinstance(value, int | float) and math.isfinite(value)
         }
         self.accelerator.log(scalars, step=values["step"])
 
+    def _final_latents(
+        self,
+        model: torch.nn.Module,
+        sampler: Any,
+        embeddings: PromptEmbeddings,
+        index: Tensor,
+        noise: Tensor,
+    ) -> Tensor:
+        """The final states ``z_N`` of ``model`` sampled by ``sampler`` from ``noise`` for
+        the prompts ``index`` of ``embeddings``, without a graph, in the run's mixed
+        precision: the sampling of the sample grids and of the evaluation."""
+        import gradest
+
+        cond = self.family.make_cond(embeddings, index, self.accelerator.device)
+        with self.accelerator.autocast():
+            return gradest.rollout(model, sampler, noise, cond=cond).states[-1]
+
     @torch.no_grad()
     def sample_grid(self) -> None:
         """Sample ``sample_count`` images on fixed noise and prompts; main writes the PNG."""
-        import gradest
-
         accelerator, config, family = self.accelerator, self.config, self.family
         g = generator_for(config.seed, SAMPLES)
         count = config.sample_count
         embeddings = self.validation or self.embeddings
         index = torch.arange(count) % embeddings.count
         noise = torch.randn((count, *family.latent_shape), generator=g).to(accelerator.device)
-        cond = family.make_cond(embeddings, index, accelerator.device)
+        final = self._final_latents(self.model, family.sampler, embeddings, index, noise)
         with accelerator.autocast():
-            trajectory = gradest.rollout(self.model, family.sampler, noise, cond=cond)
-            images = decode_images(family.vae, family.to_vae_latents(trajectory.states[-1]))
+            images = decode_images(family.vae, family.to_vae_latents(final))
         if accelerator.is_main_process:
             path = self.out / "samples" / f"step_{self.step:06d}.png"
             grid = _save_grid(images, path)
@@ -915,6 +970,55 @@ class _Run:
                         {"samples": wandb.Image(pixels.permute(1, 2, 0).numpy(), caption=caption)},
                         step=self.step,
                     )
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Score the model on the held-out prompts (:mod:`gradest_recipes.evaluation`):
+        each once, from its fixed noise, with the deterministic :attr:`eval_sampler`, the
+        EMA weights with ``use_ema`` (the trained ones back afterwards, bit for bit),
+        the reward per image; every process scores its share and every process returns
+        ``{"eval_reward": mean over all held-out prompts}``. Draws from no global
+        generator, and leaves the weights, the modes and the random streams as they were:
+        a run trains the same with evaluations as without."""
+        accelerator, family, held_out = self.accelerator, self.family, self.held_out
+        if held_out is None:
+            raise RecipeConfigError("an evaluation needs held-out prompts: set eval_prompts")
+        device = accelerator.device
+        first_row = self.embeddings.count  # held-out row r is the embeddings' row first_row + r
+        model = accelerator.unwrap_model(self.model)  # no DDP buffer broadcasts per call
+        total = torch.zeros(2, dtype=torch.float64)  # the rewards' sum, their count
+        batches = eval_batches(
+            held_out.count, accelerator.process_index, accelerator.num_processes,
+            self.config.eval_batch_size,
+        )  # fmt: skip
+        with random_state_kept(device), ema_weights(self.ema, self.trainable), eval_mode(model):
+            for batch in batches:
+                noise = torch.stack([
+                    torch.randn(family.latent_shape,
+                                generator=generator_for(EVAL_SEED, EVAL, first_row + int(row)))
+                    for row in batch.rows
+                ]).to(device)  # fmt: skip
+                final = self._final_latents(model, self.eval_sampler, held_out, batch.rows, noise)
+                if not batch.scored:  # a stand-in: the processes' sampling calls in step
+                    continue
+                rows = batch.rows[: batch.scored]
+                prompts = [held_out.prompts[int(row)] for row in rows]
+                values = decoded_reward(
+                    self.reward, family.vae, family.to_vae_latents, prompts,
+                    autocast=accelerator.autocast,
+                )(final[: batch.scored])  # fmt: skip
+                if not isinstance(values, Tensor) or values.ndim > 1:
+                    raise InvalidValue(
+                        f"the reward returned {type(values).__name__} of shape "
+                        f"{tuple(getattr(values, 'shape', ()))}; a reward returns a tensor "
+                        f"[B] (one value per image) or a scalar"
+                    )
+                values = values.detach().double().cpu()
+                # A scalar reward is its batch's mean: it counts once per image.
+                total[0] += values.sum() if values.ndim else values * batch.scored
+                total[1] += batch.scored
+        gathered = accelerator.gather(total.to(device)).view(-1, 2).sum(0)
+        return {"eval_reward": float(gathered[0] / gathered[1])}
 
     def lora_export_tensors(self, ema: bool = False) -> dict[str, Tensor]:
         """The denoiser's LoRA tensors by its own parameter names (every process calls it:
@@ -1039,13 +1143,19 @@ def _train(family: str, run: _Run) -> _Run:
         unit="step",
         disable=None if main_process else True,
     )
+    if run.step == 0 and evaluates_at(config, 0, last=False):
+        # The model before training (Flow-GRPO's epoch 0): a record of step 0 of its own.
+        run.record({"step": 0, **run.evaluate()})
     with progress:
         while run.step < config.steps:
             values = run.train_step()
             progress.update(1)
             progress.set_postfix(reward=f"{values['reward']:.4g}", refresh=False)
             last = run.step == config.steps
-            if run.step % config.log_every == 0 or last:
+            evaluated = evaluates_at(config, run.step, last=last)
+            if evaluated:  # before the checkpoint: a resumed run has its record
+                values = {**values, **run.evaluate()}
+            if run.step % config.log_every == 0 or last or evaluated:
                 run.record(values)
             if last or (config.sample_every and run.step % config.sample_every == 0):
                 run.sample_grid()

@@ -227,13 +227,25 @@ def documented_lora_load(family: str = "sd3") -> dict[str, Any]:
     return keywords
 
 
+def lora_scale(run: Path) -> float:
+    """``alpha / rank`` of the run in ``run`` (its ``config.toml``; alpha unset: 1)."""
+    import tomllib
+
+    settings = tomllib.loads((run / "config.toml").read_text())
+    settings = settings.get("recipe", settings)
+    alpha = settings.get("lora_alpha")
+    return 1.0 if alpha is None else float(alpha) / int(settings["lora_rank"])
+
+
 def assert_lora_loads_into_fresh_denoiser(
-    family: str, folder: Path, trained: dict[str, torch.Tensor]
+    family: str, folder: Path, trained: dict[str, torch.Tensor], scale: float = 1.0
 ) -> None:
     """diffusers' ``load_lora_adapter`` reads ``folder/pytorch_lora_weights.safetensors``
     into a fresh tiny denoiser: every key matched, every weight the trained one (the
     recipe's own names, ``.default.``, with or without the wrappers' path, as
-    ``lora_0.safetensors`` holds them; alpha = rank: scale 1)."""
+    ``lora_0.safetensors`` holds them). The export folds the run's ``scale = alpha / rank``
+    into ``lora_B`` (the loader's default is alpha = rank), so ``lora_B`` loads as the
+    trained one times ``scale``, exactly when the scale is a power of two."""
     from gradest_recipes.families import tiny_denoiser
 
     wrapper = re.compile(r"^(model\.)?transformer\.")  # CFG's .model, DiffusersVelocity's
@@ -245,4 +257,5 @@ def assert_lora_loads_into_fresh_denoiser(
               if "lora_" in k}  # fmt: skip
     assert set(loaded) == set(trained)  # no key unmatched, none missing
     for key, value in trained.items():
-        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+        want = value * scale if "lora_B" in key else value
+        torch.testing.assert_close(loaded[key], want, rtol=0, atol=0)

@@ -16,6 +16,7 @@ from recipe_support import (
     comparable,
     lora_export,
     lora_file,
+    lora_scale,
     records,
     rl_script,
     script,
@@ -62,8 +63,10 @@ def test_rl_recipe_two_steps_end_to_end(family, objective, estimator, tmp_path):
     checkpoint = out / "checkpoints" / "step_000002"
     trained = lora_file(checkpoint)
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
-    assert_lora_loads_into_fresh_denoiser(family, checkpoint, trained)
-    assert_lora_loads_into_fresh_denoiser(family, out / "lora", trained)
+    scale = lora_scale(out)
+    assert scale == (2.0 if objective == "grpo" else 1.0)  # Flow-GRPO's alpha = 2 rank
+    assert_lora_loads_into_fresh_denoiser(family, checkpoint, trained, scale)
+    assert_lora_loads_into_fresh_denoiser(family, out / "lora", trained, scale)
     assert (out / "samples" / "step_000002.png").is_file()
 
 
@@ -91,7 +94,9 @@ def test_rl_recipe_bare_resume_equals_uninterrupted(family, objective, tmp_path)
         assert set(a) == set(b)
         for key in a:
             assert torch.equal(a[key], b[key]), (name, key)
-        assert_lora_loads_into_fresh_denoiser(family, resumed / "checkpoints" / name, b)
+        assert_lora_loads_into_fresh_denoiser(
+            family, resumed / "checkpoints" / name, b, lora_scale(resumed)
+        )
     export_a, export_b = lora_export(straight / "lora"), lora_export(resumed / "lora")
     assert set(export_a) == set(export_b)
     assert all(torch.equal(export_a[k], export_b[k]) for k in export_a)

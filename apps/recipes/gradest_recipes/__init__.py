@@ -15,6 +15,7 @@ One concern per module:
 * :mod:`~gradest_recipes.rl_objectives`: the RL recipes' rollouts and objectives
   (Flow-GRPO with a KL to the adapters-off model, adjoint matching).
 * :mod:`~gradest_recipes.ema`: the EMA of the LoRA weights on Flow-GRPO's schedule.
+* :mod:`~gradest_recipes.lora_start`: a warm start from an existing LoRA (``lora_path``).
 * :mod:`~gradest_recipes.evaluation`: held-out prompts sampled deterministically, scored
   with the EMA weights (Flow-GRPO's evaluation loop).
 * :mod:`~gradest_recipes.train`: the loop; ``examples/recipes/*_reward.py``,

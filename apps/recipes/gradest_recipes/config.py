@@ -135,6 +135,12 @@ class RecipeConfig:
         metadata={"doc": "LoRA A's initialisation: default (peft's Kaiming-uniform) or "
                          "gaussian (N(0, 1/rank), Flow-GRPO's); B starts at zero"},
     )  # fmt: skip
+    lora_path: str | None = attrs.field(
+        default=None,
+        metadata={"doc": "warm start from a LoRA: a diffusers LoRA file or folder (a recipe's "
+                         "lora/ export) or a peft adapter folder (Flow-GRPO's "
+                         "train.lora_path); the run's lora_rank and lora_targets must be its"},
+    )  # fmt: skip
     lora_targets: tuple[str, ...] = attrs.field(
         default=("to_q", "to_k", "to_v", "to_out.0"),
         converter=lambda value: tuple(value) if isinstance(value, list | tuple) else value,

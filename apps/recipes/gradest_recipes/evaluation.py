@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from gradest_recipes.config import RecipeConfig
 from gradest_recipes.embeddings import PromptEmbeddings
 from gradest_recipes.errors import RecipeConfigError
-from gradest_recipes.families import UNET_FAMILIES, Family
+from gradest_recipes.families import UNET_FAMILIES, Family, flux_sigmas
 
 __all__ = [
     "EVAL",
@@ -131,9 +131,7 @@ def eval_sampler(family: Family, config: RecipeConfig) -> Any:
         return sampler_from_scheduler(family.scheduler, steps, eta=0.0)
     options = dict(family.schedule_options)
     if "sigmas" in options:  # Flux: FluxPipeline's default sigmas, for this many steps
-        import numpy as np
-
-        options["sigmas"] = np.linspace(1.0, 1 / steps, steps)
+        options["sigmas"] = flux_sigmas(steps)
     grid = sampler_from_scheduler(family.scheduler, steps, **options)
     return RectifiedFlow(times=grid.times)
 

@@ -63,6 +63,7 @@ from gradest_recipes.embeddings import (
     PromptEmbeddings,
 )
 from gradest_recipes.errors import RecipeConfigError
+from gradest_recipes.lora_start import load_lora_start
 
 __all__ = [
     "UNET_FAMILIES",
@@ -78,6 +79,15 @@ __all__ = [
 UNET_FAMILIES = ("sd_unet", "sdxl")
 #: SDXL's six size / crop ids per sample, each embedded in ``addition_time_embed_dim``.
 SDXL_TIME_IDS = 6
+
+
+def flux_sigmas(steps: int) -> Any:
+    """FluxPipeline's default ``sigmas`` for ``steps`` steps, ``linspace(1, 1/steps,
+    steps)`` (before the scheduler's shift): what the Flux family samples on, for any
+    number of steps (training, sample grids and evaluations alike)."""
+    import numpy as np
+
+    return np.linspace(1.0, 1 / steps, steps)
 
 
 def guided(family: str, config: RecipeConfig) -> bool:
@@ -362,6 +372,14 @@ def build_family(
         alpha=config.lora_alpha,
         init=config.lora_init,
     )
+    if config.lora_path is not None:
+        load_lora_start(
+            denoiser,
+            config.lora_path,
+            prefix="unet" if family in UNET_FAMILIES else "transformer",
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+        )
     for name, parameter in denoiser.named_parameters():
         if "lora_" in name:
             parameter.data = parameter.data.float()
@@ -381,11 +399,8 @@ def build_family(
                 f"noise (sd_unet, sdxl); flow-matching Euler sampling is deterministic. Set eta = 0"
             )
         if family == "flux":
-            import numpy as np
-
-            n = config.num_inference_steps
             if not getattr(scheduler.config, "use_flow_sigmas", False):
-                options["sigmas"] = np.linspace(1.0, 1 / n, n)
+                options["sigmas"] = flux_sigmas(config.num_inference_steps)
             seq_len = (side // 2) ** 2
         else:
             seq_len = (side // int(denoiser_config.patch_size)) ** 2

@@ -223,6 +223,23 @@ def test_reward_model_checks_a_python_dict_too() -> None:
         assert sum(p.numel() for p in model.parameters()) > 0, name
 
 
+def test_decoder_config_checks_the_file_it_read_from_python_too(tmp_path) -> None:
+    """``decoder_config`` itself checks (the one lookup of ``--decoder``'s file): a folder's
+    ``vae/config.json`` is named in the message, as read."""
+    from gradest_lab.cost.decoder_presets import decoder_config
+
+    folder = tmp_path / "pipeline"
+    (folder / "vae").mkdir(parents=True)
+    file = folder / "vae" / "config.json"
+    file.write_text(json.dumps(_with(TINY_VAE, "layers_per_block", 0)))
+    with pytest.raises(InvalidValue) as caught:
+        decoder_config("sd3", folder)
+    message = str(caught.value)
+    assert f"--decoder {str(file)!r}" in message and "layers_per_block=0" in message
+    file.write_text(json.dumps(TINY_VAE))
+    assert decoder_config("sd3", folder)[0] == TINY_VAE
+
+
 def test_an_unknown_activation_is_one_line_too(tmp_path, capsys) -> None:
     """A field the sizes' check leaves to transformers is still one line (its own refusal)."""
     reward = tmp_path / "reward.json"

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from gradest import InvalidValue
 from gradest.plugin import whole_number_problem
+from gradest_lab.cost.config_checks import check_config
 from gradest_lab.storage.files import read_json
 
 __all__ = ["VAE_PRESETS", "PixelDecoder", "decoder_config", "pixel_decoder"]
@@ -67,7 +68,12 @@ VAE_PRESETS: dict[str, dict[str, Any]] = {
 
 def decoder_config(family: str, source: str | Path | None = None) -> tuple[dict[str, Any], str]:
     """``(config, description)`` of the VAE: ``source`` (a VAE folder, a pipeline folder
-    with ``vae/``, or a ``config.json``) or, when None, the family's preset."""
+    with ``vae/``, or a ``config.json``) or, when None, the family's preset.
+
+    A file's config is checked before anything is built
+    (:func:`gradest_lab.cost.config_checks.check_config`: every size and count a whole
+    number >= 1; diffusers takes a size of 0 or less without a word), in one line naming
+    the file it read, the field and the fix."""
     if source is None:
         return dict(VAE_PRESETS[family]), f"{family} VAE"
     path = Path(source)
@@ -94,6 +100,7 @@ def decoder_config(family: str, source: str | Path | None = None) -> tuple[dict[
             f"--decoder {str(source)!r}: expected an AutoencoderKL config, got "
             f"_class_name={config.get('_class_name') if isinstance(config, dict) else config!r}"
         )
+    check_config(config, where=f"--decoder {str(path)!r}")
     return config, str(source)
 
 

@@ -13,7 +13,6 @@ estimator's step (the objective of ``gradest cost --reward``), and counts its ca
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -29,7 +28,6 @@ __all__ = [
     "PartCost",
     "PixelLoss",
     "PixelSetup",
-    "decoder_file",
     "part_cost",
     "pixel_setup",
     "resident_bytes",
@@ -170,7 +168,6 @@ def pixel_setup(
         InvalidValue: a config that cannot build its model, in one line naming the option,
             the file, the field and the fix.
     """
-    from gradest_lab.cost.config_checks import check_config
     from gradest_lab.cost.decoder_presets import decoder_config, pixel_decoder
     from gradest_lab.cost.diffusers_presets import VAE_SCALE
     from gradest_lab.cost.reward_presets import reward_config, reward_model
@@ -183,9 +180,7 @@ def pixel_setup(
     reward_name = "elementwise on the pixels"
     if reward != "pixels":
         reward_fields, reward_name = reward_config(reward)
-    config, decoder_name = decoder_config(family, decoder)
-    where = decoder_name if decoder is None else f"--decoder {str(decoder_file(decoder))!r}"
-    check_config(config, where=where)  # diffusers takes a size of 0 or less without a word
+    config, decoder_name = decoder_config(family, decoder)  # a file's config checked there
     vae = pixel_decoder(
         config, family=family, latent_size=latent_size, latent_channels=channels,
         dtype=dtype, checkpointing=checkpointing, tile=tile, device=device,
@@ -197,16 +192,3 @@ def pixel_setup(
         model = reward_model(reward_fields, dtype=dtype, device=device)
     image_shape = (int(latent_shape[0]), 3, height, width)
     return PixelSetup(vae, model, decoder_name, reward_name, image_shape)
-
-
-def decoder_file(source: str | Path) -> Path:
-    """The file ``--decoder source`` reads: ``source`` itself, or the ``vae/config.json``
-    or ``config.json`` of a folder, in the order
-    :func:`~gradest_lab.cost.decoder_presets.decoder_config` looks (so that a message
-    names the file, not only the folder)."""
-    path = Path(source)
-    if path.is_dir():
-        for candidate in (path / "vae" / "config.json", path / "config.json"):
-            if candidate.is_file():
-                return candidate
-    return path

@@ -269,19 +269,12 @@ SETTINGS = {"rollout_batches": 2, "batch_size": 4, "kl_weight": 0.04, "lr": 1e-2
 
 
 def _tiny(dtype: torch.dtype, **overrides: Any):
-    """The tiny SD3 grpo family in ``dtype`` (the LoRA seeded as the recipe seeds it)."""
-    from accelerate.utils import set_seed
-    from gradest_recipes.config import load_config
-    from gradest_recipes.embeddings import tiny_embeddings
-    from gradest_recipes.families import build_family
+    """The tiny SD3 grpo family in ``dtype`` (the LoRA seeded as the recipe seeds it):
+    test_flow_grpo_inner_epochs' ``tiny``, imported here so that this file's library
+    tests run without diffusers (that module skips itself without it)."""
+    from test_flow_grpo_inner_epochs import tiny
 
-    settings = {"tiny": True, "objective": "grpo", "estimator": "exact", **overrides}
-    config = load_config("sd3", overrides=settings)
-    set_seed(config.seed)
-    embeddings = tiny_embeddings("sd3")
-    family = build_family("sd3", config, embeddings)
-    family.velocity.to(dtype)
-    return config, embeddings, family
+    return tiny(dtype, **overrides)
 
 
 def _rollout(config, embeddings, family, dtype):

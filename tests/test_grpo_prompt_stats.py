@@ -1,7 +1,8 @@
 """gradest.rl.prompt_advantages (Flow-GRPO's per-prompt statistics, gathered across
-processes) and gradest.rl.leading_steps (its timestep_fraction): against a numpy
-transcription of Flow-GRPO's PerPromptStatTracker, two gloo processes against one on the
-union of their samples, and the cut path's steps against the whole path's."""
+processes), gradest.rl.leading_steps (its timestep_fraction) and gradest.rl.step_range (its
+per-timestep backward): against a numpy transcription of Flow-GRPO's PerPromptStatTracker,
+two gloo processes against one on the union of their samples, and the cut path's steps
+against the whole path's, in float64 against gradest.reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import torch.distributed as dist
 
 import gradest
 from gradest.errors import InvalidType, InvalidValue
-from gradest.rl import group_advantages, grpo_objective, leading_steps, prompt_advantages
+from gradest.reference import exact_gradient
+from gradest.rl import (
+    group_advantages,
+    grpo_objective,
+    leading_steps,
+    prompt_advantages,
+    single_step,
+    step_range,
+)
 
 
 def tracker_advantages(prompts: np.ndarray, rewards: np.ndarray, global_std: bool) -> np.ndarray:
@@ -157,3 +166,146 @@ def test_leading_steps_refuse_bad_input_in_one_line():
         leading_steps(sampler, path, 7)
     with pytest.raises(InvalidType, match="gradest.FlowSDE"):
         leading_steps(gradest.RectifiedFlow(steps=6), path, 2)
+
+
+# -- step_range: one step's graph at a time ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 1), (2, 3), (5, 6), (1, 4), (0, 6)])
+def test_a_step_range_keeps_the_whole_paths_coefficients(start, stop):
+    """Bit for bit: the range's coefficients and step log-probabilities are the whole
+    grid's steps start..stop-1 (step 0 at t = 1 reads t_1, which a range from 0 keeps)."""
+    _, sampler, path = _path()
+    cut, kept = step_range(sampler, path, start, stop)
+    assert kept.num_steps == stop - start
+    assert torch.equal(kept.states, path.states[start : stop + 1])
+    assert torch.equal(kept.step_noise, path.step_noise[start:stop])
+    for mine, whole in zip(cut.coefficients(), sampler.coefficients(), strict=True):
+        assert torch.equal(mine, whole[start:stop])
+    old = sampler.trajectory_log_probs(path, reduction="mean")
+    assert torch.equal(cut.trajectory_log_probs(kept, reduction="mean"), old[start:stop])
+
+
+def _moved(model: torch.nn.Module) -> torch.nn.Module:
+    """The policy after an update: ratios away from 1, so the clip and the KL act."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return model
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_backward_per_step_is_the_whole_paths_exact_gradient(checkpoint):
+    """Flow-GRPO's per-timestep backward: exact's surrogate on each step's term alone
+    (``single_step``), backwarded on its own (one step's graph held), accumulates the exact
+    gradient of the objective on the trained steps (dense Jacobians, gradest.reference),
+    and so does the one surrogate over them; the terms' values add up to the objective's."""
+    model, sampler, path = _path()
+    model = _moved(model)
+    count = 4
+    old = sampler.trajectory_log_probs(path, reduction="mean")
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    with torch.no_grad():
+        reference = path.velocities - 0.02
+    options = {"clip": 0.2, "reduction": "mean", "kl_weight": 0.3}
+    cut, kept = leading_steps(sampler, path, count)
+    options["reference"] = reference[:count]
+    whole = grpo_objective(cut, kept, old[:count], advantages, **options)
+    truth, _ = exact_gradient(model, cut, whole, kept)
+
+    exact = gradest.estimator("exact", checkpoint=checkpoint)
+    model.zero_grad(set_to_none=True)
+    values = []
+    for j in range(count):
+        one, step, term = single_step(cut, kept, whole, j)
+        assert one.num_steps == step.num_steps == 1
+        sur = exact.surrogate(model, one, term, trajectory=step)
+        sur.loss.backward()
+        values.append(float(sur.value))
+    per_step = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    sur = exact.surrogate(model, cut, whole, trajectory=kept)
+    sur.loss.backward()
+    together = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert sum(values) == pytest.approx(float(sur.value), rel=1e-12)
+    for name, want in truth.items():
+        torch.testing.assert_close(per_step[name], want, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(together[name], want, rtol=1e-10, atol=1e-13)
+    # a gradient to compare: the clip leaves some samples' terms differentiable
+    assert float(truth["output.weight"].abs().max()) > 1e-3
+
+
+def test_single_step_refuses_bad_input_in_one_line():
+    _, sampler, path = _path()
+    objective = grpo_objective(
+        sampler, path, sampler.trajectory_log_probs(path), torch.ones(4, dtype=torch.float64)
+    )
+    for step in (-1, 6, 1.0, True):
+        with pytest.raises(InvalidValue, match=r"step must be an int in \[0, 5\]"):
+            single_step(sampler, path, objective, step)
+    with pytest.raises(InvalidType, match="StepwiseObjective"):
+        single_step(sampler, path, gradest.TerminalObjective(lambda z: z.sum()), 0)
+
+
+@pytest.mark.parametrize(
+    ("start", "stop", "match"),
+    [
+        (-1, 2, r"start must be an int in \[0, 6\]"),
+        (0, 7, r"stop must be an int in \[1, 6\]"),
+        (3, 3, "stop must be greater than start"),
+        (4, 2, "stop must be greater than start"),
+        (True, 2, r"start must be an int"),
+        (0, 2.0, r"stop must be an int"),
+    ],
+)
+def test_a_step_range_refuses_bad_input_in_one_line(start, stop, match):
+    _, sampler, path = _path()
+    with pytest.raises(InvalidValue, match=match):
+        step_range(sampler, path, start, stop)
+    with pytest.raises(InvalidType, match="gradest.FlowSDE"):
+        step_range(gradest.RectifiedFlow(steps=6), path, 0, 1)
+
+
+# auto is left out: stateful, its first (probe) call returns exact's gradient and later
+# calls its choice's, so one call tells nothing about the next (it is not separable).
+STEPWISE_BUILTINS = sorted(
+    name
+    for name, cls in gradest.available_estimators().items()
+    if "stepwise" in getattr(cls, "objectives", ("terminal", "stepwise")) and name != "auto"
+)
+
+
+@pytest.mark.parametrize("name", STEPWISE_BUILTINS)
+def test_separable_over_steps_says_which_estimators_a_backward_per_step_keeps(name):
+    """The rule the grpo recipe and ``gradest cost --per-timestep`` train by: an estimator
+    is separable exactly when one surrogate per step's term (``single_step``), summed, is
+    its own gradient over the steps (same generator for both)."""
+    from gradest.rl import separable_over_steps
+
+    model, sampler, path = _path(steps=8)
+    model = _moved(model)
+    old = sampler.trajectory_log_probs(path, reduction="mean")
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    steps = path.num_steps
+    est = gradest.estimator(name)
+
+    objective = grpo_objective(sampler, path, old, advantages, clip=0.2)
+
+    def gradient(parts) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        for part_sampler, part_path, part_objective in parts:
+            sur = est.surrogate(
+                model, part_sampler, part_objective, trajectory=part_path,
+                generator=torch.Generator().manual_seed(5),
+            )  # fmt: skip
+            sur.loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    whole = gradient([(sampler, path, objective)])
+    try:
+        per_step = gradient(single_step(sampler, path, objective, j) for j in range(steps))
+    except InvalidValue as refused:  # options that need more than one step (telescope's depth)
+        assert not separable_over_steps(est), refused
+        return
+    agree = torch.allclose(per_step, whole, rtol=1e-9, atol=1e-12)
+    assert agree == separable_over_steps(est), (name, float((per_step - whole).norm()))

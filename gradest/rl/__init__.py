@@ -2,7 +2,9 @@
 
 * :mod:`gradest.rl.flow_grpo`: Flow-GRPO's group advantages, clipped surrogate and the KL
   penalty to a frozen reference model, and the training statistics it logs
-  (:func:`grpo_step_statistics`: ``approx_kl``, ``clipfrac``, ...).
+  (:func:`grpo_step_statistics`: ``approx_kl``, ``clipfrac``, ...), and the recorded
+  path's steps one trains on (:func:`leading_steps`, :func:`step_range`, :func:`single_step`,
+  :func:`separable_over_steps`).
 * :mod:`gradest.rl.prompt_stats`: Flow-GRPO's per-prompt advantages, the statistics
   gathered across processes, and its ``zero_std_ratio`` (:func:`zero_std_ratio`).
 * :mod:`gradest.rl.adjoint_matching`: adjoint matching (memoryless sampler, lean adjoint,
@@ -31,7 +33,10 @@ from gradest.rl.flow_grpo import (
     grpo_step_statistics,
     leading_steps,
     reference_velocities,
+    separable_over_steps,
+    single_step,
     step_kl,
+    step_range,
 )
 from gradest.rl.prompt_stats import gather_samples, prompt_advantages, zero_std_ratio
 from gradest.samplers import LOG_PROB_REDUCTIONS, check_reduction
@@ -54,6 +59,9 @@ __all__ = [
     "prompt_advantages",
     "reference_velocities",
     "regression_objective",
+    "separable_over_steps",
+    "single_step",
     "step_kl",
+    "step_range",
     "zero_std_ratio",
 ]

@@ -101,34 +101,117 @@ def leading_steps(
     """The first ``count`` steps of a recorded path, with the sampler of those steps.
 
     Flow-GRPO's ``train.timestep_fraction`` trains on the first ``int(N * fraction)``
-    steps of each rollout only. Returns ``(FlowSDE(times=sampler.times[:count + 1]),
-    the path cut to states 0..count)``: every step's coefficients are those of the whole
-    grid (a step's ``alpha_k, beta_k, sigma_k`` depend on ``t_k``, ``t_{k+1}`` and, at
-    ``t = 1``, on ``t_1``, which is kept), so :func:`grpo_objective` on the result is the
-    surrogate of the trained steps, averaged over them as Flow-GRPO's accumulation over
-    ``num_train_timesteps`` averages, and an estimator evaluates only those steps.
+    steps of each rollout only. Returns :func:`step_range` ``(sampler, trajectory, 0,
+    count)``: :func:`grpo_objective` on the result is the surrogate of the trained steps,
+    averaged over them as Flow-GRPO's accumulation over ``num_train_timesteps`` averages,
+    and an estimator evaluates only those steps.
     """
-    if not isinstance(sampler, FlowSDE):
-        raise InvalidType(
-            f"sampler must be the gradest.FlowSDE the trajectory was sampled with, "
-            f"got {type(sampler).__name__}"
-        )
-    check_trajectory_matches(sampler, trajectory)
+    _check_path_sampler(sampler, trajectory)
     steps = trajectory.num_steps
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= steps:
         raise InvalidValue(
             f"count must be an int in [1, {steps}] (the steps to keep of the path's "
             f"{steps}), got {count!r}"
         )
-    cut = FlowSDE(times=sampler.times[: count + 1], noise_level=sampler.noise_level)
+    return step_range(sampler, trajectory, 0, count)
+
+
+def step_range(
+    sampler: FlowSDE, trajectory: Trajectory, start: int, stop: int
+) -> tuple[FlowSDE, Trajectory]:
+    """Steps ``start .. stop - 1`` of a recorded path, with the sampler of those steps.
+
+    Returns ``(FlowSDE(times=sampler.times[start:stop + 1]), the path's states start..stop)``.
+    Every kept step's coefficients are those of the whole grid, bit for bit: a step's
+    ``alpha_k, beta_k, sigma_k`` depend on ``t_k`` and ``t_{k+1}`` only, and at ``t = 1``
+    (step 0 of a grid that starts there) on ``t_1``, which a range from 0 keeps. So
+    :func:`grpo_objective` on one step (``stop = start + 1``) is that step's term of the
+    whole path's objective times the path's step count: Flow-GRPO's per-timestep
+    ``loss.backward()`` (one step's graph held at a time) is ``surrogate(...)`` and
+    ``backward`` per step on these, each loss divided by the number of steps trained.
+    """
+    _check_path_sampler(sampler, trajectory)
+    steps = trajectory.num_steps
+    for name, value, low in (("start", start, 0), ("stop", stop, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= steps:
+            raise InvalidValue(
+                f"{name} must be an int in [{low}, {steps}] (a step boundary of the path's "
+                f"{steps} steps), got {value!r}"
+            )
+    if stop <= start:
+        raise InvalidValue(
+            f"stop must be greater than start (a range of at least one step), got "
+            f"start={start}, stop={stop}"
+        )
+    cut = FlowSDE(times=sampler.times[start : stop + 1], noise_level=sampler.noise_level)
     noise = trajectory.step_noise
     path = Trajectory(
-        times=trajectory.times[: count + 1],
-        states=trajectory.states[: count + 1],
-        velocities=trajectory.velocities[:count],
-        step_noise=None if noise is None else noise[:count],
+        times=trajectory.times[start : stop + 1],
+        states=trajectory.states[start : stop + 1],
+        velocities=trajectory.velocities[start:stop],
+        step_noise=None if noise is None else noise[start:stop],
     )
     return cut, path
+
+
+def single_step(
+    sampler: FlowSDE, trajectory: Trajectory, objective: StepwiseObjective, step: int
+) -> tuple[FlowSDE, Trajectory, StepwiseObjective]:
+    """Step ``step`` of a stepwise objective on a recorded path, on its own.
+
+    Returns the one-step sampler and path of :func:`step_range` and the objective whose
+    only term is ``objective``'s term ``step`` (its ``loss_fn`` called with the whole
+    path's index and path). A surrogate on them has that term's value and gradient, so
+    Flow-GRPO's per-timestep loop is::
+
+        for k in range(path.num_steps):
+            step_sampler, step_path, term = gradest.rl.single_step(sampler, path, objective, k)
+            sur = est.surrogate(model, step_sampler, term, trajectory=step_path, cond=cond)
+            sur.loss.backward()
+
+    and accumulates ``est``'s gradient of the whole objective when ``est`` is
+    :func:`separable_over_steps` (``exact``), holding one step's graph at a time.
+    """
+    if not isinstance(objective, StepwiseObjective):
+        raise InvalidType(
+            f"objective must be a gradest.StepwiseObjective (a loss on every step's "
+            f"velocity), got {type(objective).__name__}"
+        )
+    _check_path_sampler(sampler, trajectory)
+    steps = trajectory.num_steps
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < steps:
+        raise InvalidValue(
+            f"step must be an int in [0, {steps - 1}] (a step of the path's {steps}), got {step!r}"
+        )
+    cut, path = step_range(sampler, trajectory, step, step + 1)
+    whole = objective.loss_fn
+
+    def term(k: int, velocity: Tensor, _one_step_path: Trajectory) -> Tensor:
+        return whole(step + k, velocity, trajectory)
+
+    return cut, path, StepwiseObjective(term)
+
+
+def separable_over_steps(estimator: Any) -> bool:
+    """Whether ``estimator``'s gradient of a stepwise objective is the sum of its gradients
+    on each step alone (:func:`step_range`), so that a surrogate and a backward per step
+    give its gradient with one step's graph held at a time.
+
+    True for ``exact`` (one VJP per step with the step's own cotangent). False for every
+    estimator that chooses among the steps it is given (``sdo``'s draws, ``jagg``'s
+    windows, ``truncated``'s kept steps, ...): given one step at a time, each would
+    evaluate that step exactly and so become ``exact``.
+    """
+    return getattr(estimator, "name", None) == "exact"
+
+
+def _check_path_sampler(sampler: Any, trajectory: Trajectory) -> None:
+    if not isinstance(sampler, FlowSDE):
+        raise InvalidType(
+            f"sampler must be the gradest.FlowSDE the trajectory was sampled with, "
+            f"got {type(sampler).__name__}"
+        )
+    check_trajectory_matches(sampler, trajectory)
 
 
 def reference_velocities(

@@ -159,6 +159,12 @@ class RecipeConfig:
     guidance_scale: float = attrs.field(
         default=7.0, metadata={"doc": "CFG scale (Flux: the guidance embedding's value)"}
     )
+    true_cfg_scale: float = attrs.field(
+        default=1.0,
+        metadata={"doc": "flux: true CFG around the guidance embedding (FluxPipeline's "
+                         "true_cfg_scale; > 1 runs the negative prompt's half too, 2B rows "
+                         "per call; 1: off)"},
+    )  # fmt: skip
     eta: float = attrs.field(default=0.0, metadata={"doc": "DDIM noise (sd_unet, sdxl)"})
     resolution: int = attrs.field(default=1024, metadata={"doc": "image side in pixels"})
     mixed_precision: str = attrs.field(
@@ -320,11 +326,13 @@ OBJECTIVES = ("reward", "grpo", "adjoint_matching")
 #: Settings that differ between objectives (after the family's, before the tiny defaults).
 #: grpo: Flow-GRPO's optimizer settings (config/base.py's train.learning_rate and
 #: train.adam_weight_decay).
-#: Its LoRA (rank 32, alpha 64, gaussian init on the 8 attention projections of both
-#: streams), EMA (decay 0.9, every 8 optimizer steps) and CFG (the unconditional half
-#: detached) are ``scripts/train_sd3.py``'s.
+#: Its gradient is the exact one (``exact``, one backward per trained timestep:
+#: gradest_recipes.grpo_epoch.backward_per_timestep). Its LoRA (rank 32, alpha 64, gaussian
+#: init on the 8 attention projections of both streams), EMA (decay 0.9, every 8 optimizer
+#: steps) and CFG (the unconditional half detached) are ``scripts/train_sd3.py``'s.
 OBJECTIVE_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {
+        "estimator": "exact",
         "batch_size": 4,
         "lr": 3e-4,
         "weight_decay": 1e-4,
@@ -483,6 +491,7 @@ def validate(config: RecipeConfig) -> None:
         )  # fmt: skip
     _finite(config, "max_grad_norm", 0.0)
     _finite(config, "guidance_scale", 0.0)
+    _finite(config, "true_cfg_scale", 1.0)
     _finite(config, "eta", 0.0)
     if config.eta > 1:
         raise _fail("eta", config.eta, "DDIM's eta must be in [0, 1]")
@@ -800,7 +809,21 @@ def load_config(
         values.update(TINY_OBJECTIVE_DEFAULTS.get(objective, {}))
     values.update({key: _coerce(key, value) for key, value in base.items()})
     values.update(user)
-    return RecipeConfig(**values)
+    config = RecipeConfig(**values)
+    check_true_cfg(family, config)
+    return config
+
+
+def check_true_cfg(family: str, config: RecipeConfig) -> None:
+    """``true_cfg_scale`` is the Flux recipe's (its CFG around the guidance embedding); the
+    other families' CFG is ``guidance_scale``."""
+    if family != "flux" and config.true_cfg_scale != 1.0:
+        raise _fail(
+            "true_cfg_scale", config.true_cfg_scale,
+            f"true CFG is the flux recipe's (around its guidance embedding); the {family} "
+            f"recipe's CFG scale is guidance_scale",
+            f"set guidance_scale = {config.true_cfg_scale!r} and true_cfg_scale = 1",
+        )  # fmt: skip
 
 
 def _parse_set(text: str) -> tuple[str, Any]:

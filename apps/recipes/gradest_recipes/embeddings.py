@@ -11,8 +11,9 @@ key                           shape            families
 ``prompt_embeds``             ``[P, S, D]``    all (``encoder_hidden_states``)
 ``pooled_prompt_embeds``      ``[P, D_pool]``  sd3, flux (``pooled_projections``), sdxl
                                                (``added_cond_kwargs["text_embeds"]``)
-``negative_prompt_embeds``    ``[1, S, D]``    sd3, sd_unet, sdxl (the unconditional prompt)
-``negative_pooled_prompt_embeds``  ``[1, D_pool]``  sd3, sdxl
+``negative_prompt_embeds``    ``[1, S, D]``    sd3, sd_unet, sdxl (the unconditional prompt);
+                                               flux with ``true_cfg_scale > 1``
+``negative_pooled_prompt_embeds``  ``[1, D_pool]``  sd3, sdxl; flux with ``true_cfg_scale > 1``
 ``text_ids``                  ``[S, 3]``       flux (optional; zeros, as FluxPipeline)
 ============================  ===============  ==========================================
 
@@ -39,13 +40,14 @@ POOLED_FAMILIES = ("sd3", "flux", "sdxl")
 
 
 def required_keys(family: str, guided: bool) -> tuple[str, ...]:
-    """The tensors ``family`` needs (``guided``: classifier-free guidance is on)."""
+    """The tensors ``family`` needs (``guided``: classifier-free guidance is on, Flux's
+    true CFG included)."""
     keys = ["prompt_embeds"]
     if family in POOLED_FAMILIES:
         keys.append("pooled_prompt_embeds")
-    if guided and family in ("sd3", "sd_unet", "sdxl"):
+    if guided:
         keys.append("negative_prompt_embeds")
-        if family in ("sd3", "sdxl"):
+        if family in POOLED_FAMILIES:
             keys.append("negative_pooled_prompt_embeds")
     return tuple(keys)
 
@@ -134,9 +136,16 @@ def load_embeddings(path: str | Path, family: str, *, guided: bool) -> PromptEmb
     missing = [k for k in required_keys(family, guided) if k not in data]
     if missing:
         why = " (classifier-free guidance needs the negative prompt's)" if guided else ""
+        fix = ""
+        if guided:
+            fix = (
+                " --negative-prompt '', or set true_cfg_scale = 1"
+                if family == "flux"
+                else ", or set guidance_scale = 1"
+            )
         raise InvalidValue(
             f"{shown} lacks {missing}{why}; it has {sorted(map(str, data))}. Re-encode with "
-            f"python -m gradest_recipes.prompts" + (", or set guidance_scale = 1" if guided else "")
+            f"python -m gradest_recipes.prompts" + fix
         )
     tensors: dict[str, Tensor] = {}
     for key, dims in TENSOR_DIMS.items():
@@ -223,9 +232,9 @@ def tiny_embeddings(family: str, seed: int = 0) -> PromptEmbeddings:
     tensors = {"prompt_embeds": normal(TINY_PROMPTS, TINY_TOKENS, TINY_TEXT_DIM)}
     if family in POOLED_FAMILIES:
         tensors["pooled_prompt_embeds"] = normal(TINY_PROMPTS, TINY_POOLED_DIM)
-    if family in ("sd3", "sd_unet", "sdxl"):
-        tensors["negative_prompt_embeds"] = normal(1, TINY_TOKENS, TINY_TEXT_DIM)
-    if family in ("sd3", "sdxl"):
+    # Every family's negative prompt (Flux's for true CFG), drawn after the prompts'.
+    tensors["negative_prompt_embeds"] = normal(1, TINY_TOKENS, TINY_TEXT_DIM)
+    if family in POOLED_FAMILIES:
         tensors["negative_pooled_prompt_embeds"] = normal(1, TINY_POOLED_DIM)
     prompts = tuple(f"tiny prompt {i}" for i in range(TINY_PROMPTS))
     return PromptEmbeddings(family=family, prompts=prompts, tensors=tensors)

@@ -7,7 +7,10 @@
 * ``flux``: ``FluxTransformer2DModel`` on packed latents ``[B, (H/2)(W/2), 4C]`` with
   ``img_ids`` / ``txt_ids``, ``pooled_projections``, the sigmas and ``mu`` FluxPipeline
   uses; a guidance-distilled model (``guidance_embeds``, FLUX.1-dev) gets
-  ``guidance_scale`` through its guidance embedding instead of CFG.
+  ``guidance_scale`` through its guidance embedding instead of CFG, and with
+  ``true_cfg_scale > 1`` true CFG around it (FluxPipeline's ``true_cfg_scale``:
+  ``ClassifierFreeGuidance(EmbeddedGuidance(...))`` with the negative prompt's
+  embeddings, every call on ``2B`` rows).
 * ``sd_unet``: ``UNet2DConditionModel`` + ``DDIMScheduler`` (through
   :func:`gradest.integrations.diffusers.sampler_from_scheduler`, ``eta`` from the config),
   ``encoder_hidden_states``, classifier-free guidance.
@@ -56,7 +59,7 @@ from gradest.integrations.pipelines import (
     unpack_latents,
 )
 from gradest.plugin import map_tensors
-from gradest_recipes.config import RecipeConfig
+from gradest_recipes.config import RecipeConfig, check_true_cfg
 from gradest_recipes.embeddings import (
     TINY_POOLED_DIM,
     TINY_TEXT_DIM,
@@ -91,8 +94,12 @@ def flux_sigmas(steps: int) -> Any:
 
 
 def guided(family: str, config: RecipeConfig) -> bool:
-    """Whether ``family`` runs classifier-free guidance (Flux never: guidance embedding)."""
-    return family != "flux" and config.guidance_scale != 1.0
+    """Whether ``family`` runs classifier-free guidance: ``guidance_scale != 1``, or for
+    Flux (whose ``guidance_scale`` is its guidance embedding's value) ``true_cfg_scale >
+    1``, true CFG around the embedding."""
+    if family == "flux":
+        return config.true_cfg_scale > 1.0
+    return config.guidance_scale != 1.0
 
 
 @attrs.define(eq=False)
@@ -336,6 +343,7 @@ def build_family(
     as diffusers' training scripts keep them); LoRA matrices are float32 and the only
     trainable parameters.
     """
+    check_true_cfg(family, config)
     denoiser, vae, scheduler = load_parts(family, config, weight_dtype)
     denoiser.requires_grad_(False)
     vae.requires_grad_(False)
@@ -418,14 +426,15 @@ def build_family(
             raise RecipeConfigError(
                 f"setting guidance_scale={config.guidance_scale!r} is invalid for this Flux "
                 f"model: it has no guidance embedding (config.guidance_embeds=False, e.g. "
-                f"FLUX.1-schnell) and the Flux recipe runs no CFG; set guidance_scale = 1"
+                f"FLUX.1-schnell) and takes no guidance value; set guidance_scale = 1 (CFG is "
+                f"true_cfg_scale)"
             )
         if denoiser_config.guidance_embeds:
             inner = EmbeddedGuidance(inner, config.guidance_scale)
+    # Flux's CFG is true CFG around its guidance embedding (FluxPipeline's true_cfg_scale).
+    scale = config.true_cfg_scale if family == "flux" else config.guidance_scale
     velocity = (
-        ClassifierFreeGuidance(
-            inner, config.guidance_scale, detach_unconditional=config.detach_unconditional
-        )
+        ClassifierFreeGuidance(inner, scale, detach_unconditional=config.detach_unconditional)
         if guided(family, config)
         else inner
     )
@@ -452,7 +461,7 @@ def build_family(
             }
         if guided(family, config):
             cond[NEGATIVE_PREFIX + "encoder_hidden_states"] = emb.negative("prompt_embeds", batch)
-            if family == "sd3":
+            if family in ("sd3", "flux"):
                 cond[NEGATIVE_PREFIX + "pooled_projections"] = emb.negative(
                     "pooled_prompt_embeds", batch
                 )

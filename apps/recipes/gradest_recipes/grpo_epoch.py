@@ -20,7 +20,10 @@ One recipe step of ``objective = "grpo"`` is one epoch of Flow-GRPO's
    the first ``int(N * timestep_fraction)`` steps of its paths
    (:func:`gradest.rl.leading_steps`; Flow-GRPO's ``num_train_timesteps``, in grid order:
    its per-sample timestep shuffle is the identity in every commit) with
-   ``est.surrogate(model, sampler, objective, trajectory=...)``; every
+   ``est.surrogate(model, sampler, objective, trajectory=...)``; with ``exact`` (the
+   default), as Flow-GRPO, one surrogate and one backward per trained step
+   (:func:`gradest.rl.single_step`: one step's graph held at a time, the same gradient and
+   FLOPs as one surrogate over the steps; :func:`backward_per_timestep`); every
    ``gradient_accumulation`` batches the gradients are clipped and AdamW steps (the lr
    schedule and the EMA with it). The ratio is always to the rollout's old
    log-probabilities, so from the second optimizer step of a step on the policy has moved,
@@ -48,6 +51,7 @@ family are 0 there (up to the rounding of the velocity model's batched forwards)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +71,7 @@ from gradest_recipes.rl_objectives import (
 
 __all__ = [
     "PROMPTS",
+    "backward_per_timestep",
     "SHUFFLE",
     "grpo_step",
     "sample_rollout",
@@ -170,7 +175,8 @@ def train_on_rollout(
 ) -> tuple[list[float], float, float, dict[str, list[float]]]:
     """Flow-GRPO's training phase on one rollout (this process's samples ``rows`` of the
     prompts, ``advantages`` unclipped): ``num_inner_epochs`` reshuffled passes of
-    ``rollout_batches`` batches, each on its first :func:`trained_steps` steps, an
+    ``rollout_batches`` batches, each on its first :func:`trained_steps` steps (with
+    ``exact`` a surrogate and a backward per step, :func:`backward_per_timestep`), an
     optimizer step (clipping, ``optimizer.step()``, then ``after_update()``) every
     ``gradient_accumulation`` batches through ``accelerator.accumulate``.
 
@@ -181,42 +187,112 @@ def train_on_rollout(
     that evaluated a step (:meth:`StepStatistics.means`, at the policy of that batch's
     surrogate: before its optimizer step).
     """
-    from gradest.rl import leading_steps
-
     config = rl.config
     total = rollout.rewards.shape[0]
     batch = total // config.rollout_batches
     losses: list[float] = []
     statistics: dict[str, list[float]] = {}
     units, grad_norm = 0.0, float("nan")
+    per_timestep = backward_per_timestep(estimator)
     for inner in range(config.num_inner_epochs):
         order = torch.randperm(total, generator=shuffle(inner)).to(rows.device)
         for b in range(config.rollout_batches):
             index = order[b * batch : (b + 1) * batch]
             part = _rows(rollout, index)
-            sampler, path = leading_steps(rl.sampler, part.trajectory, trained_steps(config))
             recorded = StepStatistics()
-            objective = rl.grpo_objective(
-                sampler, attrs.evolve(part, trajectory=path), advantages[index],
-                statistics=recorded,
+            trained = _TrainedBatch(
+                rl, part, advantages[index], model=model, estimator=estimator,
+                accelerator=accelerator, cond=make_cond(rows[index]), statistics=recorded,
+                generator=estimator_generator(inner * config.rollout_batches + b),
             )  # fmt: skip
-            generator = estimator_generator(inner * config.rollout_batches + b)
             with accelerator.accumulate(model):
-                sur = estimator.surrogate(
-                    model, sampler, objective, trajectory=path, cond=make_cond(rows[index]),
-                    generator=generator,
-                )  # fmt: skip
-                accelerator.backward(check_surrogate(estimator, sur).loss)
+                value, cost = trained.per_timestep() if per_timestep else trained.together()
                 if accelerator.sync_gradients:
                     grad_norm = _clip(model, accelerator, config.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     after_update()
-            losses.append(float(sur.value))
-            units += sur.cost.model_units()
+            losses.append(value)
+            units += cost
             for name, value in recorded.means().items():
                 statistics.setdefault(name, []).append(value)
     return losses, units, grad_norm, statistics
+
+
+def backward_per_timestep(estimator: Any) -> bool:
+    """Whether a batch trains one timestep at a time, as Flow-GRPO does: with ``exact``
+    (:func:`gradest.rl.separable_over_steps`).
+
+    Its gradient is a sum of one VJP per trained step, so a surrogate and a backward per
+    step (:func:`gradest.rl.single_step`) accumulate the same gradient as one surrogate
+    over the steps, with the same FLOPs, holding one step's graph instead of all of them
+    (``gradest cost --objective stepwise --per-timestep``). Every other estimator chooses
+    among the batch's steps (draws, windows, kept steps), which a one-step range would
+    take from it: they train on one surrogate over the trained steps.
+    """
+    from gradest.rl import separable_over_steps
+
+    return separable_over_steps(estimator)
+
+
+@attrs.define
+class _TrainedBatch:
+    """The backward of one trained batch: its first :func:`trained_steps` steps."""
+
+    rl: RLObjective
+    part: GrpoRollout
+    advantages: Tensor
+    model: torch.nn.Module = attrs.field(kw_only=True)
+    estimator: Any = attrs.field(kw_only=True)
+    accelerator: Any = attrs.field(kw_only=True)
+    cond: dict[str, Any] = attrs.field(kw_only=True)
+    statistics: StepStatistics = attrs.field(kw_only=True)
+    generator: torch.Generator = attrs.field(kw_only=True)
+
+    def together(self) -> tuple[float, float]:
+        """One surrogate over the trained steps, one backward: ``(sur.value, units)``."""
+        sampler, path, objective = self._objective()
+        sur = self._backward(sampler, path, objective)
+        return float(sur.value), sur.cost.model_units()
+
+    def per_timestep(self) -> tuple[float, float]:
+        """Flow-GRPO's loop: per trained step a surrogate on that step's term alone
+        (:func:`gradest.rl.single_step`) and its backward. Returns the objective's value
+        (the sum of the terms' values) and the units summed."""
+        from gradest.rl import single_step
+
+        sampler, path, objective = self._objective()
+        steps = path.num_steps
+        value, units = 0.0, 0.0
+        for j in range(steps):
+            # Under DDP the gradients are reduced once per batch, in its last backward (the
+            # others accumulate locally), as one backward over the steps would.
+            last = j == steps - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(self.model):
+                sur = self._backward(*single_step(sampler, path, objective, j))
+            value += float(sur.value)
+            units += sur.cost.model_units()
+        return value, units
+
+    def _objective(self) -> tuple[Any, Any, Any]:
+        """The sampler, path and objective of the batch's trained steps."""
+        from gradest.rl import leading_steps
+
+        steps = trained_steps(self.rl.config)
+        sampler, path = leading_steps(self.rl.sampler, self.part.trajectory, steps)
+        objective = self.rl.grpo_objective(
+            sampler, attrs.evolve(self.part, trajectory=path), self.advantages,
+            statistics=self.statistics,
+        )  # fmt: skip
+        return sampler, path, objective
+
+    def _backward(self, sampler: Any, path: Any, objective: Any) -> Any:
+        sur = self.estimator.surrogate(
+            self.model, sampler, objective, trajectory=path, cond=self.cond,
+            generator=self.generator,
+        )  # fmt: skip
+        self.accelerator.backward(check_surrogate(self.estimator, sur).loss)
+        return sur
 
 
 def _clip(model: torch.nn.Module, accelerator: Any, max_norm: float) -> float:

@@ -92,6 +92,7 @@ __all__ = [
     "Preprocess",
     "ScoreMLP",
     "aesthetic",
+    "check_transformers_config",
     "convert_imagereward_state_dict",
     "hpsv2",
     "imagereward",
@@ -523,7 +524,7 @@ def _transformers_config_file(where: str, download: bool) -> Path | None:
         return None
 
 
-def _check_transformers_config(
+def check_transformers_config(
     where: str, *, download: bool, reward: str, model_types: Sequence[str]
 ) -> None:
     """Refuse the transformers ``config.json`` of ``where`` before a model is built from it
@@ -648,7 +649,7 @@ def aesthetic(
     found: dict[str, Any] = dict(
         download=download, reward="aesthetic", what="CLIP model", option="model", put=put
     )
-    _check_transformers_config(
+    check_transformers_config(
         model, download=download, reward="aesthetic", model_types=AESTHETIC_TYPES
     )
     config = _from_pretrained(transformers.AutoConfig, model, **found)
@@ -676,7 +677,7 @@ def _clip_score(
     *, logit_scale: bool, put: str, round_crop: bool,
 ) -> ClipScoreReward:  # fmt: skip
     transformers = _import(reward, "transformers")
-    _check_transformers_config(model, download=download, reward=reward, model_types=CLIP_TYPES)
+    check_transformers_config(model, download=download, reward=reward, model_types=CLIP_TYPES)
     clip = _from_pretrained(
         transformers.CLIPModel, model, download=download, reward=reward,
         what="CLIP model", option="model", put=put,

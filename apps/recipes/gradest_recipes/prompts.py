@@ -55,13 +55,17 @@ def encode_prompts(
     pretrained: str,
     prompts: Sequence[str],
     *,
-    negative_prompt: str = "",
+    negative_prompt: str | None = None,
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     max_sequence_length: int | None = None,
     batch_size: int = 16,
 ) -> PromptEmbeddings:
     """Encode ``prompts`` (and the negative prompt, for CFG) with ``pretrained``'s encoders.
+
+    ``negative_prompt``: CFG's unconditional prompt (default empty); for Flux, whose
+    guidance is its embedding, it is encoded only when given (for the Flux recipe's true
+    CFG, ``true_cfg_scale``), as FluxPipeline encodes a ``negative_prompt``.
 
     Raises:
         ValueError: no prompts, an unknown family, a ``max_sequence_length`` the family's
@@ -77,6 +81,7 @@ def encode_prompts(
         ) from err
 
     prompts = list(prompts)
+    negative_text = "" if negative_prompt is None else negative_prompt
     if not prompts:
         raise InvalidValue("prompts is empty: give at least one prompt (one per line)")
     if family not in FAMILIES:
@@ -125,7 +130,7 @@ def encode_prompts(
             batch = prompts[start : start + batch_size]
             embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
                 prompt=batch, prompt_2=None, prompt_3=None, device=device,
-                do_classifier_free_guidance=True, negative_prompt=negative_prompt,
+                do_classifier_free_guidance=True, negative_prompt=negative_text,
                 max_sequence_length=length,
             )  # fmt: skip
             keep(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
@@ -141,13 +146,22 @@ def encode_prompts(
             keep(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
         assert text_ids is not None
         chunks["text_ids"] = [text_ids.float().cpu()]
+        if negative_prompt is not None:  # true CFG's: FluxPipeline encodes it alike
+            negative_embeds, negative_pooled, _ = pipe.encode_prompt(
+                prompt=[negative_prompt], prompt_2=None, device=device,
+                max_sequence_length=length,
+            )  # fmt: skip
+            keep(
+                negative_prompt_embeds=negative_embeds[:1],
+                negative_pooled_prompt_embeds=negative_pooled[:1],
+            )
     elif family == "sdxl":
         pipe = load(diffusers.StableDiffusionXLPipeline, unet=None, vae=None)
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
             embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
                 prompt=batch, prompt_2=None, device=device, num_images_per_prompt=1,
-                do_classifier_free_guidance=True, negative_prompt=negative_prompt,
+                do_classifier_free_guidance=True, negative_prompt=negative_text,
             )  # fmt: skip
             keep(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
         keep(negative_prompt_embeds=negative[:1], negative_pooled_prompt_embeds=negative_pooled[:1])
@@ -159,7 +173,7 @@ def encode_prompts(
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
             embeds, negative = pipe.encode_prompt(
-                batch, device, 1, True, negative_prompt=[negative_prompt] * len(batch)
+                batch, device, 1, True, negative_prompt=[negative_text] * len(batch)
             )
             keep(prompt_embeds=embeds)
         keep(negative_prompt_embeds=negative[:1])
@@ -198,7 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pretrained", required=True, help="local diffusers model folder")
     parser.add_argument("--prompts", required=True, help="text file, one prompt per line")
     parser.add_argument("--out", required=True, help="the .pt file to write")
-    parser.add_argument("--negative-prompt", default="", help="CFG's unconditional prompt")
+    parser.add_argument(
+        "--negative-prompt", default=None,
+        help="CFG's unconditional prompt (default empty; flux: written only when given, for "
+        "the recipe's true_cfg_scale)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument(

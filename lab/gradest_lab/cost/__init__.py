@@ -9,5 +9,9 @@
 * :mod:`~gradest_lab.cost.pixel_cost`: the VAE decode and the reward model of a pixel reward;
 * :mod:`~gradest_lab.cost.fused_attention`: attention as a GPU runs it, on the meta device;
 * :mod:`~gradest_lab.cost.diffusers_presets`, :mod:`~gradest_lab.cost.decoder_presets`,
-  :mod:`~gradest_lab.cost.reward_presets`: the shipped models' shapes.
+  :mod:`~gradest_lab.cost.reward_presets`: the shipped models' shapes;
+* :mod:`~gradest_lab.cost.recipe_defaults`: what the reward recipes run by default
+  (``--recipe-defaults``);
+* :mod:`~gradest_lab.cost.doc_figures`: the pages' cost figures, generated from the
+  committed ``--json`` files and checked against them.
 """

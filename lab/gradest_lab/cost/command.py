@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -28,7 +29,14 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from gradest import InvalidValue, RectifiedFlow, StepwiseObjective, TerminalObjective, estimator
+from gradest import (
+    FlowSDE,
+    InvalidValue,
+    RectifiedFlow,
+    StepwiseObjective,
+    TerminalObjective,
+    estimator,
+)
 from gradest.plugin import (
     Command,
     WholeNumber,
@@ -39,6 +47,7 @@ from gradest.plugin import (
     split_spec_list,
     whole_number_problem,
 )
+from gradest.rl import separable_over_steps
 from gradest_lab.cost.call_replay import ReplayCalls
 from gradest_lab.cost.pixel_cost import PartCost, PixelSetup, part_cost, pixel_setup
 from gradest_lab.cost.training_cost import (
@@ -53,7 +62,12 @@ __all__ = [
     "COMMAND",
     "ModelSetup",
     "add_arguments",
+    "command_line",
     "default_estimators",
+    "format_report",
+    "given_options",
+    "report_header",
+    "resolve_options",
     "model_setup",
     "parse_bytes",
     "StepCosts",
@@ -64,6 +78,8 @@ __all__ = [
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MEMORY = "24GiB,48GiB,80GiB"
+#: The SDE a stepwise (GRPO-like) step samples its path with: Flow-GRPO's noise level.
+STEPWISE_NOISE_LEVEL = 0.7
 _UNITS = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -116,8 +132,19 @@ def model_setup(
     cfg: float | None = None,
     lora_rank: int | None = None,
     gradient_checkpointing: bool = False,
+    true_cfg: float | None = None,
+    lora_targets: str | None = None,
 ) -> ModelSetup:
-    """Build ``model`` (a preset, a diffusers config folder or ``mlp`` / ``dit``) on meta."""
+    """Build ``model`` (a preset, a diffusers config folder or ``mlp`` / ``dit``) on meta.
+
+    ``cfg`` is the model's guidance as its pipeline's ``guidance_scale``: classifier-free
+    guidance (every call on ``2B`` rows; off at 1) or, for a model with a guidance
+    embedding (flux-dev), the embedding's value (``B`` rows); ``true_cfg`` is Flux's true
+    CFG around the embedding (``2B`` rows). ``settings["guidance"]`` says which, in words
+    (:func:`gradest_lab.cost.diffusers_presets.guidance_plan`). ``lora_targets``: the
+    module names that get adapters, comma-separated (default
+    :data:`~gradest_lab.cost.diffusers_presets.LORA_TARGETS`).
+    """
     from gradest_lab.compare.problems import MODELS, embedded_problem
 
     if dtype not in DTYPES:
@@ -128,14 +155,29 @@ def model_setup(
         refused = None if value is None else whole_number_problem(value, minimum=1)
         if refused is not None:
             raise InvalidValue(f"{flag} {refused}")
-    if cfg is not None and not (isinstance(cfg, int | float) and cfg == cfg):
-        raise InvalidValue(f"--cfg must be a guidance scale (a number), got {cfg!r}")
+    for flag, scale in (("--cfg", cfg), ("--true-cfg", true_cfg)):
+        number = isinstance(scale, int | float) and not isinstance(scale, bool)
+        if scale is not None and not (number and math.isfinite(scale) and scale >= 0):
+            raise InvalidValue(
+                f"{flag} must be a guidance scale (a finite number >= 0), got {scale!r}"
+            )
+    targets = None
+    if lora_targets is not None:
+        targets = tuple(name.strip() for name in str(lora_targets).split(","))
+        if lora_rank is None or not all(targets):
+            raise InvalidValue(
+                f"--lora-targets {lora_targets!r}: module names separated by ',' (none "
+                f"empty), with --lora-rank; e.g. --lora-rank 16 --lora-targets to_q,to_v"
+            )
     settings: dict[str, Any] = {
         "batch": batch,
         "dtype": dtype,
         "lora_rank": lora_rank,
         "gradient_checkpointing": gradient_checkpointing,
         "cfg": cfg,
+        "true_cfg": true_cfg,
+        "guidance": "none (1 row per sample)",
+        "rows_per_sample": 1,
     }
     if model in MODELS:
         extra = {
@@ -143,7 +185,9 @@ def model_setup(
             "width": width,
             "prompt_tokens": prompt_tokens,
             "cfg": cfg,
+            "true_cfg": true_cfg,
             "lora_rank": lora_rank,
+            "lora_targets": lora_targets,
         }
         given = [k for k, v in extra.items() if v is not None]
         if given or gradient_checkpointing:
@@ -181,12 +225,16 @@ def model_setup(
     )
     shapes = diffusers_shapes(
         config, batch=batch, height=height, width=width, dtype=torch_dtype,
-        prompt_tokens=tokens, cfg_scale=cfg, lora_rank=lora_rank,
+        prompt_tokens=tokens, cfg_scale=cfg, true_cfg_scale=true_cfg, lora_rank=lora_rank,
         gradient_checkpointing=gradient_checkpointing, source=f"--model {model!r}",
+        lora_targets=targets,
     )  # fmt: skip
+    if targets is not None:
+        settings["lora_targets"] = ",".join(targets)
     settings.update(
-        height=height, width=width, steps=n, prompt_tokens=tokens, model_class=config["_class_name"]
-    )
+        guidance=shapes.guidance, rows_per_sample=shapes.rows_per_sample, height=height,
+        width=width, steps=n, prompt_tokens=tokens, model_class=config["_class_name"],
+    )  # fmt: skip
     return ModelSetup(
         model, shapes.velocity, shapes.latent_shape, shapes.cond, n, torch_dtype, settings,
         shapes.family,
@@ -212,13 +260,14 @@ def predict_costs(
     draws: int = 4,
     attention: str = "fused",
     show_progress: bool = False,
+    per_timestep: bool = False,
 ) -> dict[str, TrainingCost]:
     """One traced training step per estimator on ``setup``'s model (spec -> cost)."""
     return {
         spec: cost.transformer
         for spec, cost in predict_step_costs(
             setup, estimators, objective=objective, draws=draws, attention=attention,
-            show_progress=show_progress,
+            show_progress=show_progress, per_timestep=per_timestep,
         ).items()
     }  # fmt: skip
 
@@ -233,12 +282,16 @@ def predict_step_costs(
     attention: str = "fused",
     show_progress: bool = False,
     replay: bool = True,
+    per_timestep: bool = False,
 ) -> dict[str, StepCosts]:
     """Each estimator's step on ``setup``'s model, and with ``pixels`` the whole step.
 
     The transformer's calls, the optimizer's step and the pixel loss (decode and reward
     as one call) are each traced once and replayed in every estimator's step
-    (``replay=False`` traces everything, for the tests that compare the two).
+    (``replay=False`` traces everything, for the tests that compare the two). A stepwise
+    objective samples its path with :class:`gradest.FlowSDE` (Flow-GRPO's SDE, noise
+    level 0.7); with ``per_timestep`` it trains one step at a time, as Flow-GRPO and the
+    grpo recipe with ``exact`` do (``training_step_cost(per_timestep=True)``).
     """
     if objective not in ("terminal", "stepwise"):
         raise InvalidValue(f"--objective must be 'terminal' or 'stepwise', got {objective!r}")
@@ -247,7 +300,16 @@ def predict_step_costs(
             "--objective stepwise scores sampled paths without a graph through the reward; "
             "a pixel --reward is priced for the terminal objective: pass --reward latent"
         )
-    sampler = RectifiedFlow(steps=setup.steps)
+    if per_timestep and objective != "stepwise":
+        raise InvalidValue(
+            "--per-timestep trains a stepwise objective one step at a time (Flow-GRPO's "
+            "loop); pass --objective stepwise, or drop --per-timestep"
+        )
+    sampler: Any = (
+        RectifiedFlow(steps=setup.steps)
+        if objective == "terminal"
+        else FlowSDE(steps=setup.steps, noise_level=STEPWISE_NOISE_LEVEL)
+    )
     # A reward on the final latents / a per-step loss on the velocities: their own cost is
     # elementwise (no FLOPs), so every estimator is priced for the model's work alone.
     goal = (
@@ -257,6 +319,16 @@ def predict_step_costs(
     )
     noise = torch.zeros(setup.noise_shape, dtype=setup.dtype, device="meta")
     built = {spec if isinstance(spec, str) else repr(spec): estimator(spec) for spec in estimators}
+    if per_timestep:
+        # Before any tracing: a step at a time keeps exact's gradient only (one line).
+        others = [spec for spec, est in built.items() if not separable_over_steps(est)]
+        if others:
+            raise InvalidValue(
+                f"--per-timestep prices exact's loop of one backward per step; "
+                f"{', '.join(others)} {'chooses' if len(others) == 1 else 'choose'} among "
+                f"the steps, which one step at a time would take away: pass --estimators "
+                f"exact (or exact:checkpoint=true)"
+            )
     # Every estimator is tried on a stand-in first: one that cannot be traced (jagg's
     # gate, auto) fails now, not after minutes of tracing the others.
     varies = {spec: decisions_vary(est, sampler, goal) for spec, est in built.items()}
@@ -289,6 +361,8 @@ def predict_step_costs(
                 noise=noise, cond=setup.cond, optimizer=optimizer, draws=draws,
                 attention=attention, varies=varies[spec], replay=replay,
             )  # fmt: skip
+            if per_timestep:
+                common["per_timestep"] = True
             transformer = training_step_cost(est, model, sampler, goal, **common)
             if pixel_goal is None or pixels is None:
                 costs[spec] = StepCosts(transformer)
@@ -428,6 +502,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder with config.json (SD3, Flux, UNet2DCondition), or an embedded model "
         "(mlp, dit)",
     )
+    parser.add_argument(
+        "--recipe-defaults",
+        nargs="?",
+        const="reward",
+        default=None,
+        choices=("reward", "grpo"),
+        help="price what the recipe of the model's family runs by default: reward (the "
+        "default: the sdo estimator, LoRA rank 8, no transformer checkpointing, the VAE "
+        "checkpointed, fp32 as mixed_precision='no', a pixel reward, the family's steps, "
+        "resolution and guidance: SD3 CFG 7, SDXL CFG 5, Flux its guidance embedding at "
+        "3.5) or grpo (SD3, Flux: the stepwise objective, exact one timestep at a time, "
+        "LoRA rank 32 on the 8 projections of both streams, batch 4); any option given "
+        "overrides its default",
+    )
     # Every integer flag is a whole number >= 1 within int64 (gradest.integers).
     count = WholeNumber(1)
     parser.add_argument(
@@ -438,15 +526,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--height", type=count, default=None, help="image height in pixels")
     parser.add_argument("--width", type=count, default=None, help="image width in pixels")
-    parser.add_argument("--batch", type=count, default=1, help="images per step (default 1)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    parser.add_argument("--batch", type=count, default=None, help="images per step (default 1)")
+    parser.add_argument(
+        "--dtype", default=None, help="bf16 (default; fp32 with --recipe-defaults), fp16 or fp32"
+    )
     parser.add_argument(
         "--estimators",
         default=None,  # default_estimators(), read from the registry when the command runs
         type=spec_list_text,
         help="estimator specs separated by ',' (default: the built-ins' cost line-up, e.g. "
-        "exact,sdo; jagg's gate reads values, so give jagg:gate=off: its cost when every "
-        "group interpolates)",
+        "exact,sdo; with --recipe-defaults the recipes' sdo; jagg's gate reads values, so "
+        "give jagg:gate=off: its cost when every group interpolates)",
     )
     parser.add_argument(
         "--prompt-tokens",
@@ -460,24 +550,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=4.5,
         default=None,
-        help="classifier-free guidance in every call (2B rows); optional scale",
+        help="the model's guidance at this scale (the pipeline's guidance_scale; optional "
+        "scale, default 4.5): classifier-free guidance in every call, 2B rows (conditional "
+        "and unconditional), off at 1; for a model with a guidance embedding (flux-dev) the "
+        "embedding's value, B rows (true CFG is --true-cfg). Default: no CFG (a guidance "
+        "embedding is still one row per sample)",
+    )
+    parser.add_argument(
+        "--true-cfg",
+        type=float,
+        nargs="?",
+        const=4.0,
+        default=None,
+        help="Flux's true CFG (FluxPipeline's true_cfg_scale; optional scale, default 4): "
+        "classifier-free guidance around the guidance embedding, 2B rows, off at 1 "
+        "(refused for SD3 and UNets: their CFG is --cfg)",
     )
     parser.add_argument(
         "--lora-rank",
         type=count,
         default=None,
         help="train LoRA adapters of this rank on the attention projections "
-        "(default: full fine-tuning)",
+        "(default: full fine-tuning; 8 with --recipe-defaults)",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        help="with --lora-rank: the module names that get adapters, comma-separated "
+        "(default to_q,to_k,to_v,to_out.0, the recipes'; the grpo recipes' adds the "
+        "context stream's attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out)",
     )
     parser.add_argument(
         "--gradient-checkpointing",
-        action="store_true",
-        help="diffusers' enable_gradient_checkpointing()",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="diffusers' enable_gradient_checkpointing() of the transformer / UNet "
+        "(default off, as the recipes' gradient_checkpointing)",
     )
     parser.add_argument(
         "--objective",
-        default="terminal",
+        default=None,
         help="terminal (a reward on the sample, default) or stepwise (GRPO-like)",
+    )
+    parser.add_argument(
+        "--per-timestep",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --objective stepwise: one surrogate and one backward per step, as "
+        "Flow-GRPO and the grpo recipe with exact train (one step's graph held at a time; "
+        "exact only, whose gradient it keeps; default estimators: exact)",
     )
     parser.add_argument(
         "--memory",
@@ -502,7 +623,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pickscore, hpsv2, imagereward) or a reward config .json, on the VAE-decoded images; "
         "pixels (an elementwise reward on the decoded images: the decoder alone); latent "
         "(on the latents: the transformer alone). Default aesthetic for diffusers models "
-        "with the terminal objective, else latent",
+        "with the terminal objective (pixels with --recipe-defaults), else latent",
     )
     parser.add_argument(
         "--decoder",
@@ -512,24 +633,112 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decoder-checkpointing",
-        action="store_true",
-        help="the VAE's enable_gradient_checkpointing(): its blocks recompute in backward",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the VAE's enable_gradient_checkpointing() for a pixel reward's decode: its "
+        "blocks recompute in backward (default on, as the recipes' decoder_checkpointing; "
+        "--no-decoder-checkpointing holds the whole decode's graph)",
     )
     parser.add_argument(
         "--decoder-tile",
         type=WholeNumber(8),
         default=None,
         help="decode in tiles of this many pixels (the VAE's enable_tiling()); with "
-        "--decoder-checkpointing one tile's block is the largest graph held",
+        "decoder checkpointing one tile's block is the largest graph held",
     )
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+#: Options that are not settings of the step (where the output goes, its display).
+_NOT_SETTINGS = ("json", "quiet")
+
+
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of ``args`` that differ from the command's defaults (what the command
+    line gave), in the parser's order, without ``--json`` and ``--quiet``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    defaults = {action.dest: action.default for action in parser._actions}
+    return {
+        dest: getattr(args, dest)
+        for dest, default in defaults.items()
+        if dest not in _NOT_SETTINGS and hasattr(args, dest) and getattr(args, dest) != default
+    }
+
+
+def command_line(options: dict[str, Any]) -> str:
+    """``gradest cost ...`` with ``options`` (as :func:`given_options` gives them)."""
+    words = ["gradest", "cost"]
+    for dest, value in options.items():
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif value is False:
+            words.append("--no-" + dest.replace("_", "-"))
+        else:
+            words += [flag, str(value)]
+    return " ".join(words)
+
+
+def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every default filled in: with ``--recipe-defaults`` the recipe's (of
+    the model's family, :mod:`gradest_lab.cost.recipe_defaults`) where no option was
+    given, then the command's own. ``recipe_defaults`` becomes the family or None,
+    ``recipe_objective`` the recipe's objective (``reward``, ``grpo``) or None."""
+    from gradest_lab.cost.recipe_defaults import cost_options, recipe_family
+
+    values = dict(vars(args))
+    family = None
+    if values.get("recipe_defaults"):
+        from gradest_lab.compare.problems import MODELS
+
+        if args.model in MODELS:
+            raise InvalidValue(
+                f"--recipe-defaults prices a recipe's diffusers model (sd3-medium, "
+                f"sd3.5-large, flux-dev, sdxl-unet or a config folder); {args.model!r} is "
+                f"gradest's embedded model: drop --recipe-defaults"
+            )
+        objective = values["recipe_defaults"]
+        wanted = "stepwise" if objective == "grpo" else "terminal"
+        if args.objective not in (None, wanted):
+            raise InvalidValue(
+                f"--recipe-defaults {objective} prices the {objective} recipes (the {wanted} "
+                f"objective); --objective {args.objective} is not what they run: drop one of "
+                f"them"
+            )
+        from gradest_lab.cost.diffusers_presets import load_config
+
+        family = recipe_family(load_config(args.model)[0])
+        recipe = cost_options(family, objective)
+        if values.get("reward") == "latent":  # no decode: the VAE's setting does not apply
+            recipe.pop("decoder_checkpointing", None)
+        if values.get("estimators") is not None and objective == "grpo":
+            # The recipe trains one timestep at a time with exact only (its own rule).
+            recipe["per_timestep"] = all(
+                separable_over_steps(estimator(spec))
+                for spec in split_spec_list(values["estimators"], what="--estimators")
+            )
+        for key, value in recipe.items():
+            if values.get(key) is None:
+                values[key] = value
+    values["recipe_objective"] = args.recipe_defaults if family is not None else None
+    values["recipe_defaults"] = family
+    for key, value in (
+        ("dtype", "bf16"), ("batch", 1), ("gradient_checkpointing", False),
+        ("objective", "terminal"), ("per_timestep", False),
+    ):  # fmt: skip
+        if values.get(key) is None:
+            values[key] = value
+    return argparse.Namespace(**values)
+
+
 def run(args: argparse.Namespace) -> int:
     """``gradest cost``: trace, print the table, write ``--json``."""
+    options = given_options(args)
+    args = resolve_options(args)
     memories = [(text.strip(), parse_bytes(text)) for text in args.memory.split(",")]
-    default = format_spec_list(default_estimators())
+    default = "exact" if args.per_timestep else format_spec_list(default_estimators())
     given = default if args.estimators is None else args.estimators
     specs = split_spec_list(given, what="--estimators")
     if not specs:
@@ -541,8 +750,9 @@ def run(args: argparse.Namespace) -> int:
         args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
         dtype=args.dtype, prompt_tokens=args.prompt_tokens, cfg=args.cfg,
         lora_rank=args.lora_rank, gradient_checkpointing=args.gradient_checkpointing,
+        true_cfg=args.true_cfg, lora_targets=args.lora_targets,
     )  # fmt: skip
-    reward = _reward_choice(args, setup)
+    reward, decoder_checkpointing = _reward_choice(args, setup)
     pixels = None
     parts: dict[str, PartCost] = {}
     if reward != "latent":
@@ -550,7 +760,7 @@ def run(args: argparse.Namespace) -> int:
         pixels = pixel_setup(
             family=setup.family, latent_shape=setup.noise_shape,
             height=setup.settings["height"], width=setup.settings["width"], dtype=setup.dtype,
-            reward=reward, decoder=args.decoder, checkpointing=args.decoder_checkpointing,
+            reward=reward, decoder=args.decoder, checkpointing=bool(decoder_checkpointing),
             tile=args.decoder_tile,
         )  # fmt: skip
         latents = torch.zeros(setup.noise_shape, dtype=setup.dtype, device="meta")
@@ -566,62 +776,126 @@ def run(args: argparse.Namespace) -> int:
         draws=args.draws,
         attention=args.attention,
         show_progress=not args.quiet,
+        per_timestep=args.per_timestep,
     )
     seconds = time.perf_counter() - started
-    settings = ", ".join(f"{k}={v}" for k, v in setup.settings.items() if v is not None)
-    print(
-        f"# gradest cost: {args.model} ({settings}), objective={args.objective}, "
-        f"reward={reward}, attention={args.attention}, traced in {seconds:.0f} s\n"
-    )
-    if pixels is None:
-        print(format_table({spec: step.transformer for spec, step in steps.items()}, memories))
-    else:
-        for name, label in (("decoder", pixels.decoder_name), ("reward", pixels.reward_name)):
-            if name in parts:
-                part = parts[name]
-                print(
-                    f"- {name}: {label}, {part.parameters / 1e6:,.1f} M parameters "
-                    f"({_fmt_bytes(part.parameter_bytes)}), one call {_fmt_flops(part.flops)} "
-                    f"forward and backward"
-                )
-        print()
-        print(format_step_table(steps, parts, memories))
+
+    def entry(step: StepCosts) -> dict[str, Any]:
+        cost = step.whole or step.transformer
+        out = cost.as_dict() | {"fits": {label: cost.fits(limit) for label, limit in memories}}
+        if step.whole is not None and step.calls is not None:
+            out["transformer"] = step.transformer.as_dict()
+            out["calls"] = step.calls
+            out["parts_flops"] = {n: _part_flops(p, step.calls) for n, p in parts.items()}
+        return out
+
+    labels = {}
+    if pixels is not None:
+        labels = {"decoder": pixels.decoder_name, "reward": pixels.reward_name}
+    payload = {
+        "model": args.model,
+        "command": command_line(options),
+        "options": options,
+        "settings": setup.settings
+        | {
+            "objective": args.objective,
+            "per_timestep": args.per_timestep,
+            "attention": args.attention,
+            "reward": reward,
+            "decoder": pixels.decoder_name if pixels is not None else None,
+            "decoder_checkpointing": decoder_checkpointing,
+            "decoder_tile": args.decoder_tile,
+            "recipe_defaults": args.recipe_defaults,
+            "recipe_objective": args.recipe_objective,
+        },
+        "memory": {label: limit for label, limit in memories},
+        "parts": {name: part.as_dict() | {"label": labels[name]} for name, part in parts.items()},
+        "estimators": {spec: entry(step) for spec, step in steps.items()},
+        "seconds": seconds,
+        "torch": torch.__version__,
+    }
+    print(format_report(payload))
     if args.json is not None:
-
-        def entry(step: StepCosts) -> dict[str, Any]:
-            cost = step.whole or step.transformer
-            out = cost.as_dict() | {"fits": {label: cost.fits(limit) for label, limit in memories}}
-            if step.whole is not None and step.calls is not None:
-                out["transformer"] = step.transformer.as_dict()
-                out["calls"] = step.calls
-                out["parts_flops"] = {n: _part_flops(p, step.calls) for n, p in parts.items()}
-            return out
-
-        payload = {
-            "model": args.model,
-            "settings": setup.settings
-            | {
-                "objective": args.objective,
-                "attention": args.attention,
-                "reward": reward,
-                "decoder": pixels.decoder_name if pixels is not None else None,
-                "decoder_checkpointing": args.decoder_checkpointing,
-                "decoder_tile": args.decoder_tile,
-            },
-            "memory": {label: limit for label, limit in memories},
-            "parts": {name: part.as_dict() for name, part in parts.items()},
-            "estimators": {spec: entry(step) for spec, step in steps.items()},
-            "seconds": seconds,
-            "torch": torch.__version__,
-        }
         atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
     return 0
 
 
-def _reward_choice(args: argparse.Namespace, setup: ModelSetup) -> str:
+#: Settings the header leaves out (the guidance's words hold them) or shows at its end.
+_HEADER_AFTER = frozenset(
+    {"cfg", "true_cfg", "rows_per_sample", "objective", "per_timestep", "attention", "reward",
+     "decoder", "decoder_checkpointing", "decoder_tile", "recipe_defaults", "recipe_objective"}
+)  # fmt: skip
+
+
+def _training_cost(entry: dict[str, Any]) -> TrainingCost:
+    values: dict[str, Any] = {
+        key: tuple(value) if key.endswith("_range") else value
+        for key, value in entry.items()
+        if key in attrs.fields_dict(TrainingCost)
+    }
+    return TrainingCost(**values)
+
+
+def report_header(payload: dict[str, Any]) -> str:
+    """The first line the command prints: the model and every setting of the step (the
+    guidance in words, the decoder's checkpointing with a pixel reward)."""
+    settings = payload["settings"]
+    shown = ", ".join(
+        f"{key}={value}"
+        for key, value in settings.items()
+        if value is not None and key not in _HEADER_AFTER
+    )
+    tail = [f"objective={settings['objective']}"]
+    if settings.get("per_timestep"):
+        tail.append("one backward per timestep")
+    tail.append(f"reward={settings['reward']}")
+    if settings.get("decoder") is not None:
+        tail.append(f"decoder_checkpointing={settings['decoder_checkpointing']}")
+    tail.append(f"attention={settings['attention']}")
+    if settings.get("recipe_defaults"):
+        recipe = " ".join(
+            word for word in (settings["recipe_defaults"], settings.get("recipe_objective"))
+            if word not in (None, "reward")
+        )  # fmt: skip
+        tail.append(f"the {recipe} recipe's defaults")
+    return (
+        f"# gradest cost: {payload['model']} ({shown}), {', '.join(tail)}, traced in "
+        f"{payload['seconds']:.0f} s"
+    )
+
+
+def format_report(payload: dict[str, Any]) -> str:
+    """What the command prints, from what ``--json`` writes (so a page can quote a run's
+    output from its JSON): the header, each pixel part's line and the table."""
+    memories = list(payload["memory"].items())
+    lines = [report_header(payload), ""]
+    estimators = payload["estimators"]
+    if not payload["parts"]:
+        costs = {spec: _training_cost(entry) for spec, entry in estimators.items()}
+        return "\n".join([*lines, format_table(costs, memories)])
+    parts = {
+        name: PartCost(**{k: v for k, v in part.items() if k != "label"})
+        for name, part in payload["parts"].items()
+    }
+    for name, part in parts.items():
+        lines.append(
+            f"- {name}: {payload['parts'][name]['label']}, {part.parameters / 1e6:,.1f} M "
+            f"parameters ({_fmt_bytes(part.parameter_bytes)}), one call "
+            f"{_fmt_flops(part.flops)} forward and backward"
+        )
+    steps = {
+        spec: StepCosts(_training_cost(entry["transformer"]), _training_cost(entry), entry["calls"])
+        for spec, entry in estimators.items()
+    }
+    return "\n".join([*lines, "", format_step_table(steps, parts, memories)])
+
+
+def _reward_choice(args: argparse.Namespace, setup: ModelSetup) -> tuple[str, bool | None]:
     """``--reward`` as given, or its default: a learned reward on the decoded images for
-    a diffusers model's terminal objective, the latents otherwise."""
-    pixel_flags = args.decoder is not None or args.decoder_checkpointing or args.decoder_tile
+    a diffusers model's terminal objective, the latents otherwise; and the decoder's
+    checkpointing (on unless ``--no-decoder-checkpointing``; None without a decoder)."""
+    checkpointing = args.decoder_checkpointing
+    pixel_flags = args.decoder is not None or checkpointing is not None or args.decoder_tile
     if args.reward is None:
         reward = (
             "aesthetic" if setup.family is not None and args.objective == "terminal" else ("latent")
@@ -633,12 +907,15 @@ def _reward_choice(args: argparse.Namespace, setup: ModelSetup) -> str:
             f"--reward {reward!r} decodes with a VAE; the embedded model {args.model!r} has "
             f"none: pass --reward latent (or a diffusers model)"
         )
-    if reward == "latent" and pixel_flags:
-        raise InvalidValue(
-            "--decoder, --decoder-checkpointing and --decoder-tile price the VAE decode of "
-            "a pixel reward; --reward latent has none (drop them, or pass --reward aesthetic)"
-        )
-    return reward
+    if reward == "latent":
+        if pixel_flags:
+            raise InvalidValue(
+                "--decoder, --decoder-checkpointing and --decoder-tile price the VAE decode "
+                "of a pixel reward; --reward latent has none (drop them, or pass --reward "
+                "aesthetic)"
+            )
+        return reward, None
+    return reward, True if checkpointing is None else checkpointing
 
 
 COMMAND = Command(

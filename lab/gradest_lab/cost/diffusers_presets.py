@@ -31,7 +31,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ __all__ = [
     "ModelPreset",
     "checked_config",
     "diffusers_shapes",
+    "family_of",
+    "guidance_plan",
     "load_config",
 ]
 
@@ -187,6 +189,11 @@ _FAMILIES = {
 _DEFAULT_PROMPT_TOKENS = {"sd3": 333, "flux": 512, "unet": 77}
 # Pixels per latent pixel of the families' VAEs (SD3, Flux and SDXL all use 8).
 VAE_SCALE = 8
+
+
+def family_of(config: Mapping[str, Any]) -> str:
+    """The model family of a diffusers config: ``sd3``, ``flux`` or ``unet``."""
+    return _FAMILIES[config["_class_name"]]
 
 
 def load_config(source: str | Path) -> tuple[dict[str, Any], ModelPreset | None]:
@@ -601,6 +608,74 @@ class _GuidedBatch(nn.Module):
         return unconditional + self.scale * (conditional - unconditional)
 
 
+def _scale(value: float) -> str:
+    return f"{value:g}"
+
+
+def guidance_plan(
+    model_class: str,
+    family: str,
+    embedded: bool,
+    cfg_scale: float | None,
+    true_cfg_scale: float | None,
+) -> tuple[str, float | None]:
+    """How a model guides in every call: ``(words, scale)``, ``scale`` the CFG scale when
+    every call runs ``2B`` rows (conditional and unconditional), else None.
+
+    ``cfg_scale`` is the pipeline's ``guidance_scale``: the value of a guidance embedding
+    (``embedded``: Flux with ``guidance_embeds``; one row per sample, as
+    ``EmbeddedGuidance`` and FluxPipeline pass it), otherwise classifier-free guidance, off
+    at 1 (``ClassifierFreeGuidance`` then runs the conditional half alone).
+    ``true_cfg_scale`` is Flux's true CFG (FluxPipeline's ``true_cfg_scale``: on above 1),
+    classifier-free guidance around the embedding.
+
+    Raises:
+        InvalidValue: ``true_cfg_scale`` for a family other than Flux, or below 1; a
+            ``cfg_scale`` for a Flux model without a guidance embedding (FLUX.1-schnell
+            takes no guidance value).
+    """
+    if true_cfg_scale is not None:
+        shown = _scale(true_cfg_scale)
+        if family != "flux":
+            raise InvalidValue(
+                f"true_cfg_scale={shown} (--true-cfg) is Flux's true CFG around its guidance "
+                f"embedding (FluxPipeline's true_cfg_scale); {model_class} has no guidance "
+                f"embedding and guides with classifier-free guidance: pass --cfg {shown}"
+            )
+        if true_cfg_scale < 1:
+            raise InvalidValue(
+                f"true_cfg_scale={shown} (--true-cfg) must be >= 1: true CFG runs above 1 "
+                f"and is off at 1, as FluxPipeline's true_cfg_scale"
+            )
+    if family == "flux" and not embedded and cfg_scale is not None:
+        raise InvalidValue(
+            f"cfg_scale={_scale(cfg_scale)} (--cfg): this Flux transformer has "
+            f"guidance_embeds=False (e.g. FLUX.1-schnell) and takes no guidance value; drop "
+            f"--cfg, or price classifier-free guidance with --true-cfg"
+        )
+    if family == "flux":
+        base = "none"
+        if embedded:
+            base = "embedding" + ("" if cfg_scale is None else f" {_scale(cfg_scale)}")
+        if true_cfg_scale is None or true_cfg_scale == 1:
+            off = "" if true_cfg_scale is None else ", true cfg 1: off"
+            return f"{base}{off} (1 row per sample)", None
+        around = f" around the {base}" if embedded else ""
+        return (
+            f"true cfg {_scale(true_cfg_scale)}{around} (2 rows per sample: conditional and "
+            f"unconditional)",
+            true_cfg_scale,
+        )
+    if cfg_scale is None:
+        return "none (1 row per sample)", None
+    if cfg_scale == 1:
+        return "cfg 1: off, the conditional half alone (1 row per sample)", None
+    return (
+        f"cfg {_scale(cfg_scale)} (2 rows per sample: conditional and unconditional)",
+        cfg_scale,
+    )
+
+
 @attrs.frozen(eq=False)
 class DiffusersShapes:
     """A diffusers model on the meta device with inputs that fit it.
@@ -615,6 +690,9 @@ class DiffusersShapes:
         family: ``sd3``, ``flux`` or ``unet``.
         diffusion: True for an epsilon-prediction UNet (sampled with DDIM), False for a
             flow-matching transformer (sampled with rectified flow).
+        guidance: how every call guides, in words (:func:`guidance_plan`).
+        rows_per_sample: 2 when every call runs the conditional and the unconditional
+            half (CFG, Flux's true CFG), else 1.
     """
 
     velocity: nn.Module
@@ -623,6 +701,8 @@ class DiffusersShapes:
     cond: dict[str, Any]
     family: str
     diffusion: bool
+    guidance: str = "none (1 row per sample)"
+    rows_per_sample: int = 1
 
 
 def diffusers_shapes(
@@ -638,6 +718,8 @@ def diffusers_shapes(
     gradient_checkpointing: bool = False,
     device: str | torch.device = "meta",
     source: str | None = None,
+    true_cfg_scale: float | None = None,
+    lora_targets: Sequence[str] | None = None,
 ) -> DiffusersShapes:
     """Build the model of ``config`` on ``device`` and synthesise its inputs.
 
@@ -648,10 +730,19 @@ def diffusers_shapes(
         dtype: the model's parameter and input dtype.
         prompt_tokens: text tokens per prompt (default: 333 for SD3, 512 for Flux, 77
             for SDXL).
-        cfg_scale: classifier-free guidance in every call (the model runs on ``2B``
-            rows), or None.
+        cfg_scale: the model's guidance, as its pipeline's ``guidance_scale``: for a model
+            with a guidance embedding (Flux with ``guidance_embeds``, FLUX.1-dev) the
+            embedding's value (one row per sample, as ``EmbeddedGuidance``); otherwise
+            classifier-free guidance in every call (the model runs on ``2B`` rows), off at
+            1 (only the conditional half runs, as ``ClassifierFreeGuidance``); or None.
+        true_cfg_scale: Flux's true CFG (FluxPipeline's ``true_cfg_scale``, >= 1, on
+            above 1): classifier-free guidance around the guidance embedding
+            (``ClassifierFreeGuidance(EmbeddedGuidance(...))``, ``2B`` rows); refused for
+            the other families (their CFG is ``cfg_scale``).
         lora_rank: LoRA on the attention projections (``to_q``, ``to_k``, ``to_v``,
             ``to_out.0``) with the base model frozen; None trains every parameter.
+        lora_targets: the module names (or dotted name endings) that get adapters instead
+            of :data:`LORA_TARGETS`; each must name a module of the model.
         gradient_checkpointing: diffusers' own ``enable_gradient_checkpointing()``.
         device: ``"meta"`` to trace costs; a real device builds a randomly initialised
             model (the tests compare both).
@@ -678,6 +769,10 @@ def diffusers_shapes(
             f"height={height} and width={width} must be multiples of {multiple} for "
             f"{name} (VAE factor {VAE_SCALE} x the model's patching / downsampling)"
         )
+    # How the model guides, refused before anything is built when it cannot.
+    guidance, guided = guidance_plan(
+        name, family, bool(config.get("guidance_embeds")), cfg_scale, true_cfg_scale
+    )
     tokens = _DEFAULT_PROMPT_TOKENS[family] if prompt_tokens is None else prompt_tokens
     if whole_number_problem(tokens, minimum=1) is not None:
         raise InvalidValue(f"prompt_tokens must be an int >= 1, got {prompt_tokens!r}")
@@ -699,8 +794,16 @@ def diffusers_shapes(
     if lora_rank is not None:
         from gradest.integrations.peft import add_lora
 
+        targets = tuple(LORA_TARGETS if lora_targets is None else lora_targets)
+        names = [name for name, _ in model.named_modules()]
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            raise InvalidValue(
+                f"lora_targets {', '.join(missing)} name no module of {name} (its attention "
+                f"projections are e.g. {', '.join(LORA_TARGETS)})"
+            )
         with torch.device(device):
-            add_lora(model, rank=lora_rank, target_modules=LORA_TARGETS)
+            add_lora(model, rank=lora_rank, target_modules=list(targets))
         for param in model.parameters():
             param.data = param.data.to(dtype)
     model.train()
@@ -745,8 +848,8 @@ def diffusers_shapes(
             "text_embeds": tensor(batch, pooled),
             "time_ids": tensor(batch, time_ids),
         }
-    if cfg_scale is not None:
-        velocity = _GuidedBatch(velocity, cfg_scale)
+    if guided is not None:
+        velocity = _GuidedBatch(velocity, guided)
     return DiffusersShapes(
         velocity=velocity,
         model=model,
@@ -754,4 +857,6 @@ def diffusers_shapes(
         cond=cond,
         family=family,
         diffusion=family == "unet",
+        guidance=guidance,
+        rows_per_sample=1 if guided is None else 2,
     )

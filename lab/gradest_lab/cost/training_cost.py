@@ -40,9 +40,10 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from gradest import InvalidValue, StepwiseObjective, TerminalObjective, rollout
+from gradest import FlowSDE, InvalidValue, StepwiseObjective, TerminalObjective, rollout
 from gradest.harness import FlopCounter, StorageTracker
 from gradest.plugin import Objective, check_surrogate
+from gradest.rl import separable_over_steps, single_step
 from gradest_lab.cost.call_replay import ReplayCalls, active_counters, report
 from gradest_lab.cost.fused_attention import MODEL_FLOP_FORMULAS, fused_attention
 
@@ -276,6 +277,7 @@ def training_step_cost(
     varies: bool | None = None,
     replay: bool = True,
     frozen: Sequence[nn.Module] = (),
+    per_timestep: bool = False,
 ) -> TrainingCost:
     """Measure one training step of ``estimator`` on ``model`` (meta or real tensors).
 
@@ -309,6 +311,12 @@ def training_step_cost(
         frozen: models the objective runs that are not trained (a VAE decoder, a reward
             model): their parameters and buffers are resident (in ``parameter_bytes``)
             and never count as saved activations.
+        per_timestep: a stepwise objective trained one step at a time, as Flow-GRPO and
+            the grpo recipe with ``exact`` train: per step, the surrogate on that step's
+            term alone (:func:`gradest.rl.single_step`, ``sampler`` a
+            :class:`gradest.FlowSDE`) and its backward, one step's graph held at a time.
+            Only for an estimator :func:`gradest.rl.separable_over_steps` names
+            (``exact``), whose gradient this leaves unchanged.
     """
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise InvalidValue(f"draws must be an int >= 1, got draws={draws!r}")
@@ -330,6 +338,9 @@ def training_step_cost(
         wrapped = ReplayCalls(model)
 
     stepwise = isinstance(objective, StepwiseObjective)
+    steps_of = objective if isinstance(objective, StepwiseObjective) else None
+    if per_timestep:
+        _check_per_timestep(estimator, sampler, stepwise)
     # The draws a stochastic estimator takes are the same on any model with this sampler
     # and kind of objective, so a one-weight stand-in tells cheaply whether one traced
     # draw is enough (exact, truncated:k=1, ...) or the cost must be averaged.
@@ -346,15 +357,23 @@ def training_step_cost(
             if stepwise:
                 # A policy-gradient step samples first (no graph), then trains on the path.
                 path = rollout(wrapped, sampler, noise, cond=cond)
-                sur = estimator.surrogate(
-                    wrapped, sampler, objective, trajectory=path, cond=cond, generator=generator
+                parts = (
+                    [single_step(sampler, path, steps_of, k) for k in range(path.num_steps)]
+                    if per_timestep and steps_of is not None
+                    else [(sampler, path, objective)]
                 )
+                for part_sampler, part_path, part_objective in parts:
+                    sur = estimator.surrogate(
+                        wrapped, part_sampler, part_objective, trajectory=part_path, cond=cond,
+                        generator=generator,
+                    )  # fmt: skip
+                    # A plugin's surrogate is checked before its backward (one line naming it).
+                    check_surrogate(estimator, sur).loss.backward()
             else:
                 sur = estimator.surrogate(
                     wrapped, sampler, objective, noise=noise, cond=cond, generator=generator
                 )
-            # A plugin's surrogate is checked before its backward (one line naming it).
-            check_surrogate(estimator, sur).loss.backward()
+                check_surrogate(estimator, sur).loss.backward()
             prepared.step()
             opt.zero_grad(set_to_none=True)
 
@@ -385,6 +404,26 @@ def training_step_cost(
         optimizer_bytes=optimizer_bytes,
         trainable_parameters=sum(p.numel() for p in trained),
     )
+
+
+def _check_per_timestep(estimator: Any, sampler: Any, stepwise: bool) -> None:
+    """``per_timestep`` only where it keeps the estimator's gradient (one line each)."""
+    if not stepwise:
+        raise InvalidValue(
+            "per_timestep=True trains a stepwise objective one step at a time; a terminal "
+            "objective's steps share the adjoint: price it with per_timestep=False"
+        )
+    if not separable_over_steps(estimator):
+        raise InvalidValue(
+            f"per_timestep=True gives the gradient of an estimator separable over steps "
+            f"(exact) only; {getattr(estimator, 'name', type(estimator).__name__)!r} "
+            f"chooses among the steps: price it with per_timestep=False"
+        )
+    if not isinstance(sampler, FlowSDE):
+        raise InvalidValue(
+            f"per_timestep=True cuts a FlowSDE path into its steps; got sampler "
+            f"{type(sampler).__name__}: pass gradest.FlowSDE(steps=N, noise_level=0.7)"
+        )
 
 
 class _StandIn(nn.Module):

@@ -1214,6 +1214,17 @@ CASES: list[Case] = [
             "--quiet",
         ),
     ),
+    command(
+        "race --model digits --budget 8x --tune lr=1e-4,1.0000001e-4 --tune-seeds 0-1 --seeds 2-3",
+        "--tune",
+        "1.0000001e-4",
+    ),
+    command(
+        "race --model digits --budget 8x --tune lr=1e-4..1e-3:999999999 --tune-seeds 0-1 "
+        "--seeds 2-3",
+        "--tune",
+        "999999999",
+    ),
     command("cost --model mlp --batch -1", "--batch", "-1"),
     command(
         "cost --model mlp --estimators ''",

@@ -43,7 +43,8 @@ def test_a_tuned_race_is_its_shards(folder: Path) -> None:
     report = TunedRaceReport.load(folder)
     assert report.to_json() + "\n" == (folder / "report.json").read_text()
     assert report.to_markdown() == (folder / "report.md").read_text()
-    store = ShardStore(folder, report.config["identity"])
+    # Read as the race reads them: each curve checked against the race's fractions.
+    store = ShardStore(folder, report.config["identity"], fractions=report.config["fractions"])
     lrs = {lr_label(lr): lr for lr in report.config["lrs"]}
     for runs in (report.tuning, report.runs):
         for spec, by_lr in runs.items():

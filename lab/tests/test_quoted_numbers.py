@@ -1,7 +1,8 @@
 """Every race number README.md and docs/*.md quote comes from the committed reports
-(gradest_lab.race.quoting): generated blocks equal what their reports give, and a section
-about a race holds no decimal number outside them. A number edited by hand fails here,
-whatever its formatting (bold, signed, in a table or in prose)."""
+(gradest_lab.race.quoting): generated blocks and spans equal what their reports give, and
+outside them a section about a race holds only numbers its reports hold as settings
+(test_prose_figures.py edits those). A number edited by hand fails here, whatever its
+formatting (bold, signed, in a table or in prose)."""
 
 from __future__ import annotations
 
@@ -116,8 +117,13 @@ def test_the_command_fails_on_an_edited_page(tmp_path: Path) -> None:
     copy = tmp_path / "README.md"
     copy.write_text(page.read_text(encoding="utf-8"), encoding="utf-8")
     assert quoting.main([str(copy), "--root", str(ROOT), "--check"]) == 0
-    match = next(quoting._BLOCK.finditer(copy.read_text(encoding="utf-8")))
-    number = next(n for n in quoting._NUMBER.finditer(match["body"]) if "." in n.group())
+    # The first generated text holding a decimal figure (the headline; a span may come first).
+    number, match = next(
+        (n, m)
+        for m in quoting._BLOCK.finditer(copy.read_text(encoding="utf-8"))
+        for n in quoting._NUMBER.finditer(m["body"])
+        if "." in n.group()
+    )
     start = match.start("body") + number.start()
     text = copy.read_text(encoding="utf-8")
     other = "8" if text[start] == "9" else "9"

@@ -14,7 +14,6 @@ one field against it.
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,13 +31,9 @@ from gradest_lab.storage.file_schema import first_line as first_line
 from gradest_lab.storage.file_schema import is_int as is_int
 from gradest_lab.storage.file_schema import is_number as is_number
 from gradest_lab.storage.file_schema import json_object as json_object
+from gradest_lab.storage.file_schema import require as require
+from gradest_lab.storage.file_schema import require_finite as require_finite
 from torch import Tensor
-
-
-def require(ok: bool, refuse: Refuse, field: str, value: Any, wanted: str) -> None:
-    """Refuse ``field`` unless ``ok``: ``field is <value>, not <wanted>``."""
-    if not ok:
-        raise refuse(field, f"is {describe(value)}, not {wanted}")
 
 
 def require_fields(data: Mapping[str, Any], names: Any, refuse: Refuse, where: str = "") -> None:
@@ -54,10 +49,6 @@ def require_json(value: Any, refuse: Refuse, field: str) -> None:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError) as err:
         raise refuse(field, f"is not JSON data ({first_line(err)})") from None
-
-
-def require_finite(value: Any, refuse: Refuse, field: str) -> None:
-    require(is_number(value) and math.isfinite(value), refuse, field, value, "a finite number")
 
 
 def load_torch_file(path: Path, refuse: Refuse, *, links: bool = False) -> Any:

@@ -44,7 +44,8 @@ def hub_snapshot(saved: Path, hub: Path, repo: str) -> Path:
     for index, file in enumerate(sorted(saved.iterdir())):
         blob = root / "blobs" / f"blob{index:04d}"
         file.rename(blob)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+        # relative, as the hub cache links a snapshot's file to its blob
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
     saved.rmdir()
     return snapshot
 

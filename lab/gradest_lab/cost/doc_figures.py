@@ -39,7 +39,6 @@ transformer's peak), ``added`` (what the decode and the reward add to it), ``ret
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -48,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gradest import InvalidValue
+from gradest_lab.generated_pages import page_command
 from gradest_lab.race.task_options import parse_key_values
 
 __all__ = [
@@ -306,32 +306,15 @@ def page_problems(root: Path, page: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    """``python -m gradest_lab.cost.doc_figures PAGES [--root ROOT] [--check]``."""
+    return page_command(
+        argv,
         prog="python -m gradest_lab.cost.doc_figures",
-        description="Write (or --check) the gradest cost figures of markdown pages from "
-        "their JSONs.",
+        description="Write (or --check) the gradest cost figures of pages from their JSONs.",
+        problems_of=page_problems,
+        updated=update_page,
+        stale="a cost-quote block or figure differs from its JSON",
     )
-    parser.add_argument("pages", nargs="+", type=Path)
-    parser.add_argument("--root", type=Path, default=Path("."), help="the repository root")
-    parser.add_argument("--check", action="store_true", help="write nothing; fail on a difference")
-    args = parser.parse_args(argv)
-    failures = []
-    for page in args.pages:
-        text = page.read_text(encoding="utf-8")
-        try:
-            problems = page_problems(args.root, text)
-        except InvalidValue as err:
-            failures.append(f"{page}: {err}")
-            continue
-        stale = "a cost-quote block or figure differs from its JSON"
-        if stale in problems and not args.check:
-            page.write_text(update_page(args.root, text), encoding="utf-8")
-            print(f"wrote {page}")
-            problems.remove(stale)
-        failures += [f"{page}: {item}" for item in problems]
-    for failure in failures:
-        print(failure, file=sys.stderr)
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":

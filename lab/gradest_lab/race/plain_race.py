@@ -94,6 +94,7 @@ from gradest_lab.race.bootstrap import (
     bootstrap_mean,
     paired_bootstrap,
 )
+from gradest_lab.race.file_schemas import check_progress, check_race_settings
 from gradest_lab.storage.file_schema import first_line
 from gradest_lab.storage.files import (
     OutputError,
@@ -102,6 +103,7 @@ from gradest_lab.storage.files import (
     check_output_dir,
     refuse_symlinks,
 )
+from gradest_lab.storage.json_text import parse_json
 from gradest_lab.storage.run_folder import RUN_RECORD, RunRecord, claim_run_folder, read_run_record
 
 RACE_TASKS_GROUP = "gradest.race_tasks"
@@ -473,11 +475,16 @@ def _state_refused(path: Path, why: str) -> InvalidValue:
     )
 
 
-def read_run_state(path: Path, *, spec: str, seed: int) -> dict[str, Any]:
+def read_run_state(
+    path: Path, *, spec: str, seed: int, fractions: Sequence[float]
+) -> dict[str, Any]:
     """The state file of a race run in progress, checked field by field.
 
     It is loaded with ``weights_only=True`` (a file that would run code when unpickled is
-    refused, its code not run) and must be this race's state of ``spec`` on ``seed``.
+    refused, its code not run) and must be this race's state of ``spec`` on ``seed``, its
+    progress that of a run evaluated at ``fractions``
+    (:func:`gradest_lab.race.file_schemas.check_progress`: counts >= 0, one step time per
+    step, one curve point per fraction passed, finite numbers).
 
     Raises:
         InvalidValue: one line naming the file and what is wrong (it does not load, a
@@ -502,15 +509,21 @@ def read_run_state(path: Path, *, spec: str, seed: int) -> dict[str, Any]:
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
             raise _state_refused(path, f"has {field} = {type(value).__name__}, not {wanted}")
+    progress = dict(state)
     for field in ("curve", "stopped_step", "step_seconds"):
         try:
-            json.loads(state[field])
-        except ValueError:
-            raise _state_refused(path, f"has a {field} that is not JSON") from None
+            progress[field] = parse_json(state[field])
+        except ValueError as err:
+            raise _state_refused(
+                path, f"has a {field} that is not JSON ({first_line(err)})"
+            ) from None
     if state["spec"] != spec or state["seed"] != seed:
         raise _state_refused(
             path, f"holds {state['spec']!r} seed {state['seed']}, not {spec!r} seed {seed}"
         )
+    check_progress(
+        progress, fractions, lambda field, why: _state_refused(path, f"field {field} {why}")
+    )
     return state
 
 
@@ -614,7 +627,7 @@ class _Race:
         )
         path = None if self.state_path is None else self.state_path(run)
         if path is not None and (path.exists() or path.is_symlink()):
-            state = read_run_state(path, spec=spec, seed=seed)
+            state = read_run_state(path, spec=spec, seed=seed, fractions=self.fractions)
             try:
                 run.restore(state)
             except (RuntimeError, KeyError, ValueError, TypeError) as err:
@@ -794,14 +807,20 @@ def race(
             if entry.is_symlink() or (name != "state" and entry.is_dir()):
                 raise OutputError(f"out {str(target)!r}: {name} there is not a plain file")
         if (target / RUN_RECORD).is_file():
-            saved = read_run_record(target / RUN_RECORD)
+            saved = read_run_record(
+                target / RUN_RECORD, schemas={RACE_COMMAND: check_race_settings}
+            )
             if saved.command == RACE_COMMAND:
                 # The race's own message first: it names the settings as the command sets them.
                 _check_same_race(saved.settings, settings, target)
     with contextlib.ExitStack() as stack:
         if target is not None:
             stack.enter_context(
-                claim_run_folder(target, RunRecord(command=RACE_COMMAND, settings=settings))
+                claim_run_folder(
+                    target,
+                    RunRecord(command=RACE_COMMAND, settings=settings),
+                    schema=check_race_settings,
+                )
             )
         return _run_race(
             task,

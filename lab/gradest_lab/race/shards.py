@@ -29,6 +29,10 @@ evaluation fractions and the evaluation set, and on its own key; not on which ot
 the race has (its grid, its seeds, its estimators: those can grow). The race identity is
 a hash of the former, stored in every shard; a shard with another identity, another key or
 a malformed body is refused in one line naming the file and the field, and left untouched.
+A body is checked by :func:`gradest_lab.race.file_schemas.check_row` before any number of
+it is used: JSON nested at most :data:`~gradest_lab.storage.json_text.MAX_JSON_DEPTH`
+levels, every number finite, one curve point per budget fraction of the race (each at its
+fraction), steps, FLOPs and seconds never going down, one step time per step.
 """
 
 from __future__ import annotations
@@ -44,17 +48,20 @@ from typing import Any
 import attrs
 
 from gradest import InvalidValue
+from gradest_lab.race.file_schemas import check_row
+from gradest_lab.storage.file_schema import (
+    describe,
+    first_line,
+    is_int,
+    is_number,
+    require_finite_numbers,
+    require_object,
+)
 from gradest_lab.storage.files import atomic_write_text, refuse_symlinks
+from gradest_lab.storage.json_text import parse_json
 from gradest_lab.storage.process_lock import describe_holder, read_holder, try_lock
 
 SHARD_SCHEMA = "gradest.race-shard/1"
-# The fields a shard file must hold, and the types they must have.
-_ROW_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "steps": int,
-    "flops": (int, float),
-    "seconds": (int, float),
-    "curve": list,
-}
 
 __all__ = ["SHARD_SCHEMA", "ShardKey", "ShardStore", "lr_label", "race_identity"]
 
@@ -107,11 +114,18 @@ class ShardStore:
         root: the race folder.
         identity: :func:`race_identity` of the race's settings.
         name: the shard folder's name (``"shards"``; the ceiling run has its own).
+        fractions: the budget fractions every run of the store is evaluated at: a shard's
+            curve must have one point at each. None where the reader does not know them
+            (a look at committed shards): then the curve must be a finished run's, its
+            fractions increasing in (0, 1] and ending at 1.
     """
 
     root: Path
     identity: str
     name: str = "shards"
+    fractions: tuple[float, ...] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else tuple(v)
+    )
 
     def result_path(self, key: ShardKey) -> Path:
         return self.root / self.name / key.relative(".json")
@@ -145,11 +159,11 @@ class ShardStore:
         if not path.is_file():
             raise InvalidValue(f"{str(path)!r} is not a regular file; remove it to rerun the shard")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError) as err:
+            data = parse_json(path.read_bytes())
+        except (OSError, ValueError) as err:  # a UnicodeDecodeError is a ValueError
             raise InvalidValue(
-                f"{str(path)!r} is not a readable race shard ({err}); move it away to rerun "
-                f"{key.describe()}"
+                f"{str(path)!r} is not a readable race shard ({first_line(err)}); move it away "
+                f"to rerun {key.describe()}"
             ) from None
         return self._checked(path, data, key)
 
@@ -158,7 +172,7 @@ class ShardStore:
             return InvalidValue(f"{str(path)!r}: {field} {why}; move the file away to rerun it")
 
         if not isinstance(data, dict):
-            raise refuse("the file", f"holds a {type(data).__name__}, not a shard object")
+            raise refuse("the file", f"holds {describe(data)}, not a shard object")
         if data.get("schema") != SHARD_SCHEMA:
             raise refuse("schema", f"is {data.get('schema')!r}, expected {SHARD_SCHEMA!r}")
         if data.get("identity") != self.identity:
@@ -167,25 +181,21 @@ class ShardStore:
                 f"is {data.get('identity')!r}: a shard of another race (other task settings, "
                 f"budget, fractions or evaluation set than this race's {self.identity!r})",
             )
-        expected = {"spec": key.spec, "lr": key.lr, "seed": key.seed}
-        for field, value in expected.items():
-            if data.get(field) != value:
-                raise refuse(field, f"is {data.get(field)!r}, not {value!r}")
-        row = data.get("row")
-        if not isinstance(row, dict):
-            raise refuse("row", "is missing")
-        for field, kind in _ROW_FIELDS.items():
-            if not isinstance(row.get(field), kind) or isinstance(row.get(field), bool):
-                raise refuse(f"row.{field}", f"is {row.get(field)!r}")
-        for index, point in enumerate(row["curve"]):
-            if not isinstance(point, dict) or not all(
-                isinstance(point.get(k), int | float)
-                for k in ("fraction", "flops", "reward", "drift")
-            ):
-                raise refuse(
-                    f"row.curve[{index}]", "lacks a number for fraction, flops, reward or drift"
-                )
-        return row
+        # The key by type as well as value: to Python, true == 1 and 1 == 1.0.
+        lr = data.get("lr")
+        same = {
+            "spec": isinstance(data.get("spec"), str) and data.get("spec") == key.spec,
+            "lr": lr is None if key.lr is None else is_number(lr) and lr == key.lr,
+            "seed": is_int(data.get("seed")) and data.get("seed") == key.seed,
+        }
+        for field, ok in same.items():
+            if not ok:
+                expected = getattr(key, field)
+                raise refuse(field, f"is {describe(data.get(field))}, not {expected!r}")
+        require_object(data.get("environment", {}), refuse, "environment")
+        # Written with allow_nan=False: a NaN or Infinity anywhere is not what a race wrote.
+        require_finite_numbers(data, refuse)
+        return check_row(data.get("row"), refuse, seed=key.seed, fractions=self.fractions)
 
     def save(self, key: ShardKey, row: Mapping[str, Any], environment: Mapping[str, Any]) -> Path:
         """Write the finished run ``row`` of ``key`` atomically (with the environment it ran

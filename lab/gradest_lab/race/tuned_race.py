@@ -47,6 +47,7 @@ numbers would move with the machine's load between tuning and report).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -63,6 +64,7 @@ import torch
 
 from gradest import InvalidType, InvalidValue
 from gradest_lab.race.bootstrap import bootstrap_mean, paired_bootstrap, paired_ratio_bootstrap
+from gradest_lab.race.file_schemas import check_tuned_settings
 from gradest_lab.race.plain_race import (
     REFERENCE,
     RaceTask,
@@ -88,6 +90,9 @@ CEILING_FACTOR = 16.0
 CEILING_POINTS = 32
 MIN_GRID_POINTS = 5
 MIN_GRID_SPAN = 30.0
+# The most rates a grid may have: each is a run per estimator and tuning seed, and a count
+# past this is a typo, refused before the grid is built (lr=1e-4..1e-3:999999999).
+MAX_GRID_POINTS = 100
 # A tuned race evaluates at every eighth of the budget: time-to-target interpolates
 # between evaluation points, so they must be dense enough to place a crossing.
 DEFAULT_TUNED_FRACTIONS = tuple(i / 8 for i in range(1, 9))
@@ -97,6 +102,7 @@ _POLL_SECONDS = 2.0
 __all__ = [
     "DEFAULT_LEVELS",
     "DEFAULT_TUNED_FRACTIONS",
+    "MAX_GRID_POINTS",
     "PRIMARY_LEVEL",
     "TunedRaceReport",
     "check_lr_grid",
@@ -113,7 +119,8 @@ __all__ = [
 
 def parse_lr_grid(text: str) -> list[float]:
     """``lr=4e-5,1e-4,2.5e-4`` (the points) or ``lr=3e-5..1e-3:6`` (6 log-spaced points,
-    rounded to 2 significant digits): the ``--tune`` grid, increasing."""
+    rounded to 2 significant digits): the ``--tune`` grid, increasing, of at most
+    :data:`MAX_GRID_POINTS` rates (a larger count is refused before any rate is built)."""
     if not isinstance(text, str):
         raise InvalidType(f"--tune must be text like lr=3e-5..1e-3:6, got {text!r}")
     key, sep, value = text.partition("=")
@@ -124,6 +131,16 @@ def parse_lr_grid(text: str) -> list[float]:
         )
     value = value.strip()
     ranged = re.fullmatch(r"([^.:,]+(?:\.[^.:,]+)?)\.\.([^:,]+):(\d+)", value)
+    # The size first, from the text alone: nothing is built for a count past the bound (and
+    # a count of thousands of digits is not even converted).
+    asked = ranged[3] if ranged else str(value.count(",") + 1)
+    if len(asked) > 6 or int(asked) > MAX_GRID_POINTS:
+        shown = asked if len(asked) <= 12 else f"a count of {len(asked)} digits"
+        raise InvalidValue(
+            f"--tune {text if len(text) <= 60 else text[:57] + '...'!r}: a grid has at most "
+            f"{MAX_GRID_POINTS} rates (each is a run per estimator and tuning seed), got "
+            f"{shown}; e.g. lr=3e-5..1e-3:6"
+        )
     try:
         if ranged:
             low, high, count = float(ranged[1]), float(ranged[2]), int(ranged[3])
@@ -138,14 +155,29 @@ def parse_lr_grid(text: str) -> list[float]:
             f"--tune {text!r}: give lr=LOW..HIGH:COUNT (0 < LOW < HIGH, COUNT >= 2) or a comma "
             f"list of positive numbers, e.g. lr=3e-5..1e-3:6"
         ) from None
+    distinct = len(set(points))
+    if ranged and distinct < len(points):
+        fix = "give" if distinct < 2 else f"ask for at most {distinct} points or give"
+        raise InvalidValue(
+            f"--tune {text!r}: its {len(points)} log-spaced rates, rounded to 2 significant "
+            f"digits, are only {distinct} distinct {'rate' if distinct == 1 else 'rates'}; "
+            f"{fix} a wider range"
+        )
     return check_lr_grid(points, what=f"--tune {text!r}")
 
 
 def check_lr_grid(points: Iterable[Any], *, what: str = "lrs") -> list[float]:
-    """At least two distinct, increasing, positive finite learning rates."""
+    """At least two (at most :data:`MAX_GRID_POINTS`) distinct, increasing, positive finite
+    learning rates, each with a shard folder of its own (:func:`lr_label`)."""
     if isinstance(points, str | bytes):
         raise InvalidType(f"{what}: a list of learning rates, got {points!r}")
-    values = list(points)
+    # One past the bound is enough to refuse: a huge iterable is never listed whole.
+    values = list(itertools.islice(points, MAX_GRID_POINTS + 1))
+    if len(values) > MAX_GRID_POINTS:
+        raise InvalidValue(
+            f"{what}: a grid has at most {MAX_GRID_POINTS} learning rates (each is a run per "
+            f"estimator and tuning seed); give fewer"
+        )
     if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
         raise InvalidType(f"{what}: learning rates are numbers, got {values!r}")
     floats = [float(v) for v in values]
@@ -155,6 +187,15 @@ def check_lr_grid(points: Iterable[Any], *, what: str = "lrs") -> list[float]:
         raise InvalidValue(
             f"{what}: the learning rates must be distinct and increasing, got {values}"
         )
+    # Shards are stored by rate in folders named to 6 significant digits: two rates that
+    # share one would read each other's runs back (and each refuse the other's).
+    for before, now in itertools.pairwise(floats):
+        if lr_label(before) == lr_label(now):
+            raise InvalidValue(
+                f"{what}: {before!r} and {now!r} share the shard folder {lr_label(now)} (rates "
+                f"are told apart by 6 significant digits); drop one of them, or give rates "
+                f"that differ within 6 digits"
+            )
     return floats
 
 
@@ -202,7 +243,10 @@ def parse_seed_list(text: str, *, what: str = "--seeds") -> list[int]:
 def _check_seed_list(seeds: Iterable[Any], what: str) -> list[int]:
     if isinstance(seeds, str | bytes):
         raise InvalidType(f"{what} must be a list of ints, got {seeds!r}")
-    values = list(seeds)
+    # One past the bound is enough to refuse: a huge range is never listed whole.
+    values = list(itertools.islice(seeds, _MAX_SEEDS + 1))
+    if len(values) > _MAX_SEEDS:
+        raise InvalidValue(f"{what} lists more than {_MAX_SEEDS} seeds")
     if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values):
         raise InvalidValue(f"{what} must be a non-empty list of ints >= 0, got {values!r}")
     if len(set(values)) != len(values):
@@ -715,7 +759,9 @@ def tuned_race(
             record = RunRecord(
                 command=TUNED_RACE_COMMAND, settings={"identity": identity, **identity_settings}
             )
-            stack.enter_context(claim_run_folder(target, record, shared=True))
+            stack.enter_context(
+                claim_run_folder(target, record, shared=True, schema=check_tuned_settings)
+            )
         # -- the work starts here --
         measured = measure_budget(task, kind, value)
         if target is not None:
@@ -795,7 +841,12 @@ def _run_tuned_race(
         unit="run",
         disable=not show_progress,
     ) as bar:
-        main = runner(ShardStore(root, identity), measured.budget, fraction_list, bar)
+        main = runner(
+            ShardStore(root, identity, fractions=fraction_list),
+            measured.budget,
+            fraction_list,
+            bar,
+        )
         tuned = main.results(tuning_keys)
         tuning = {
             spec: {
@@ -813,7 +864,7 @@ def _run_tuned_race(
             {**identity_settings, "ceiling_factor": float(ceiling_factor), "points": ceiling_points}
         )
         bar.total += 1
-        ceiling_store = ShardStore(root, ceiling_identity, name="ceiling")
+        ceiling_store = ShardStore(root, ceiling_identity, name="ceiling", fractions=ceiling_points)
         ceiling_key = ShardKey(best[0], best[1], tune_list[0])
         ceiling_row = runner(
             ceiling_store, measured.budget * ceiling_factor, ceiling_points, bar

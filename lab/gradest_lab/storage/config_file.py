@@ -116,6 +116,12 @@ def load_defaults(path: str | Path, parser: argparse.ArgumentParser) -> dict[str
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise InvalidValue(f"--config {str(path)!r} is not valid TOML: {err}") from err
+    except RecursionError:
+        # tomllib recurses once per nested array or inline table, as json does per level.
+        raise InvalidValue(
+            f"--config {str(path)!r} is not valid TOML: it nests arrays or tables deeper than "
+            f"the parser can follow; settings are flat keys"
+        ) from None
     settable = _settable(parser)
     defaults = {}
     spelled: dict[str, str] = {}  # dest -> the key that set it

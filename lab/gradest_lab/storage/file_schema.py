@@ -3,12 +3,16 @@ files (``gradest_digits.file_schema``, ``gradest_recipes.file_schema``) build on
 
 A reader builds a ``refuse(field, why)`` that names its file, so that every failure is one
 :class:`~gradest.errors.InvalidValue` line naming the file and the field, and the file is
-never changed; the helpers here describe a value in such a line and check a field's kind.
+never changed; the helpers here describe a value in such a line and check a field by the
+same principles for every format: its type (a bool is not a number), its length, its bounds,
+the order of a sequence, finite numbers. JSON is parsed by
+:func:`gradest_lab.storage.json_text.parse_json` (nesting bounded, never a
+``RecursionError``).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +22,7 @@ from torch import Tensor
 
 from gradest import GradestError, InvalidValue
 from gradest_lab.storage.files import read_text
+from gradest_lab.storage.json_text import non_finite_field, parse_json
 
 __all__ = [
     "Refuse",
@@ -27,6 +32,13 @@ __all__ = [
     "is_number",
     "json_object",
     "read_report_json",
+    "require",
+    "require_finite",
+    "require_finite_numbers",
+    "require_increasing",
+    "require_int",
+    "require_list",
+    "require_object",
     "with_article",
 ]
 
@@ -68,12 +80,70 @@ def json_object(text: str, refuse: Refuse) -> dict[str, Any]:
     """The JSON object ``text`` holds: text that is not JSON, or JSON that is not an
     object, is one line from ``refuse``."""
     try:
-        data = json.loads(text)
+        data = parse_json(text)
     except ValueError as err:
         raise refuse("the text", f"is not JSON ({first_line(err)})") from None
     if not isinstance(data, dict):
         raise refuse("the file", f"holds {describe(data)}, not an object")
     return data
+
+
+def require(ok: bool, refuse: Refuse, field: str, value: Any, wanted: str) -> None:
+    """Refuse ``field`` unless ``ok``: ``field is <value>, not <wanted>``."""
+    if not ok:
+        raise refuse(field, f"is {describe(value)}, not {wanted}")
+
+
+def require_finite(value: Any, refuse: Refuse, field: str) -> None:
+    """``value`` is a finite number (not a bool, NaN or an infinity)."""
+    require(is_number(value) and math.isfinite(value), refuse, field, value, "a finite number")
+
+
+def require_int(value: Any, refuse: Refuse, field: str, *, low: int | None = None) -> int:
+    """``value`` is an integer (not a bool), at least ``low`` when given."""
+    wanted = "an integer" if low is None else f"an integer >= {low}"
+    require(is_int(value) and (low is None or value >= low), refuse, field, value, wanted)
+    return int(value)
+
+
+def require_object(value: Any, refuse: Refuse, field: str) -> dict[str, Any]:
+    """``value`` is a JSON object."""
+    require(isinstance(value, dict), refuse, field, value, "an object")
+    return value
+
+
+def require_list(
+    value: Any, refuse: Refuse, field: str, *, length: int | None = None, why: str = ""
+) -> list[Any]:
+    """``value`` is a list, of ``length`` items when given (``why`` says where that length
+    comes from: ``"one point per budget fraction"``)."""
+    wanted = "a list" if length is None else f"a list of {length}"
+    ok = isinstance(value, list) and (length is None or len(value) == length)
+    require(ok, refuse, field, value, f"{wanted} ({why})" if why else wanted)
+    return value
+
+
+def require_increasing(
+    values: Sequence[Any], refuse: Refuse, field: str, *, strict: bool, key: str = ""
+) -> None:
+    """The numbers ``values`` (each item's ``key`` where given) never go down, and with
+    ``strict`` never repeat: the first that breaks the order is refused by name."""
+    for index in range(1, len(values)):
+        before, now = values[index - 1], values[index]
+        if key:
+            before, now = before[key], now[key]
+        if now < before or (strict and now == before):
+            item = f"{field}[{index}]" + (f".{key}" if key else "")
+            order = "increase" if strict else "not decrease"
+            raise refuse(item, f"is {describe(now)} after {describe(before)}: it must {order}")
+
+
+def require_finite_numbers(data: Any, refuse: Refuse) -> None:
+    """Every number in the parsed JSON ``data`` is finite: a ``NaN`` or ``Infinity`` literal
+    (which the parser accepts and no gradest writer writes) is refused by its field."""
+    field = non_finite_field(data)
+    if field is not None:
+        raise refuse(field, "is not a finite number (NaN or Infinity)")
 
 
 def first_line(err: BaseException, *, limit: int = 200) -> str:
@@ -110,7 +180,7 @@ def read_report_json(
         file = file / "report.json"
     what = " or ".join(dict.fromkeys(kinds.values()))
     try:
-        data = json.loads(read_text(file, what="the report"))
+        data = parse_json(read_text(file, what="the report"))
     except (GradestError, ValueError) as err:
         raise InvalidValue(f"{str(file)!r} is not a readable {what}.json ({err})") from None
     if not isinstance(data, dict) or data.get("schema") not in kinds:

@@ -47,6 +47,7 @@ from typing import IO, Any
 
 from gradest import GradestError, InvalidValue
 from gradest_lab.errors import MissingFile
+from gradest_lab.storage.json_text import parse_json
 
 _TMP_SUFFIX = ".tmp"
 
@@ -187,16 +188,17 @@ def read_text(path: str | os.PathLike[str], *, what: str) -> str:
 
 def read_json(path: str | os.PathLike[str], *, what: str) -> Any:
     """The JSON value in a file gradest reads (a config), or one line naming it: the file
-    rule of :func:`read_text` (a regular file of UTF-8 text), then JSON.
+    rule of :func:`read_text` (a regular file of UTF-8 text), then JSON, nested at most
+    :data:`~gradest_lab.storage.json_text.MAX_JSON_DEPTH` levels.
 
     Raises:
         MissingFile: nothing is there.
-        InvalidValue: not a regular file, not UTF-8, or not JSON (with the parser's
-            position).
+        InvalidValue: not a regular file, not UTF-8, not JSON (with the parser's
+            position), or nested deeper than the bound.
     """
     text = read_text(path, what=what)
     try:
-        return json.loads(text)
+        return parse_json(text)
     except ValueError as err:
         raise InvalidValue(f"{what} {str(path)!r} is not JSON: {err}") from None
 
@@ -458,8 +460,8 @@ class JsonLog:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as err:
+                record = parse_json(line)
+            except ValueError as err:  # a UnicodeDecodeError too
                 raise JsonLogError(
                     f"{str(self.path)!r} line {number} is not a JSON record ({err}); the log "
                     f"is damaged or is not a gradest log: it is left as it is; start a new "

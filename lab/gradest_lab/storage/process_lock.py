@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 
 from gradest_lab.storage.files import OutputError
+from gradest_lab.storage.json_text import parse_json
 
 __all__ = ["HeldLock", "describe_holder", "read_holder", "try_lock"]
 
@@ -144,7 +145,7 @@ def read_holder(path: str | os.PathLike[str]) -> Mapping[str, Any] | None:
         else:
             return None  # free: nobody holds it
         try:
-            info = json.loads(os.pread(fd, 65536, 0).decode())
+            info = parse_json(os.pread(fd, 65536, 0))
         except (OSError, ValueError):
             return {}
         return info if isinstance(info, dict) else {}

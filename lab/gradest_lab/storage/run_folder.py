@@ -32,9 +32,12 @@ applications' ``gradest finetune``, ``gradest pretrain`` and recipe runs) opens 
 * **Nothing through links.** ``run.json`` and the lock file must not be symbolic links;
   the folder itself may be reached through one (it is the path the user named).
 
-:class:`RunRecord` is the file's schema: reading one that is not JSON, not an object, of
-another schema or with a missing or mistyped field is one line naming the file and the
-field, and the file is left as it is.
+:class:`RunRecord` is the file's schema: reading one that is not JSON, nested deeper than
+:data:`~gradest_lab.storage.json_text.MAX_JSON_DEPTH`, not an object, of another schema,
+with a missing or mistyped field or a non-finite number is one line naming the file and
+the field, and the file is left as it is. The settings are each command's own: a command
+states their schema (:data:`SettingsSchema`, such as the race's task settings being an
+object), checked when its own folder's record is read back.
 """
 
 from __future__ import annotations
@@ -43,14 +46,14 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from gradest import InvalidValue
-from gradest_lab.storage.file_schema import json_object
+from gradest_lab.storage.file_schema import Refuse, json_object, require_finite_numbers
 from gradest_lab.storage.files import (
     OutputError,
     check_output_dir,
@@ -67,6 +70,7 @@ __all__ = [
     "FolderInUse",
     "RunFolder",
     "RunRecord",
+    "SettingsSchema",
     "claim_run_folder",
     "describe_entries",
     "foreign_entries",
@@ -79,6 +83,11 @@ RUN_LOCK = ".gradest-run.lock"
 RUN_SCHEMA = "gradest.run/1"
 # Entries that say nothing about whose folder it is (a desktop's or an editor's droppings).
 _IGNORED = frozenset({RUN_LOCK, ".DS_Store", "Thumbs.db", "desktop.ini"})
+
+
+#: ``schema(settings, refuse)``: a command's check of its run's settings as read back from
+#: ``run.json``; ``refuse(field, why)`` names the file and ``settings.<field>``.
+SettingsSchema = Callable[[Mapping[str, Any], Refuse], None]
 
 
 class FolderInUse(OutputError):
@@ -129,12 +138,20 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, allow_nan=True, default=repr)
 
 
-def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
+def read_run_record(
+    path: str | os.PathLike[str], *, schemas: Mapping[str, SettingsSchema] | None = None
+) -> RunRecord:
     """The :class:`RunRecord` in the file ``path`` (a folder's ``run.json``).
 
+    Args:
+        path: the file.
+        schemas: per command, the schema of its settings: a record of one of these
+            commands has its settings checked by it (another command's are JSON values).
+
     Raises:
-        InvalidValue / MissingFile: the file is missing, a link, not UTF-8 JSON, or lacks
-            a field of the schema (naming the file and the field); it is left as it is.
+        InvalidValue / MissingFile: the file is missing, a link, not UTF-8 JSON, nested
+            too deep, holds a non-finite number, or lacks or mistypes a field of the schema
+            (naming the file and the field); it is left as it is.
     """
     source = Path(path)
     refuse_symlinks([source], what=f"the run record {str(source)!r}")
@@ -156,6 +173,11 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
         raise refuse("settings", f"is {type(settings).__name__}, not an object")
     if not isinstance(lineage, list) or not all(isinstance(item, str) for item in lineage):
         raise refuse("lineage", f"is {lineage!r}, not a list of paths")
+    # Written with allow_nan=False: a NaN or Infinity is not what gradest wrote.
+    require_finite_numbers(data, refuse)
+    schema = (schemas or {}).get(command)
+    if schema is not None:
+        schema(settings, lambda field, why: refuse(f"settings.{field}", why))
     return RunRecord(command=command, settings=settings, lineage=tuple(lineage))
 
 
@@ -231,6 +253,7 @@ def claim_run_folder(
     resume: bool | None = None,
     resume_hint: str | None = None,
     shared: bool = False,
+    schema: SettingsSchema | None = None,
 ) -> Iterator[RunFolder]:
     """Open the run folder ``path`` for ``record``'s run, by the module's rule.
 
@@ -252,6 +275,8 @@ def claim_run_folder(
             (``"gradest finetune --resume runs/ft"``), for the message.
         shared: several processes write this run at once (each locks its own pieces):
             the folder lock is not taken.
+        schema: the schema of the settings of ``record.command``'s runs, checked on the
+            folder's ``run.json`` when it is of that command (:func:`read_run_record`).
 
     Raises:
         FolderInUse: a live process holds the folder (naming it).
@@ -295,7 +320,10 @@ def claim_run_folder(
         raise
     published, failed = False, False
     try:
-        continued = _check_owner(folder, record, shown, resume=resume, resume_hint=resume_hint)
+        schemas = {} if schema is None else {record.command: schema}
+        continued = _check_owner(
+            folder, record, shown, resume=resume, resume_hint=resume_hint, schemas=schemas
+        )
         published = not continued
         yield RunFolder(path=folder, record=record, continued=continued, lock=lock)
     except BaseException:
@@ -345,13 +373,14 @@ def _check_owner(
     *,
     resume: bool | None,
     resume_hint: str | None,
+    schemas: Mapping[str, SettingsSchema],
 ) -> bool:
     """Whether ``folder`` already holds ``record``'s run (True) or is new to it (False,
     after writing ``run.json``); refuses anything else."""
     for _ in range(2):
         record_path = folder / RUN_RECORD
         if record_path.is_file():
-            saved = read_run_record(record_path)
+            saved = read_run_record(record_path, schemas=schemas)
             if saved.command != record.command:
                 raise InvalidValue(
                     f"{shown} holds {_describe(saved)}, not a {record.command!r} run; a "

@@ -17,6 +17,9 @@ differently:
   :func:`adam_cosine`, :func:`sign_agreement`, :func:`tensor_stats`, :func:`mean_of`);
 * **common random numbers**: :func:`draw_generator`, the generator of one draw on one
   trajectory, and :func:`is_stochastic`;
+* **the chain's contraction**: :func:`chain_contraction`, ``||dz_N/dz_k||_2`` per step and
+  sample of a recorded trajectory by power iteration (:class:`ChainContraction`), the
+  condition of the one-step estimators' error bound;
 * **strict JSON**: :func:`json_safe` / :func:`json_restored`, how ``report.json`` writes
   and reads back non-finite numbers.
 
@@ -31,6 +34,7 @@ from gradest.harness.comparison import (
     is_stochastic,
     prepare_compare,
 )
+from gradest.harness.contraction import ChainContraction, chain_contraction
 from gradest.harness.cost import (
     FlopCounter,
     StorageTracker,
@@ -55,6 +59,7 @@ from gradest.harness.tensor_metrics import (
 )
 
 __all__ = [
+    "ChainContraction",
     "CostRow",
     "Estimate",
     "EstimatorRow",
@@ -66,6 +71,7 @@ __all__ = [
     "TensorStats",
     "TrajectoryStats",
     "adam_cosine",
+    "chain_contraction",
     "compare",
     "count_flops",
     "draw_generator",

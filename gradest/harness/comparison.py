@@ -4,6 +4,9 @@ Every estimator sees the same trajectories (one per seed, sampled with the curre
 model) and the same generator seeds for its random choices (common random numbers), so
 differences between rows are differences between estimators, not between draws.
 Stochastic estimators are drawn ``draws`` times per trajectory; deterministic ones once.
+For a terminal objective the report also holds the chain's contraction on the first
+trajectory (:func:`~gradest.harness.contraction.chain_contraction`), the condition the
+one-step estimators' (``sdo``, ``drtune``) error bound rests on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tqdm import tqdm
 
 from gradest._checks import check_allocation, check_estimate_grads, trainable_parameters
 from gradest.errors import InvalidType, InvalidValue
+from gradest.harness.contraction import chain_contraction
 from gradest.harness.cost import (
     COST_DRAWS,
     count_flops,
@@ -48,6 +52,13 @@ from gradest.samplers import AffineSampler
 from gradest.trajectory import Trajectory, rollout
 
 NoiseFn = Callable[[int], Tensor]
+# compare()'s default power iterations of the chain's contraction: few, to keep its cost
+# small beside the estimates; the report prints the last change, so a measurement that
+# has not converged says so.
+CONTRACTION_ITERS = 8
+# About this many evenly spaced steps measured (contraction_steps): chain k costs N - k
+# rows of each sweep, so at N = 50 ten steps cost 275 rows where all fifty cost 1275.
+CONTRACTION_POINTS = 10
 CondFn = Callable[[int], Mapping[str, Any] | None]
 
 
@@ -85,6 +96,14 @@ def short_label(est: Any) -> str:
     return name + (":" + ",".join(changed) if changed else "")
 
 
+def contraction_steps(num_steps: int) -> list[int]:
+    """The steps ``k`` at which :func:`compare` measures the chain's contraction: every
+    ``ceil(N / CONTRACTION_POINTS)``-th step from 0 (every step when ``N <= 10``) and
+    ``N // 2``, the middle its report quotes."""
+    stride = math.ceil(num_steps / CONTRACTION_POINTS)
+    return sorted(set(range(0, num_steps, stride)) | {num_steps // 2})
+
+
 def draw_generator(seed: int, draw: int) -> torch.Generator:
     """The generator of draw ``draw`` on trajectory ``seed``: the same for every estimator."""
     return torch.Generator().manual_seed(1_000_003 * seed + draw)
@@ -120,6 +139,7 @@ def compare(
     timing_repeats: int = 5,
     measure_cost: bool = True,
     show_progress: bool = True,
+    contraction_iters: int = CONTRACTION_ITERS,
 ) -> Report:
     """Measure each estimator's agreement with the reference gradient and its cost.
 
@@ -141,6 +161,14 @@ def compare(
         timing_repeats: repeats of the wall-time measurement (median, interleaved).
         measure_cost: also measure FLOPs, retained activation bytes and wall time.
         show_progress: a progress bar on stderr.
+        contraction_iters: power iterations of the chain's contraction
+            (:func:`~gradest.harness.contraction.chain_contraction` at the steps
+            :func:`contraction_steps` lists, on the first seed's trajectory, start vectors
+            from ``draw_generator(seed, 0)``), measured for a terminal objective only (a
+            stepwise one never differentiates through the chain); 0 skips it. Each
+            iteration costs ``N`` JVP and ``N`` VJP calls on ``sum_k (N - k) x B`` rows
+            each way over the measured ``k``: at ``N = 50``, 275 B, about 5.5 rollouts'
+            worth of rows.
 
     Returns:
         A :class:`~gradest.harness.report.Report`.
@@ -158,6 +186,7 @@ def compare(
         timing_repeats=timing_repeats,
         measure_cost=measure_cost,
         show_progress=show_progress,
+        contraction_iters=contraction_iters,
     ).run()
 
 
@@ -184,6 +213,7 @@ class PreparedCompare:
     timing_repeats: int
     measure_cost: bool
     show_progress: bool
+    contraction_iters: int = 0
 
     def run(self) -> Report:
         """Measure every estimator against the reference (the work of :func:`compare`)."""
@@ -204,6 +234,7 @@ def prepare_compare(
     timing_repeats: int = 5,
     measure_cost: bool = True,
     show_progress: bool = True,
+    contraction_iters: int = CONTRACTION_ITERS,
 ) -> PreparedCompare:
     """Check :func:`compare`'s arguments (same meaning) without doing any of its work.
 
@@ -240,6 +271,15 @@ def prepare_compare(
         raise InvalidValue(f"draws must be an int >= 1, got {draws!r}")
     if not isinstance(timing_repeats, int) or timing_repeats < 1:
         raise InvalidValue(f"timing_repeats must be an int >= 1, got {timing_repeats!r}")
+    if (
+        not isinstance(contraction_iters, int)
+        or isinstance(contraction_iters, bool)
+        or contraction_iters < 0
+    ):
+        raise InvalidValue(
+            f"contraction_iters must be an int >= 0 (0 skips the measurement), "
+            f"got {contraction_iters!r}"
+        )
     if not callable(noise_fn):
         raise InvalidType(
             f"noise_fn must be callable as noise_fn(seed) -> Tensor, got {noise_fn!r}"
@@ -268,6 +308,7 @@ def prepare_compare(
         timing_repeats=timing_repeats,
         measure_cost=measure_cost,
         show_progress=show_progress,
+        contraction_iters=contraction_iters,
     )
 
 
@@ -304,7 +345,12 @@ def _run_compare(plan: PreparedCompare) -> Report:
         check_estimate_grads(est, result, params)
         return result
 
-    total_work = len(resolved) * len(seed_list) + (len(resolved) + 1) * int(plan.measure_cost)
+    measure_contraction = plan.contraction_iters > 0 and isinstance(objective, TerminalObjective)
+    total_work = (
+        len(resolved) * len(seed_list)
+        + (len(resolved) + 1) * int(plan.measure_cost)
+        + int(measure_contraction)
+    )
     progress = tqdm(
         total=total_work, desc="gradest compare", disable=not plan.show_progress, leave=False
     )
@@ -374,6 +420,21 @@ def _run_compare(plan: PreparedCompare) -> Report:
             )
         )
 
+    contraction = None
+    if measure_contraction:
+        first_seed = seed_list[0]
+        measured = chain_contraction(
+            model,
+            sampler,
+            trajectory_of(first_seed),
+            cond_of(first_seed),
+            iters=plan.contraction_iters,
+            steps=contraction_steps(sampler.num_steps),
+            generator=draw_generator(first_seed, 0),
+        )
+        contraction = {"seed": first_seed, **measured.summary()}
+        progress.update(1)
+
     costs: dict[str, CostRow] = {}
     if plan.measure_cost:
         costs = _measure_costs(
@@ -407,7 +468,7 @@ def _run_compare(plan: PreparedCompare) -> Report:
         "machine": platform.machine(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    return Report(config=config, rows=rows)
+    return Report(config=config, rows=rows, contraction=contraction)
 
 
 def _measure_costs(
@@ -480,6 +541,7 @@ def _measure_costs(
 __all__ = [
     "PreparedCompare",
     "compare",
+    "contraction_steps",
     "draw_generator",
     "is_stochastic",
     "prepare_compare",

@@ -19,7 +19,15 @@ JSON schema ``gradest.report/1`` (documented in docs/harness.md)::
                      "efficiency": mse x flops_ratio | null,
                      "fallback_fraction": float | null,
                      "reconstruction_error": {"mean", "stderr"} | null,
-                     "gate_cosines": [float | null], "groups": [[int]]}]}
+                     "gate_cosines": [float | null], "groups": [[int]]}],
+     "contraction": {seed, iters, samples, steps, mean, max, start_step, at_start,
+                     middle_step, at_middle, largest_step, largest, per_step,
+                     last_change} | null}
+
+``contraction`` is ``||dz_N/dz_k||_2`` on the first trajectory at the measured ``steps``
+``k`` (``mean`` / ``max`` over its samples, one per step;
+:meth:`gradest.harness.ChainContraction.summary` says what each field is), for a terminal
+objective; null for a stepwise one or when it was skipped.
 
 Ratios are to the reference (exact) estimator measured in the same process. The file is
 strict JSON: a non-finite float is the string ``"NaN"``, ``"Infinity"`` or
@@ -203,10 +211,14 @@ class Report:
     Attributes:
         config: the setup (model, steps, objective, seeds, ...).
         rows: one :class:`EstimatorRow` per estimator, in the order given.
+        contraction: the chain's contraction on the first trajectory
+            (:meth:`gradest.harness.ChainContraction.summary` plus its ``seed``), or None
+            (a stepwise objective, or not measured).
     """
 
     config: dict[str, Any]
     rows: list[EstimatorRow]
+    contraction: dict[str, Any] | None = None
 
     def row(self, spec_or_name: str) -> EstimatorRow:
         """The row whose spec or label is ``spec_or_name``, else the first of that name
@@ -224,6 +236,7 @@ class Report:
             "schema": SCHEMA,
             "config": self.config,
             "estimators": [r.to_dict() for r in self.rows],
+            "contraction": self.contraction,
         }
 
     def to_json(self) -> str:
@@ -273,6 +286,8 @@ class Report:
                     for t in tensors
                 ),
             ]
+        if self.contraction is not None:
+            lines += ["", *_contraction_lines(self.contraction)]
         debias = (c.get("sweeps") or {}).get("debias")
         if debias:
             lines += [
@@ -289,6 +304,25 @@ class Report:
                 ),
             ]
         return "\n".join(lines) + "\n"
+
+
+def _contraction_lines(summary: dict[str, Any]) -> list[str]:
+    """report.md's lines on the chain's contraction (:meth:`ChainContraction.summary`)."""
+    middle, steps = summary["at_middle"], summary["steps"]
+    where = ", ".join(str(k) for k in steps) if len(steps) <= 12 else f"{len(steps)} steps"
+    return [
+        f"Chain contraction (the condition of sdo's error bound): the largest singular value "
+        f"of dz_N/dz_k at k = {where}, mean over the {summary['samples']} samples of "
+        f"trajectory {summary['seed']}, {summary['iters']} power iterations (largest last "
+        f"relative change {_fmt(summary['last_change'], '.1e')}); below 1, every "
+        f"perturbation of z_k shrinks by z_N:",
+        "",
+        f"| k = {summary['start_step']} | k = N/2 = {summary['middle_step']} "
+        f"| largest measured (k = {summary['largest_step']}) | per step (geometric mean) |",
+        "|---|---|---|---|",
+        f"| {_fmt(summary['at_start'], '.4g')} | {_fmt(middle, '.4g')} "
+        f"| {_fmt(summary['largest'], '.4g')} | {_fmt(summary['per_step'], '.6g')} |",
+    ]
 
 
 def _param_vjps(row: EstimatorRow) -> str:

@@ -72,6 +72,8 @@ def plot_report(report: Any, folder: Path) -> list[Path]:
         written.append(_tau_sweep(sweeps["tau"], folder))
     if sweeps.get("debias"):
         written.append(_debias_sweep(sweeps["debias"], folder))
+    if report.contraction is not None:
+        written.append(_contraction(report.contraction, folder))
     return [p for p in written if p is not None]
 
 
@@ -169,6 +171,28 @@ def _debias_sweep(rows: list[dict[str, float]], folder: Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return _save_tight(plt, fig, folder / "jagg_debias.png")
+
+
+def _contraction(summary: dict[str, Any], folder: Path) -> Path:
+    """||dz_N/dz_k||_2 against k (mean and largest over the samples), with the line at 1
+    below which every perturbation of z_k shrinks by the end of the chain."""
+    plt, fig, ax = _figure(6, 4)
+    ax.plot(summary["steps"], summary["mean"], marker="o", markersize=3, label="mean")
+    ax.plot(summary["steps"], summary["max"], linestyle=":", label="largest sample")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    values = [v for v in (*summary["mean"], *summary["max"]) if v > 0]
+    if values and max(values) > 10 * min(values):  # a log axis only for a wide range
+        ax.set_yscale("log")
+    ax.set_xlabel("step k (0 = noise)")
+    ax.set_ylabel("||dz_N / dz_k||₂")
+    ax.set_title(
+        f"chain contraction, trajectory {summary['seed']}\n"
+        f"({summary['samples']} samples, {summary['iters']} power iterations)",
+        fontsize=10,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save_tight(plt, fig, folder / "contraction.png")
 
 
 def _line_styles() -> Iterator[dict[str, Any]]:

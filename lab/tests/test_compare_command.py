@@ -115,11 +115,18 @@ def test_cli_compare_end_to_end(tmp_path, capsys):
         "jagg_span.png",
         "tau_sweep.png",
         "jagg_debias.png",
+        "contraction.png",
     } <= names
-    sweeps = json.loads((out / "report.json").read_text())["config"]["sweeps"]
+    data = json.loads((out / "report.json").read_text())
+    sweeps = data["config"]["sweeps"]
     assert abs(sweeps["span"]["orders"]["1"]["slope"] - 2) <= 0.3
     assert [row["debias"] for row in sweeps["debias"]] == [0, 1, 2, 4, 8]
     assert "jagg debias sweep" in printed
+    # The chain's contraction on the first trajectory, every step of the 8 (N <= 10).
+    contraction = data["contraction"]
+    assert contraction["steps"] == list(range(8)) and len(contraction["mean"]) == 8
+    assert contraction["seed"] == 0 and contraction["samples"] == 8
+    assert "Chain contraction" in printed
 
 
 def test_default_compare_leaves_terminal_only_estimators_out_of_a_stepwise_run(tmp_path, capsys):

@@ -5,7 +5,10 @@ or one an application registers under ``gradest.problems``, such as ``digits``),
 the estimators with :func:`gradest.harness.compare` and writes ``report.md``,
 ``report.json`` and the plots to ``--out``, a run folder
 (:mod:`gradest_lab.storage.run_folder`) that holds one compare. Every argument is checked
-before the folder is looked at.
+before the folder is looked at. For a terminal objective the report also holds the
+chain's contraction on the first trajectory (``||dz_N/dz_k||_2`` at about ten steps,
+:func:`gradest.harness.chain_contraction` with ``compare``'s default iterations), and the
+plots ``contraction.png``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,13 +195,93 @@ def _contraction(summary: dict[str, Any], folder: Path) -> Path:
     return _save_tight(plt, fig, folder / "contraction.png")
 
 
-def _line_styles() -> Iterator[dict[str, Any]]:
-    """Colour and dash for each line of a plot: the ten tab10 colours, then again dashed,
-    dotted, dash-dotted, so that up to 40 estimators stay apart (a race's full line-up has
-    fifteen)."""
-    for dash in ("-", "--", ":", "-."):
-        for index in range(10):
-            yield {"color": f"C{index}", "linestyle": dash}
+#: The estimators of the committed races, each with its own fixed slot in the style map (a
+#: new estimator is appended, never inserted, so every other keeps its style).
+_KNOWN_SPECS = (
+    "sdo:samples=4",
+    "alignprop",
+    "sdo",
+    "drtune",
+    "truncated:k=1",
+    "truncated:random=uniform,k_min=2",
+    "draft_lv",
+    "refl",
+    "jagg:window=4",
+    "jagg:window=4,tau=-1",
+    "telescope",
+    "auto",
+    "auto:candidates=(exact,sdo,sdo:samples=4,alignprop),probe_budget=300",
+    # past the thirteen colours: these two share one with the first two slots (told apart by
+    # dash and marker), estimators no committed race runs beside them
+    "jagg:window=4,tau=0.9",
+    "truncated:random=uniform",
+)
+#: Thirteen colours told apart on white (tab10 without its grey, which is close to the
+#: ceiling line, and four dark ones from tab20b); black is exact's.
+_PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#bcbd22",
+    "#17becf",
+    "#393b79",
+    "#637939",
+    "#843c39",
+    "#7b4173",
+)
+_DASHES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X")
+#: Slot ``i`` is (colour ``i % 13``, dash ``i % 4``, marker ``i % 7``): the colour-and-dash
+#: pairs repeat only after 52 slots, the triples after 364.
+_SLOTS = len(_PALETTE) * len(_DASHES) * len(_MARKERS)
+_EXACT_STYLE = {"color": "black", "linestyle": "-", "marker": "o", "linewidth": 2.4}
+
+
+def _slot_style(slot: int) -> dict[str, Any]:
+    return {
+        "color": _PALETTE[slot % len(_PALETTE)],
+        "linestyle": _DASHES[slot % len(_DASHES)],
+        "marker": _MARKERS[slot % len(_MARKERS)],
+        "linewidth": 1.3,
+    }
+
+
+def race_styles(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The line style (``color``, ``linestyle``, ``marker``, ``linewidth``) of each estimator
+    of a race plot, shared by every race plot: ``exact`` is black and thick (the reference),
+    an estimator of :data:`_KNOWN_SPECS` has its fixed slot whatever the line-up, any other
+    one a slot hashed from its spec (the next free one if that is taken in this figure).
+    No two specs of ``specs`` get the same (colour, dash, marker)."""
+    import hashlib
+
+    from gradest_lab.race.plain_race import REFERENCE
+
+    styles: dict[str, dict[str, Any]] = {}
+    taken: set[int] = set()
+    for spec in specs:
+        if spec in _KNOWN_SPECS:
+            taken.add(_KNOWN_SPECS.index(spec))
+    for spec in specs:
+        if spec in styles:
+            continue
+        if spec == REFERENCE:
+            styles[spec] = dict(_EXACT_STYLE)
+            continue
+        if spec in _KNOWN_SPECS:
+            slot = _KNOWN_SPECS.index(spec)
+        else:
+            digest = int(hashlib.sha256(spec.encode()).hexdigest(), 16)
+            free = _SLOTS - len(_KNOWN_SPECS)
+            slot = len(_KNOWN_SPECS) + digest % free
+            while slot in taken:
+                slot = len(_KNOWN_SPECS) + (slot - len(_KNOWN_SPECS) + 1) % free
+            taken.add(slot)
+        styles[spec] = _slot_style(slot)
+    return styles
 
 
 def _band_line(
@@ -217,42 +297,64 @@ def _band_line(
 
     bands = [bootstrap_mean(list(values)) for values in samples]
     means = [band.mean for band in bands]
-    ax.plot(xs, means, marker="o", markersize=3, **style, **kw)
+    ax.plot(xs, means, markersize=3.5, **style, **kw)
     ax.fill_between(
         xs,
         [band.low for band in bands],
         [band.high for band in bands],
         color=style["color"],
-        alpha=0.15,
+        alpha=0.08,
         linewidth=0,
     )
     return means
 
 
 def _legend_outside(ax: Any) -> None:
-    """The legend right of the axes, where it hides no curve (a full line-up has 15)."""
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    """The legend right of the axes, where it hides no curve (a full line-up has 15); the
+    figure is saved with ``bbox_inches="tight"`` (:func:`_save_outside`) so it is kept."""
+    ax.legend(
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0.0,
+        frameon=False,
+        handlelength=3.5,
+    )
 
 
-def plot_race(report: Any, folder: Path) -> list[Path]:
-    """``reward_vs_compute.png`` of a race (:class:`gradest_lab.race.plain_race.RaceReport`): per
-    estimator the mean reward over seeds against the mean compute at each evaluation
-    point, with its 95% bootstrap band (resampling seeds), the pretrained model at
-    compute 0, and the ceiling (dashed) when the task knows it."""
-    plt, fig, ax = _figure(6.4, 4.2)
+def _save_outside(plt: Any, fig: Any, path: Path) -> Path:
+    """A figure whose legend lies outside its axes, saved with the canvas grown to hold it."""
+    from gradest_lab.storage.files import atomic_write
+
+    try:
+        atomic_write(
+            path, lambda file: fig.savefig(file, format="png", dpi=120, bbox_inches="tight")
+        )
+    finally:
+        plt.close(fig)
+    return path
+
+
+_CEILING = {"color": "0.45", "linestyle": (0, (6, 3)), "linewidth": 1, "label": "ceiling"}
+
+
+def race_figure(report: Any) -> tuple[Any, Any, Any]:
+    """``(plt, fig, ax)`` of a plain race's ``reward_vs_compute.png``, legend drawn, not saved."""
+    plt, fig, ax = _figure(7.0, 4.2)
     initial = report.initial["reward"]
     fractions = report.config["fractions"]
-    for spec, style in zip(report.runs, _line_styles(), strict=False):
+    styles = race_styles(list(report.runs))
+    for spec in report.runs:
         xs = [0.0]
         samples: list[Sequence[float]] = [[initial]]
         for i in range(len(fractions)):
             compute = report.at_fraction(spec, i, report.axis)
             xs.append(sum(compute) / len(compute) / report.unit)
             samples.append(report.at_fraction(spec, i))
-        _band_line(ax, xs, samples, style, label=spec)
+        _band_line(ax, xs, samples, styles[spec], label=spec)
     ceiling = report.config.get("ceiling")
     if ceiling is not None and math.isfinite(ceiling):
-        ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label="ceiling")
+        ax.axhline(ceiling, **_CEILING)
     ax.set_xlabel(f"compute ({report.unit_name})")
     ax.set_ylabel("reward on the fixed evaluation set")
     ax.set_title(
@@ -260,27 +362,29 @@ def plot_race(report: Any, folder: Path) -> list[Path]:
         f"{len(report.config['seeds'])} seeds",
         fontsize=9,
     )
-    ax.legend(fontsize=7)
-    path = folder / "reward_vs_compute.png"
-    _save(plt, fig, path)
-    return [path]
+    ax.grid(True, alpha=0.25)
+    _legend_outside(ax)
+    return plt, fig, ax
 
 
-def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
-    """A tuned race's two pictures (:class:`gradest_lab.race.tuned_race.TunedRaceReport`):
+def plot_race(report: Any, folder: Path) -> list[Path]:
+    """``reward_vs_compute.png`` of a race (:class:`gradest_lab.race.plain_race.RaceReport`): per
+    estimator the mean reward over seeds against the mean compute at each evaluation
+    point, with its 95% bootstrap band (resampling seeds), the pretrained model at
+    compute 0, and the ceiling (dashed) when the task knows it."""
+    plt, fig, _ = race_figure(report)
+    return [_save_outside(plt, fig, folder / "reward_vs_compute.png")]
 
-    * ``reward_vs_compute.png``: per estimator, at its lr chosen for the full budget, the
-      mean reward over the report seeds against compute (exact steps), with its 95%
-      bootstrap band, the pretrained model at 0 and the measured ceiling (dashed);
-    * ``tuning_curves.png``: per estimator, the mean final reward over the tuning seeds
-      against the lr (log axis) with its band, the chosen lr marked.
-    """
+
+def tuned_reward_figure(report: Any) -> tuple[Any, Any, Any]:
+    """``(plt, fig, ax)`` of a tuned race's ``reward_vs_compute.png``, not saved."""
     from gradest_lab.race.shards import lr_label
 
     config, initial = report.config, report.initial["reward"]
     choices = report.choices()
-    plt, fig, ax = _figure(9.0, 4.2)
-    for spec, style in zip(config["estimators"], _line_styles(), strict=False):
+    styles = race_styles(config["estimators"])
+    plt, fig, ax = _figure(7.0, 4.6)
+    for spec in config["estimators"]:
         lr = choices[spec]["by_fraction"][-1]
         rows = report.runs[spec][lr_label(lr)]
         xs = [0.0]
@@ -288,27 +392,44 @@ def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
         for i in range(len(config["fractions"])):
             xs.append(sum(r["curve"][i]["flops"] for r in rows) / len(rows) / report.unit)
             samples.append([r["curve"][i]["reward"] for r in rows])
-        _band_line(ax, xs, samples, style, label=f"{spec} (lr {lr:.2g})")
-    ax.axhline(report.ceiling, color="black", linestyle="--", linewidth=1, label="ceiling")
+        _band_line(ax, xs, samples, styles[spec], label=f"{spec} (lr {lr:.2g})")
+    ax.axhline(report.ceiling, **_CEILING)
     ax.set_xlabel("compute (exact training steps)")
     ax.set_ylabel("reward on the fixed evaluation set")
     ax.set_title(
         f"{config['task']}: tuned lrs, mean and 95% band over {len(config['seeds'])} report seeds",
         fontsize=9,
     )
+    ax.grid(True, alpha=0.25)
     _legend_outside(ax)
-    first = _save_tight(plt, fig, folder / "reward_vs_compute.png")
+    return plt, fig, ax
 
-    plt, fig, ax = _figure(9.0, 4.2)
+
+def tuning_figure(report: Any) -> tuple[Any, Any, Any]:
+    """``(plt, fig, ax)`` of a tuned race's ``tuning_curves.png``, not saved."""
+    from gradest_lab.race.shards import lr_label
+
+    config = report.config
+    choices = report.choices()
+    styles = race_styles(config["estimators"])
+    plt, fig, ax = _figure(7.0, 4.6)
     lrs = config["lrs"]
-    for spec, style in zip(config["estimators"], _line_styles(), strict=False):
+    for spec in config["estimators"]:
+        style = styles[spec]
         finals = [
             [r["curve"][-1]["reward"] for r in report.tuning[spec][lr_label(lr)]] for lr in lrs
         ]
         means = _band_line(ax, lrs, finals, style, label=spec)
         chosen = choices[spec]["by_fraction"][-1]
         ax.plot(
-            [chosen], [means[lrs.index(chosen)]], marker="*", markersize=10, color=style["color"]
+            [chosen],
+            [means[lrs.index(chosen)]],
+            marker="*",
+            markersize=11,
+            color=style["color"],
+            markeredgecolor="black",
+            markeredgewidth=0.5,
+            linestyle="none",
         )
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
@@ -317,6 +438,151 @@ def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
         f"{config['task']}: tuning curves ({len(config['tune_seeds'])} tuning seeds; * chosen)",
         fontsize=9,
     )
+    ax.grid(True, alpha=0.25)
     _legend_outside(ax)
-    second = _save_tight(plt, fig, folder / "tuning_curves.png")
-    return [first, second]
+    return plt, fig, ax
+
+
+#: The cell colours of ``decision.png`` (blue and red rather than green and red, for
+#: readers who cannot tell green from red).
+VERDICT_COLOURS = {"ahead": "#2c7bb6", "level": "#d9d9d9", "behind": "#d7191c"}
+_VERDICT_LABELS = {
+    "ahead": "ahead of exact (95% CI of Δ reward above 0)",
+    "level": "level with exact (CI covers 0)",
+    "behind": "behind exact (CI below 0)",
+}
+
+
+def decision_grid(
+    report: Any, decision: list[dict[str, Any]] | None = None
+) -> tuple[list[str], list[float], list[list[str]]]:
+    """``(specs, budgets, verdicts)`` of a tuned race: the estimators but exact (rows), the
+    budgets in exact steps (columns) and ``verdicts[row][column]``, each ``ahead``, ``level``
+    or ``behind``, read from the report's decision table by the function the quoted phrases
+    use (:func:`gradest_lab.race.quoting.row_verdicts`); ``decision``: that table, if the
+    caller has it already."""
+    from gradest_lab.race.plain_race import REFERENCE
+    from gradest_lab.race.quoting import row_verdicts
+
+    if decision is None:
+        decision = report.summary()["decision"]
+    specs = [spec for spec in report.config["estimators"] if spec != REFERENCE]
+    words = [row_verdicts(row) for row in decision]
+    return (
+        specs,
+        [row["budget_exact_steps"] for row in decision],
+        [[column[spec] for column in words] for spec in specs],
+    )
+
+
+def decision_figure(report: Any) -> tuple[Any, Any, Any]:
+    """``(plt, fig, ax)`` of a tuned race's ``decision.png``: one row per estimator, one
+    column per budget, each cell coloured by the estimator's verdict against exact at that
+    budget and labelled with its mean Δ reward; the legend is below the axes. Cell ``(row,
+    column)`` is centred at data point ``(column, row)``."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    decision = report.summary()["decision"]
+    specs, budgets, verdicts = decision_grid(report, decision)
+    deltas = {
+        (entry["spec"], i): entry["minus_exact"]["mean"]
+        for i, row in enumerate(decision)
+        for key in ("beats_exact", "no_clear_difference", "behind_exact")
+        for entry in row[key]
+    }
+    order = list(VERDICT_COLOURS)
+    plt = _pyplot()
+    fig, ax = plt.subplots(
+        figsize=(2.6 + 0.62 * len(budgets), 1.6 + 0.32 * len(specs)),
+        dpi=120,
+        layout="constrained",
+    )
+    codes = [[order.index(word) for word in row] for row in verdicts]
+    ax.pcolormesh(
+        [c - 0.5 for c in range(len(budgets) + 1)],
+        [r - 0.5 for r in range(len(specs) + 1)],
+        codes,
+        cmap=ListedColormap([VERDICT_COLOURS[word] for word in order]),
+        vmin=-0.5,
+        vmax=len(order) - 0.5,
+        edgecolors="white",
+        linewidth=1.5,
+    )
+    for r, spec in enumerate(specs):
+        for c in range(len(budgets)):
+            delta = deltas.get((spec, c))
+            if delta is None:
+                continue
+            ax.text(
+                c,
+                r,
+                f"{delta:+.2g}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="black" if verdicts[r][c] == "level" else "white",
+            )
+    ax.set_xticks(range(len(budgets)), [f"{b:g}" for b in budgets], fontsize=7)
+    ax.set_yticks(range(len(specs)), specs, fontsize=7)
+    ax.set_xlim(-0.5, len(budgets) - 0.5)
+    ax.set_ylim(len(specs) - 0.5, -0.5)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_xlabel("budget (exact training steps)", fontsize=8)
+    ax.set_title(
+        f"{report.config['task']}: each estimator against exact, at its tuned lr per budget\n"
+        "(in a cell: mean Δ reward over the report seeds)",
+        fontsize=8,
+    )
+    fig.legend(
+        handles=[Patch(color=VERDICT_COLOURS[w], label=_VERDICT_LABELS[w]) for w in order],
+        loc="outside lower center",
+        ncols=1,
+        fontsize=7,
+        frameon=False,
+    )
+    return plt, fig, ax
+
+
+def plot_decision(report: Any, folder: Path) -> Path:
+    """``decision.png`` of a tuned race (:func:`decision_figure`)."""
+    plt, fig, _ = decision_figure(report)
+    path = folder / "decision.png"
+    _save(plt, fig, path)
+    return path
+
+
+def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
+    """A tuned race's three pictures (:class:`gradest_lab.race.tuned_race.TunedRaceReport`),
+    every estimator in its :func:`race_styles` style, legends right of the axes:
+
+    * ``reward_vs_compute.png``: per estimator, at its lr chosen for the full budget, the
+      mean reward over the report seeds against compute (exact steps), with its 95%
+      bootstrap band, the pretrained model at 0 and the measured ceiling (dashed);
+    * ``tuning_curves.png``: per estimator, the mean final reward over the tuning seeds
+      against the lr (log axis) with its band, the chosen lr marked;
+    * ``decision.png``: the decision table as a picture (:func:`decision_figure`).
+    """
+    plt, fig, _ = tuned_reward_figure(report)
+    first = _save_outside(plt, fig, folder / "reward_vs_compute.png")
+    plt, fig, _ = tuning_figure(report)
+    second = _save_outside(plt, fig, folder / "tuning_curves.png")
+    return [first, second, plot_decision(report, folder)]
+
+
+def replot_race(folder: Path) -> list[Path]:
+    """Redraw a race folder's pictures from its ``report.json`` alone (no run repeated):
+    a tuned race's three, a plain race's one; returns the paths written."""
+    import json
+
+    folder = Path(folder)
+    schema = json.loads((folder / "report.json").read_text()).get("schema", "")
+    if schema.startswith("gradest.tuned-race"):
+        from gradest_lab.race.tuned_race import TunedRaceReport
+
+        return plot_tuned_race(TunedRaceReport.load(folder), folder)
+    from gradest_lab.race.plain_race import RaceReport
+
+    return plot_race(RaceReport.load(folder), folder)

@@ -365,8 +365,9 @@ def _specs(report: Any, options: Mapping[str, str], kind: str) -> list[str]:
     return specs
 
 
-def _verdicts(row: Mapping[str, Any]) -> dict[str, str]:
-    """A decision row's verdict per estimator: ``ahead``, ``level`` or ``behind``."""
+def row_verdicts(row: Mapping[str, Any]) -> dict[str, str]:
+    """A decision row's verdict per estimator: ``ahead``, ``level`` or ``behind`` (the words
+    the phrases quote and ``decision.png`` draws, :func:`gradest_lab.plots.plot_decision`)."""
     return {entry["spec"]: word for word, key in _VERDICT_KEYS.items() for entry in row[key]}
 
 
@@ -400,7 +401,7 @@ def _tuned_budgets(report: Any, options: Mapping[str, str]) -> str:
     specs = _specs(report, options, kind)
     budgets, holds = [], []
     for row in report.summary()["decision"]:
-        words = _verdicts(row)
+        words = row_verdicts(row)
         hits = [words[spec] == verdict for spec in specs]
         others = [word == verdict for spec, word in words.items() if spec not in specs]
         budgets.append(row["budget_exact_steps"])
@@ -437,7 +438,7 @@ def _task_verdicts(
     labels = task_labels([report.config for report in reports])
     found: dict[str, list[tuple[str, str]]] = {}
     for label, report in zip(labels, reports, strict=True):
-        for spec, word in _verdicts(_row_at(report, fraction, kind)).items():
+        for spec, word in row_verdicts(_row_at(report, fraction, kind)).items():
             found.setdefault(spec, []).append((label, word))
     if "estimators" not in options:
         return list(found), found

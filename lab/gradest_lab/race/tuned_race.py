@@ -570,8 +570,8 @@ class TunedRaceReport:
         )
 
     def write(self, out: str | os.PathLike[str], *, plots: bool = True) -> Path:
-        """``report.json``, ``report.md`` and (with matplotlib) ``reward_vs_compute.png`` and
-        ``tuning_curves.png`` into ``out``, each atomically."""
+        """``report.json``, ``report.md`` and (with matplotlib) ``reward_vs_compute.png``,
+        ``tuning_curves.png`` and ``decision.png`` into ``out``, each atomically."""
         from gradest_lab.plots import plots_unavailable
 
         target = check_output_dir(out, what="out")

@@ -258,7 +258,7 @@ def race_styles(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
     No two specs of ``specs`` get the same (colour, dash, marker)."""
     import hashlib
 
-    from gradest_lab.race.plain_race import REFERENCE
+    from gradest_lab.race.verdicts import REFERENCE
 
     styles: dict[str, dict[str, Any]] = {}
     taken: set[int] = set()
@@ -453,28 +453,6 @@ _VERDICT_LABELS = {
 }
 
 
-def decision_grid(
-    report: Any, decision: list[dict[str, Any]] | None = None
-) -> tuple[list[str], list[float], list[list[str]]]:
-    """``(specs, budgets, verdicts)`` of a tuned race: the estimators but exact (rows), the
-    budgets in exact steps (columns) and ``verdicts[row][column]``, each ``ahead``, ``level``
-    or ``behind``, read from the report's decision table by the function the quoted phrases
-    use (:func:`gradest_lab.race.quoting.row_verdicts`); ``decision``: that table, if the
-    caller has it already."""
-    from gradest_lab.race.plain_race import REFERENCE
-    from gradest_lab.race.quoting import row_verdicts
-
-    if decision is None:
-        decision = report.summary()["decision"]
-    specs = [spec for spec in report.config["estimators"] if spec != REFERENCE]
-    words = [row_verdicts(row) for row in decision]
-    return (
-        specs,
-        [row["budget_exact_steps"] for row in decision],
-        [[column[spec] for column in words] for spec in specs],
-    )
-
-
 def decision_figure(report: Any) -> tuple[Any, Any, Any]:
     """``(plt, fig, ax)`` of a tuned race's ``decision.png``: one row per estimator, one
     column per budget, each cell coloured by the estimator's verdict against exact at that
@@ -482,6 +460,8 @@ def decision_figure(report: Any) -> tuple[Any, Any, Any]:
     column)`` is centred at data point ``(column, row)``."""
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+
+    from gradest_lab.race.verdicts import decision_grid
 
     decision = report.summary()["decision"]
     specs, budgets, verdicts = decision_grid(report, decision)
@@ -570,19 +550,3 @@ def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
     plt, fig, _ = tuning_figure(report)
     second = _save_outside(plt, fig, folder / "tuning_curves.png")
     return [first, second, plot_decision(report, folder)]
-
-
-def replot_race(folder: Path) -> list[Path]:
-    """Redraw a race folder's pictures from its ``report.json`` alone (no run repeated):
-    a tuned race's three, a plain race's one; returns the paths written."""
-    import json
-
-    folder = Path(folder)
-    schema = json.loads((folder / "report.json").read_text()).get("schema", "")
-    if schema.startswith("gradest.tuned-race"):
-        from gradest_lab.race.tuned_race import TunedRaceReport
-
-        return plot_tuned_race(TunedRaceReport.load(folder), folder)
-    from gradest_lab.race.plain_race import RaceReport
-
-    return plot_race(RaceReport.load(folder), folder)

@@ -10,7 +10,6 @@ import pytest
 from gradest_lab.plots import (
     VERDICT_COLOURS,
     decision_figure,
-    decision_grid,
     plot_decision,
     plot_race,
     plot_tuned_race,
@@ -21,6 +20,7 @@ from gradest_lab.plots import (
 )
 from gradest_lab.race.plain_race import RaceReport
 from gradest_lab.race.tuned_race import TunedRaceReport
+from gradest_lab.race.verdicts import decision_grid
 
 pytest.importorskip("matplotlib")
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"

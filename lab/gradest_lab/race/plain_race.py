@@ -95,6 +95,7 @@ from gradest_lab.race.bootstrap import (
     paired_bootstrap,
 )
 from gradest_lab.race.file_schemas import check_progress, check_race_settings
+from gradest_lab.race.verdicts import REFERENCE
 from gradest_lab.storage.file_schema import first_line
 from gradest_lab.storage.files import (
     OutputError,
@@ -113,7 +114,6 @@ RACE_COMMAND = "gradest race"
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
 REACH_LEVELS = (0.5, 0.9)
 SCHEMA = "gradest.race/1"
-REFERENCE = "exact"
 # The estimators' own draws come from a stream apart from the task's data.
 _DRAW_STREAM = 1_000_003
 # A step that took this many times its run's median step is counted as a machine stall

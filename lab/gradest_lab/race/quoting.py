@@ -86,6 +86,7 @@ from typing import Any
 from gradest import InvalidValue
 from gradest_lab.generated_pages import page_command
 from gradest_lab.race.task_options import parse_key_values
+from gradest_lab.race.verdicts import row_verdicts
 
 __all__ = ["page_problems", "render", "stray_figures", "update_page"]
 
@@ -327,7 +328,6 @@ def _tuned_tally(reports: Any, options: Mapping[str, str]) -> str:
 
 # -- phrases: generated text inside a sentence (a span) ---------------------------------------
 
-_VERDICT_KEYS = {"ahead": "beats_exact", "level": "no_clear_difference", "behind": "behind_exact"}
 _VERDICT_WORDS = {"ahead": "ahead of exact", "level": "level with exact", "behind": "behind exact"}
 
 
@@ -363,12 +363,6 @@ def _specs(report: Any, options: Mapping[str, str], kind: str) -> list[str]:
         if spec not in raced:
             raise InvalidValue(f"race-quote {kind}: the race did not run {spec!r}")
     return specs
-
-
-def row_verdicts(row: Mapping[str, Any]) -> dict[str, str]:
-    """A decision row's verdict per estimator: ``ahead``, ``level`` or ``behind`` (the words
-    the phrases quote and ``decision.png`` draws, :func:`gradest_lab.plots.plot_decision`)."""
-    return {entry["spec"]: word for word, key in _VERDICT_KEYS.items() for entry in row[key]}
 
 
 def _row_at(report: Any, fraction: float, kind: str) -> Mapping[str, Any]:

@@ -67,6 +67,7 @@ from gradest_lab.race.bootstrap import bootstrap_mean, paired_bootstrap, paired_
 from gradest_lab.race.file_schemas import check_tuned_settings
 from gradest_lab.race.plain_race import (
     REFERENCE,
+    RaceReport,
     RaceTask,
     _check_budget,
     _check_fractions,
@@ -78,7 +79,12 @@ from gradest_lab.race.plain_race import (
     measure_budget,
 )
 from gradest_lab.race.shards import ShardKey, ShardStore, lr_label, race_identity
-from gradest_lab.storage.files import atomic_write_text, check_output_dir, refuse_non_file
+from gradest_lab.storage.files import (
+    atomic_write_text,
+    check_output_dir,
+    read_json,
+    refuse_non_file,
+)
 from gradest_lab.storage.run_folder import RunRecord, claim_run_folder
 
 # The command a tuned race folder's run.json names (a plain race's is "gradest race").
@@ -110,6 +116,7 @@ __all__ = [
     "parse_lr_grid",
     "parse_seed_list",
     "replay_shard",
+    "replot_race",
     "tuned_race",
 ]
 
@@ -921,3 +928,16 @@ def replay_shard(
     while not run.done and len(run.curve) < points:
         race.advance(run, sampler)
     return run.curve[:points]
+
+
+def replot_race(folder: str | os.PathLike[str]) -> list[Path]:
+    """Redraw a race folder's pictures from its ``report.json`` alone (no run repeated): a
+    tuned race's three (:func:`gradest_lab.plots.plot_tuned_race`), a plain race's one
+    (:func:`gradest_lab.plots.plot_race`); returns the paths written."""
+    from gradest_lab.plots import plot_race, plot_tuned_race
+
+    folder = Path(folder)
+    schema = read_json(folder / "report.json", what="a race report").get("schema", "")
+    if str(schema).startswith("gradest.tuned-race"):
+        return plot_tuned_race(TunedRaceReport.load(folder), folder)
+    return plot_race(RaceReport.load(folder), folder)

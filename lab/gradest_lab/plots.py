@@ -406,24 +406,43 @@ def tuned_reward_figure(report: Any) -> tuple[Any, Any, Any]:
 
 
 def tuning_figure(report: Any) -> tuple[Any, Any, Any]:
-    """``(plt, fig, ax)`` of a tuned race's ``tuning_curves.png``, not saved."""
+    """``(plt, fig, ax)`` of a tuned race's ``tuning_curves.png``, not saved: per estimator
+    its mean final reward on the tuning seeds at every rate it was tuned at (filled markers:
+    the grid's rates; hollow: the refinement's), the choice for the full budget starred and,
+    above the star, a bar as tall as its residual tuning gap (what a finer rate could add)."""
     from gradest_lab.race.shards import lr_label
 
     config = report.config
     choices = report.choices()
     styles = race_styles(config["estimators"])
+    grid = set(config["lrs"])
     plt, fig, ax = _figure(7.0, 4.6)
-    lrs = config["lrs"]
     for spec in config["estimators"]:
         style = styles[spec]
+        lrs = report.tried_lrs(spec)
         finals = [
             [r["curve"][-1]["reward"] for r in report.tuning[spec][lr_label(lr)]] for lr in lrs
         ]
         means = _band_line(ax, lrs, finals, style, label=spec)
+        refined = [i for i, lr in enumerate(lrs) if lr not in grid]
+        if refined:
+            ax.plot(
+                [lrs[i] for i in refined],
+                [means[i] for i in refined],
+                marker=style["marker"],
+                markersize=5,
+                markerfacecolor="white",
+                markeredgecolor=style["color"],
+                linestyle="none",
+            )
         chosen = choices[spec]["by_fraction"][-1]
+        top = means[lrs.index(chosen)]
+        gap = choices[spec]["gap_by_fraction"][-1]
+        if gap:
+            ax.plot([chosen, chosen], [top, top + gap], color=style["color"], linewidth=2.5)
         ax.plot(
             [chosen],
-            [means[lrs.index(chosen)]],
+            [top],
             marker="*",
             markersize=11,
             color=style["color"],
@@ -435,8 +454,9 @@ def tuning_figure(report: Any) -> tuple[Any, Any, Any]:
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final reward, tuning seeds")
     ax.set_title(
-        f"{config['task']}: tuning curves ({len(config['tune_seeds'])} tuning seeds; * chosen)",
-        fontsize=9,
+        f"{config['task']}: tuning curves ({len(config['tune_seeds'])} tuning seeds; * chosen; "
+        f"hollow: refined rates; bar above *: residual tuning gap)",
+        fontsize=8,
     )
     ax.grid(True, alpha=0.25)
     _legend_outside(ax)
@@ -447,9 +467,9 @@ def tuning_figure(report: Any) -> tuple[Any, Any, Any]:
 #: readers who cannot tell green from red).
 VERDICT_COLOURS = {"ahead": "#2c7bb6", "level": "#d9d9d9", "behind": "#d7191c"}
 _VERDICT_LABELS = {
-    "ahead": "ahead of exact (95% CI of Δ reward above 0)",
-    "level": "level with exact (CI covers 0)",
-    "behind": "behind exact (CI below 0)",
+    "ahead": "ahead of exact (95% CI of Δ reward above the margin: both residual tuning gaps)",
+    "level": "level with exact (CI reaches within the margin of 0)",
+    "behind": "behind exact (CI below minus the margin)",
 }
 
 
@@ -542,7 +562,8 @@ def plot_tuned_race(report: Any, folder: Path) -> list[Path]:
       mean reward over the report seeds against compute (exact steps), with its 95%
       bootstrap band, the pretrained model at 0 and the measured ceiling (dashed);
     * ``tuning_curves.png``: per estimator, the mean final reward over the tuning seeds
-      against the lr (log axis) with its band, the chosen lr marked;
+      against the lr (log axis) with its band, the refined rates hollow, the chosen lr
+      starred with its residual tuning gap (:func:`tuning_figure`);
     * ``decision.png``: the decision table as a picture (:func:`decision_figure`).
     """
     plt, fig, _ = tuned_reward_figure(report)

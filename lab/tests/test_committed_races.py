@@ -45,7 +45,9 @@ def test_a_tuned_race_is_its_shards(folder: Path) -> None:
     assert report.to_markdown() == (folder / "report.md").read_text()
     # Read as the race reads them: each curve checked against the race's fractions.
     store = ShardStore(folder, report.config["identity"], fractions=report.config["fractions"])
-    lrs = {lr_label(lr): lr for lr in report.config["lrs"]}
+    lrs = {
+        lr_label(lr): lr for spec in report.config["estimators"] for lr in report.tried_lrs(spec)
+    }
     for runs in (report.tuning, report.runs):
         for spec, by_lr in runs.items():
             for label, rows in by_lr.items():
@@ -53,7 +55,11 @@ def test_a_tuned_race_is_its_shards(folder: Path) -> None:
                     shard = store.result(ShardKey(spec, lrs[label], row["seed"]))
                     assert shard == row, (spec, label, row["seed"])
     assert set(report.config["tune_seeds"]).isdisjoint(report.config["seeds"])
-    assert report.grid_warnings() == [], "a committed tuned race must be ready to quote"
+    # Ready to quote, or waiting for its refinement or ceiling (python -m
+    # gradest_lab.race.rerun); then every page that quotes it shows why (quoting's check,
+    # test_quoted_numbers). Never a narrow grid or a choice on its edge.
+    for note in report.grid_warnings():
+        assert "is not bracketed at" in note or note.startswith("the ceiling was measured"), note
 
 
 def test_load_refuses_what_is_not_a_race_report(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from gradest_lab.race import plain_race as race_module
 from gradest_lab.race.bootstrap import paired_bootstrap, paired_ratio_bootstrap
 from gradest_lab.race.plain_race import compute_to_reach
@@ -38,20 +39,6 @@ SETTINGS = {
     "show_progress": False,
     "plots": False,
 }
-
-
-@pytest.fixture
-def counted_runs(monkeypatch):
-    """The (spec, lr, seed) of every run the race starts (a resumed one counts too)."""
-    started: list[tuple[str, float | None, int]] = []
-    original = race_module._Race.new_run
-
-    def new_run(self, spec, seed, pretrained, *, lr=None):
-        started.append((spec, lr, seed))
-        return original(self, spec, seed, pretrained, lr=lr)
-
-    monkeypatch.setattr(race_module._Race, "new_run", new_run)
-    return started
 
 
 def _numbers(report: TunedRaceReport) -> object:
@@ -136,15 +123,28 @@ def test_choose_lrs_per_budget_and_for_time_to_target() -> None:
     chosen = choose_lrs(
         flat, [1.0, 2.0, 3.0], fractions=fractions, initial=0.0, target=1.0, unit=1.0
     )
-    assert chosen == {"by_fraction": [1.0] * 4, "primary": 1.0, "edge": []}
+    assert chosen == {
+        "by_fraction": [1.0] * 4,
+        "primary": 1.0,
+        "gap_by_fraction": [0.0] * 4,
+        "primary_gap": None,  # no time to target: the flat runs never reach it
+        "edge": [],
+        "unbracketed": [],  # flat: a finer rate has nothing to add
+        "wanted": [],
+    }
 
 
 def test_tuned_race_statistics_follow_from_the_shards(tmp_path, counted_runs) -> None:
     out = tmp_path / "race"
     report = _quiet_race(QuadraticTask(), out)
     store_root = out / "shards"
-    # every tuning run and only the chosen rates' report runs; no seed in both roles
-    tuning = {(spec, lr, seed) for spec in SPECS for lr in LRS for seed in (0, 1)}
+    # every tuning run (the grid's and the refinement's) and only the chosen rates' report
+    # runs; no seed in both roles
+    for spec in SPECS:
+        assert set(LRS) <= set(report.tried_lrs(spec))
+    tuning = {
+        (spec, lr, seed) for spec in SPECS for lr in report.tried_lrs(spec) for seed in (0, 1)
+    }
     assert tuning <= set(counted_runs)
     choices = report.choices()
     reported = {
@@ -153,14 +153,14 @@ def test_tuned_race_statistics_follow_from_the_shards(tmp_path, counted_runs) ->
         for lr in {*choices[spec]["by_fraction"], choices[spec]["primary"]}
         for seed in (5, 6, 7)
     }
-    ceiling = (report.ceiling_run["spec"], report.ceiling_run["lr"], 0)
-    assert sorted(counted_runs) == sorted([*tuning, *reported, ceiling])
+    ceiling = [(report.ceiling_run["spec"], report.ceiling_run["lr"], s) for s in (0, 1)]
+    assert sorted(counted_runs) == sorted([*tuning, *reported, *ceiling])
     assert len(list(store_root.rglob("*.json"))) == len(tuning | reported)
     # the lr chosen for the full budget: the best mean final reward on the tuning seeds
     for spec in SPECS:
         finals = {
             lr: sum(r["curve"][-1]["reward"] for r in report.tuning[spec][lr_label(lr)]) / 2
-            for lr in LRS
+            for lr in report.tried_lrs(spec)
         }
         assert choices[spec]["by_fraction"][-1] == max(finals, key=finals.get)
     # the ceiling: the best tuned (estimator, lr) by mean final reward, its best evaluation
@@ -169,9 +169,12 @@ def test_tuned_race_statistics_follow_from_the_shards(tmp_path, counted_runs) ->
         key=lambda p: sum(r["curve"][-1]["reward"] for r in report.tuning[p[0]][lr_label(p[1])]),
     )
     assert (report.ceiling_run["spec"], report.ceiling_run["lr"]) == best
-    assert report.ceiling == max(
-        [report.initial["reward"], *(p["reward"] for p in report.ceiling_run["row"]["curve"])]
-    )
+    # ...on the first tuning seeds (both here), each its settled end: the mean of its last
+    # quarter of evaluations (the task has no evaluation apart: the report's, flagged)
+    assert report.ceiling_run["seeds"] == [0, 1] and report.ceiling_evaluation == "report"
+    ends = [sum(p["reward"] for p in row["curve"][-8:]) / 8 for row in report.ceiling_run["rows"]]
+    assert report.ceiling == pytest.approx(sum(ends) / 2, rel=1e-12)
+    assert any("the report's own evaluation set" in n for n in report.grid_warnings())
     summary = report.summary()
     # reward differences: paired by seed, each at its own lr for that budget
     for i in range(4):
@@ -199,12 +202,18 @@ def test_tuned_race_statistics_follow_from_the_shards(tmp_path, counted_runs) ->
         got = entry["levels"][f"{level:g}"]
         assert got["per_seed"] == expected
         assert got["reached"] == sum(map(math.isfinite, expected))
-    # the decision follows the intervals' signs
-    for row in summary["decision"]:
+    # the decision: the interval clears zero by more than the two residual tuning gaps
+    for i, row in enumerate(summary["decision"]):
+        for entry in row["beats_exact"] + row["behind_exact"] + row["no_clear_difference"]:
+            gaps = [summary["final"][s][i]["residual_gap"] for s in (entry["spec"], "exact")]
+            assert entry["margin"] == sum(gaps)
         for entry in row["beats_exact"]:
-            assert entry["minus_exact"]["low"] > 0
+            assert entry["minus_exact"]["low"] > entry["margin"]
         for entry in row["behind_exact"]:
-            assert entry["minus_exact"]["high"] < 0
+            assert entry["minus_exact"]["high"] < -entry["margin"]
+        for entry in row["no_clear_difference"]:
+            low, high = entry["minus_exact"]["low"], entry["minus_exact"]["high"]
+            assert low <= entry["margin"] and high >= -entry["margin"]
     # the report reads back from its raw runs to the same file, and the page shows it
     assert TunedRaceReport.load(out).to_json() == (out / "report.json").read_text().rstrip("\n")
     page = (out / "report.md").read_text()
@@ -256,12 +265,17 @@ def test_a_killed_race_resumes_to_the_uninterrupted_one(tmp_path) -> None:
 
 def test_a_race_grows_but_its_identity_is_fixed(tmp_path, counted_runs) -> None:
     out = tmp_path / "race"
-    _quiet_race(QuadraticTask(), out, lrs=LRS[:2])
+    # (unrefined: the refinement's own reuse of shards is tested in test_race_refinement)
+    _quiet_race(QuadraticTask(), out, lrs=LRS[:2], bracket_ratio=None)
     counted_runs.clear()
-    _quiet_race(QuadraticTask(), out)  # one more lr: only its tuning runs are new
-    assert [run for run in counted_runs if run[2] == 1] == [(s, LRS[2], 1) for s in SPECS]
-    # seed 0: the new lr's runs, and at most one more, the ceiling (if its choice moved)
-    assert len([run for run in counted_runs if run[2] == 0 and run[1] != LRS[2]]) <= 1
+    # one more lr: only its tuning runs are new
+    _quiet_race(QuadraticTask(), out, bracket_ratio=None)
+    # per tuning seed: the new lr's runs, and at most one more, the ceiling's (on the first
+    # tuning seeds, both here), if its choice moved
+    for seed in (0, 1):
+        runs = [run for run in counted_runs if run[2] == seed]
+        new = [(s, LRS[2], seed) for s in SPECS]
+        assert set(new) <= set(runs) and len(runs) <= len(new) + 1
     with pytest.raises(InvalidValue, match="budget_given"):
         _quiet_race(QuadraticTask(), out, budget_exact_steps=5)
     with pytest.raises(InvalidValue, match="batch"):
@@ -378,3 +392,43 @@ def test_replay_reproduces_a_shards_first_points(tmp_path) -> None:
 def test_seed_lists_out_of_bounds_name_the_bound(text: str, message: str) -> None:
     with pytest.raises(InvalidValue, match=message):
         parse_seed_list(text)
+
+
+class _ApartTask(QuadraticTask):
+    """The quadratic task with an evaluation apart from the report's (other noise)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        gen = torch.Generator().manual_seed(1234)
+        self.apart_noise = torch.randn(self.eval_samples, 2, generator=gen, dtype=torch.float64)
+
+    def evaluate_apart(self, model: torch.nn.Module) -> dict[str, float]:
+        report_noise = self.eval_noise
+        self.eval_noise = self.apart_noise
+        try:
+            return self.evaluate(model)
+        finally:
+            self.eval_noise = report_noise
+
+
+def test_the_ceiling_is_measured_apart_from_the_report(tmp_path) -> None:
+    task = _ApartTask()
+    report = _quiet_race(task, tmp_path / "race", tune_seeds=[0, 1, 2], bracket_ratio=None)
+    apart = [noise is task.apart_noise for noise in task.evaluated_with]
+    # the ceiling's runs (3 seeds x 32 points) and the pretrained model there: apart;
+    # every other evaluation (tuning, report, the pretrained model): the report's set
+    assert sum(apart) == 3 * 32 + 1
+    assert report.ceiling_evaluation == "apart" and report.ceiling_run["seeds"] == [0, 1, 2]
+    initial_apart = report.ceiling_run["initial"]["reward"]
+    assert initial_apart != report.initial["reward"]  # another set, another number
+    gains = [
+        sum(p["reward"] for p in row["curve"][-8:]) / 8 - initial_apart
+        for row in report.ceiling_run["rows"]
+    ]
+    gain = report.attainable_gain()
+    assert gain["per_seed"] == pytest.approx(gains, rel=1e-12)
+    assert gain["gain"]["low"] <= gain["gain"]["mean"] <= gain["gain"]["high"]
+    # the bar on the report's scale: its pretrained reward plus the gain measured apart
+    assert report.ceiling == pytest.approx(report.initial["reward"] + sum(gains) / 3)
+    assert not any("ceiling" in note for note in report.grid_warnings())
+    assert "measured apart from the report" in report.to_markdown()

@@ -19,6 +19,7 @@ import warnings
 from gradest import InvalidValue
 from gradest.plugin import Command, CommandInterrupted, WholeNumber, spec_list_text
 from gradest_lab.command_line import SPEC_LIST_HELP, check_device, estimator_specs
+from gradest_lab.race.refinement import BRACKET_RATIO
 from gradest_lab.storage.files import check_output_dir, check_path_length
 
 __all__ = ["COMMAND", "add_arguments", "run"]
@@ -67,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --tune: the ceiling run's budget in race budgets (default 16)",
     )
     parser.add_argument(
+        "--bracket-ratio",
+        default=None,
+        metavar="RATIO",
+        help=f"with --tune: refine each chosen lr on the tuning seeds until the tried rates "
+        f"next to it are at most RATIO away (default {BRACKET_RATIO:g}); 'none': the grid's "
+        f"choices, flagged as not bracketed",
+    )
+    parser.add_argument(
         "--budget",
         default=None,
         help="backward-FLOPs budget in exact steps, e.g. 8x (the FLOPs of 8 exact steps)",
@@ -101,6 +110,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-plots", action="store_true", help="skip PNG plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no table")
+
+
+def _bracket_ratio_flag(text: str) -> float | None:
+    """``--bracket-ratio 1.26`` or ``none`` (the bounds are the race's to check)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidValue(
+            f"--bracket-ratio {text!r}: give a ratio such as 1.26, or none (no refinement)"
+        ) from None
 
 
 def _budget_flag(text: str) -> float:
@@ -234,6 +255,9 @@ def _race_command(args: argparse.Namespace) -> int:
                 budget_exact_steps=steps,
                 fractions=fractions,
                 ceiling_factor=args.ceiling_factor,
+                bracket_ratio=BRACKET_RATIO
+                if args.bracket_ratio is None
+                else _bracket_ratio_flag(args.bracket_ratio),
                 out=out,
                 show_progress=not args.quiet,
                 plots=plots,

@@ -48,10 +48,16 @@ Renderers (``KIND``), blocks:
 * ``tuned-time PATH [estimators=exact,sdo]``: its time-to-target table.
 * ``tuned-headline PATH [fraction=1]``: one paragraph: who beats exact at that budget.
 * ``tuned-lrs PATH``: the chosen learning rates and final rewards.
+* ``tuned-warnings PATH``: whether the race is ready to quote, and if not why; a page that
+  quotes a race not ready to quote must hold this block for it.
 * ``tuned-matrix PATH,PATH,... [fractions=0.25,0.5,1]``: the decision across tuned races
   (tasks): per task and budget, who beats exact and by how much, who falls behind.
 * ``tuned-tally PATH,PATH,... [fractions=0.25,0.5,1]``: per estimator, on how many of those
   tasks it was ahead of exact, level, or behind.
+* ``rule-score PATH,PATH,...``: the decision rule scored on each race, budget by budget.
+* ``race-contraction PATH,PATH,...``: the sampling chain's contraction on each race's task
+  (``contraction.json``, :mod:`gradest_lab.race.race_contraction`) beside the one-step
+  estimators' verdicts.
 * ``race-final PATH``: an untuned race's final table (reward, paired difference, share of
   the attainable gain, compute to 90% of exact's gain, drift).
 * ``race-fractions PATH``: an untuned race's reward and paired difference at every budget
@@ -66,6 +72,8 @@ Spans (phrases):
   estimator, on how many of those tasks it was ahead of exact, level, behind at ``F``.
 * ``tuned-tasks PATH,PATH,... fraction=F verdict=ahead [estimators=a,b]``: per estimator,
   on which of those tasks it had the verdict at ``F``.
+* ``rule-tally PATH,PATH,... [part=late|early]``: the decision rule's score over those
+  races (:mod:`gradest_lab.race.decision_rule`).
 * ``race-steps PATH estimator=a``: the steps an estimator took in an untuned race's budget.
 * ``race-seeds-above PATH estimators=a,b [fractions=0.5,1]``: on how many seeds each was
   above exact.
@@ -103,8 +111,9 @@ class _Quoted:
     """A report read for quoting: its :meth:`summary` (recomputed from the runs, with
     bootstrap intervals) is computed once however many blocks of a page read it."""
 
-    def __init__(self, report: Any) -> None:
+    def __init__(self, report: Any, folder: Path) -> None:
         self.report = report
+        self.folder = folder
         self._summary: dict[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -147,7 +156,8 @@ def _load(root: Path, path: str) -> Any:
     kinds = {SCHEMA: "race report", TUNED_SCHEMA: "tuned race report"}
     schema = read_report_json(folder, kinds=kinds)["schema"]
     report = _Quoted(
-        TunedRaceReport.load(folder) if schema == TUNED_SCHEMA else RaceReport.load(folder)
+        TunedRaceReport.load(folder) if schema == TUNED_SCHEMA else RaceReport.load(folder),
+        folder,
     )
     if key is not None:
         _READ[key] = report
@@ -214,17 +224,39 @@ def _tuned_headline(report: Any, options: Mapping[str, str]) -> str:
     behind = estimator_names(row["behind_exact"], False)
     share = row["exact_share_of_attainable"]
     settings = ", ".join(f"{k}={v}" for k, v in config["task_settings"].items() if k != "device")
+    ratio = config.get("bracket_ratio")
+    tuned = f"refined until bracketed at {ratio:g}x" if ratio is not None else "not refined"
+    gain = summary["ceiling"]["attainable_gain"]["gain"]
+    apart = summary["ceiling"]["evaluation"] == "apart"
     return (
         f"`{config['task']}` ({settings}) at {row['budget_exact_steps']:.3g} exact steps of "
-        "compute, each estimator at its own lr (tuned on seeds "
-        f"{_seed_text(config['tune_seeds'])}, "
-        f"reported on seeds {_seed_text(config['seeds'])}; 95% paired-bootstrap intervals of "
-        f"the reward difference to exact): beat exact: {beats}; no clear difference: {neither}; "
-        f"behind exact: {behind}. Exact (lr {row['exact_lr']:.2g}) reached "
+        f"compute, each estimator at its own lr (tuned on seeds "
+        f"{_seed_text(config['tune_seeds'])}, {tuned}; reported on seeds "
+        f"{_seed_text(config['seeds'])}; 95% paired-bootstrap intervals of the reward "
+        f"difference to exact, a difference counted only past the margin of both estimators' "
+        f"residual tuning gaps): beat exact: {beats}; no clear difference: {neither}; "
+        f"behind exact: {behind}. Exact (lr {row['exact_lr']:.3g}) reached "
         + ("-" if share is None else f"{100 * share:.1f}%")
-        + f" of the attainable gain (ceiling {summary['ceiling']['value']:.4g}, pretrained "
-        f"{report.initial['reward']:.4g}).\n"
+        + f" of the attainable gain ({gain['mean']:.3g} [{gain['low']:.3g}, "
+        f"{gain['high']:.3g}] over the pretrained {report.initial['reward']:.4g}, measured "
+        + ("apart from the report" if apart else "on the report's own evaluation set")
+        + ").\n"
     )
+
+
+def _tuned_warnings(report: Any, options: Mapping[str, str]) -> str:
+    """Whether a tuned race is ready to quote, and if not, why (its report's list): a page
+    that quotes a race not ready must show this block for it (:func:`page_problems`)."""
+    del options
+    notes = report.grid_warnings()
+    if not notes:
+        return (
+            f"Ready to quote: every choice bracketed at {report.bracket_ratio:g}x, none on the "
+            f"tried rates' edge, the ceiling measured apart on "
+            f"{len(report.ceiling_rows)} seeds.\n"
+        )
+    lines = ["**Not ready to quote** (the verdicts below are provisional):", ""]
+    return "\n".join([*lines, *(f"- {note}" for note in notes)]) + "\n"
 
 
 def _tuned_lrs(report: Any, options: Mapping[str, str]) -> str:
@@ -324,6 +356,36 @@ def _tuned_tally(reports: Any, options: Mapping[str, str]) -> str:
     from gradest_lab.race.tuned_page import tally_table
 
     return "\n".join(tally_table(reports, _fractions(options, "0.25,0.5,1"))) + "\n"
+
+
+def _rule_cells(reports: Any, kind: str) -> list[tuple[str, Any]]:
+    from gradest_lab.race.decision_rule import score_rule
+    from gradest_lab.race.tuned_page import task_labels
+
+    labels = task_labels([report.config for report in reports])
+    cells = []
+    for label, report in zip(labels, reports, strict=True):
+        try:
+            cells += [(label, cell) for cell in score_rule(report)]
+        except ValueError as err:
+            raise InvalidValue(f"race-quote {kind}: {err}") from None
+    return cells
+
+
+def _rule_score(reports: Any, options: Mapping[str, str]) -> str:
+    """The decision rule (:data:`gradest_lab.race.decision_rule.RULE`) scored on each race:
+    per task and budget, what it predicted, the outcome and the verdicts that decided it."""
+    del options
+    lines = [
+        "| task | budget (exact steps) | the rule prefers | its verdict against exact | outcome |",
+        "|---|---|---|---|---|",
+    ]
+    for label, cell in _rule_cells(reports, "rule-score"):
+        lines.append(
+            f"| `{label}` | {cell.budget_exact_steps:.3g} | `{cell.prefers}` | "
+            f"{cell.verdict} | {cell.outcome} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 # -- phrases: generated text inside a sentence (a span) ---------------------------------------
@@ -489,6 +551,37 @@ def _tuned_tasks(reports: Any, options: Mapping[str, str]) -> str:
     return "; ".join(parts)
 
 
+def _race_contraction(reports: Any, options: Mapping[str, str]) -> str:
+    """The chain's contraction on each race's task beside the one-step estimators' verdicts
+    (:func:`gradest_lab.race.race_contraction.contraction_table`)."""
+    from gradest_lab.race.race_contraction import contraction_table
+    from gradest_lab.race.tuned_page import task_labels
+
+    del options
+    labels = task_labels([report.config for report in reports])
+    folders = [report.folder for report in reports]
+    return "\n".join(contraction_table(reports, labels, folders)) + "\n"
+
+
+def _rule_tally(reports: Any, options: Mapping[str, str]) -> str:
+    """The rule's score over the races: ``confirmed at 9, not confirmed at 4 and refuted at
+    3 of the 16 (task, budget) cells``; with ``part=late|early`` the cells from (below) the
+    rule's budget share only."""
+    from gradest_lab.race.decision_rule import RULE, rule_tally
+
+    kind = "rule-tally"
+    cells = [cell for _, cell in _rule_cells(reports, kind)]
+    part = options.get("part")
+    if part is not None:
+        _choice(kind, options, "part", ["late", "early"])
+        cells = [c for c in cells if (c.fraction >= RULE.from_fraction) == (part == "late")]
+    tally = rule_tally(cells)
+    return (
+        f"confirmed at {tally['confirmed']}, not confirmed at {tally['not confirmed']} and "
+        f"refuted at {tally['refuted']} of the {len(cells)} (task, budget) cells"
+    )
+
+
 def _plain(report: Any, kind: str) -> Any:
     if report.tuned:
         raise InvalidValue(f"race-quote {kind}: give a race at one lr (not a tuned race)")
@@ -573,6 +666,9 @@ _MATRIX_RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
     "tuned-tally": _tuned_tally,
     "tuned-counts": _tuned_counts,
     "tuned-tasks": _tuned_tasks,
+    "rule-score": _rule_score,
+    "race-contraction": _race_contraction,
+    "rule-tally": _rule_tally,
 }
 
 _RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
@@ -580,6 +676,7 @@ _RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
     "tuned-time": _tuned_time,
     "tuned-headline": _tuned_headline,
     "tuned-lrs": _tuned_lrs,
+    "tuned-warnings": _tuned_warnings,
     "race-final": _race_final,
     "race-fractions": _race_fractions,
     "tuned-budgets": _tuned_budgets,
@@ -594,6 +691,7 @@ _OPTIONS: dict[str, set[str]] = {
     "tuned-time": {"estimators"},
     "tuned-headline": {"fraction"},
     "tuned-lrs": set(),
+    "tuned-warnings": set(),
     "race-final": set(),
     "race-fractions": set(),
     "tuned-matrix": {"fractions"},
@@ -601,6 +699,9 @@ _OPTIONS: dict[str, set[str]] = {
     "tuned-budgets": {"verdict", "estimators", "match", "form", "unit"},
     "tuned-counts": {"fraction", "estimators", "verdict"},
     "tuned-tasks": {"fraction", "estimators", "verdict"},
+    "rule-score": set(),
+    "race-contraction": set(),
+    "rule-tally": {"part"},
     "race-steps": {"estimator"},
     "race-seeds-above": {"estimators", "fractions"},
     "stopped-step": {"estimator"},
@@ -611,6 +712,7 @@ _PHRASES = {
     "tuned-budgets",
     "tuned-counts",
     "tuned-tasks",
+    "rule-tally",
     "race-steps",
     "race-seeds-above",
     "stopped-step",
@@ -631,6 +733,15 @@ def render(root: Path, args: str) -> str:
     if unknown:
         takes = ", ".join(sorted(_OPTIONS[kind])) or "no option"
         raise InvalidValue(f"race-quote {args!r}: {kind} takes {takes}, not {', '.join(unknown)}")
+    if kind in ("rule-score", "rule-tally"):
+        from gradest_lab.race.decision_rule import RULE
+
+        own = sorted(set(words[1].split(",")) & set(RULE.drawn_from))
+        if own:
+            raise InvalidValue(
+                f"race-quote {kind}: the rule was drawn from {', '.join(own)}; only races "
+                f"raced after it ({RULE.written}) can score it"
+            )
     if kind in _MATRIX_RENDERERS:
         return _MATRIX_RENDERERS[kind](_load_all(root, words[1]), options)
     return _RENDERERS[kind](_load(root, words[1]), options)
@@ -754,7 +865,7 @@ def _report_facts(report: Any) -> dict[str, set[float]]:
     if report.tuned:
         lrs = config["lrs"]
         add(len(lrs), *lrs, *config["levels"], config["primary_level"])
-        add(config["ceiling_factor"], report.ceiling_run["seed"])
+        add(config["ceiling_factor"], *(row["seed"] for row in report.ceiling_rows))
         add(report.ceiling_run["budget_exact_steps"])
         ratios |= {lrs[-1] / lrs[0], float(config["ceiling_factor"])}
     return {"number": numbers, "ratio": ratios, "fraction": set(config["fractions"])}
@@ -854,6 +965,29 @@ def page_problems(root: Path, page: str) -> list[str]:
         problems += [
             f"a figure outside a generated block: {item}" for item in stray_figures(updated, root)
         ]
+    problems += _unflagged_drafts(root, updated)
+    return problems
+
+
+def _unflagged_drafts(root: Path, page: str) -> list[str]:
+    """The tuned races the page quotes that are not ready to quote and whose
+    ``tuned-warnings`` block the page lacks (a provisional verdict shown as a final one)."""
+    quoted: set[str] = set()
+    flagged: set[str] = set()
+    for match in _BLOCK.finditer(page):
+        words = match["args"].split()
+        if len(words) < 2:
+            continue
+        paths = words[1].split(",")
+        (flagged if words[0] == "tuned-warnings" else quoted).update(paths)
+    problems = []
+    for path in sorted(quoted - flagged):
+        report = _load(root, path)
+        if report.tuned and report.grid_warnings():
+            problems.append(
+                f"quotes {path}, which is not ready to quote ({report.grid_warnings()[0]}), "
+                f"without its <!-- race-quote tuned-warnings {path} --> block"
+            )
     return problems
 
 

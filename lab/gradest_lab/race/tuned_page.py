@@ -15,8 +15,14 @@ from gradest_lab.race.shards import lr_label
 
 
 def format_lr(lr: float | None) -> str:
-    """A learning rate as the tables show it (``2.5e-04``)."""
-    return "-" if lr is None else f"{lr:.2g}"
+    """A learning rate as the tables show it (``0.00025``, ``0.000403``: every rate a race
+    tries has at most 3 significant digits)."""
+    return "-" if lr is None else f"{lr:.3g}"
+
+
+def format_gap(gap: float | None) -> str:
+    """A residual tuning gap as the tables show it (``-`` where not measurable)."""
+    return "-" if gap is None else f"{gap:.2g}"
 
 
 def _interval(interval: Mapping[str, Any], spec: str = ".4g") -> str:
@@ -45,6 +51,7 @@ def tuned_race_markdown(report: Any) -> str:
     config, summary = report.config, report.summary()
     fractions = config["fractions"]
     ceiling = summary["ceiling"]
+    gain = ceiling["attainable_gain"]
     specs = config["estimators"]
     budget = config["budget_exact_steps"]
     lrs = ", ".join(format_lr(lr) for lr in config["lrs"])
@@ -59,29 +66,43 @@ def tuned_race_markdown(report: Any) -> str:
         f"Budget {budget:.3g} exact steps = {config['budget']:.4g} backward FLOPs (one forward "
         f"{config['forward_flops'] / 1e6:.3g} MFLOP; an exact step "
         f"{config['exact_step_model_units']:.4g} forward-equivalents). Every estimator runs at "
-        f"its own learning rate, chosen from the grid {{{lrs}}} on the tuning seeds "
-        f"{_seed_text(config['tune_seeds'])} and reported on the disjoint seeds "
+        f"its own learning rate, chosen from the grid {{{lrs}}}{_refinement_text(config)} on "
+        f"the tuning seeds {_seed_text(config['tune_seeds'])} and reported on the disjoint seeds "
         f"{_seed_text(config['seeds'])} ({len(config['seeds'])} seeds). Task settings: "
         + ", ".join(f"{k}={v!r}" for k, v in config["task_settings"].items())
         + f". Reward and drift on one fixed evaluation set of {config['eval_samples']} samples, "
         f"at {', '.join(f'{f:g}' for f in fractions)} of the budget.",
         "",
         f"Pretrained reward {report.initial['reward']:.4g}. Ceiling (attainable reward) "
-        f"{ceiling['value']:.4g}: the best of {len(report.ceiling_run['row']['curve'])} "
-        f"evaluations of `{ceiling['spec']}` at lr {format_lr(ceiling['lr'])} (the best mean "
-        f"final reward of the tuning runs) run for {ceiling['budget_exact_steps']:.3g} exact "
-        f"steps on seed {ceiling['seed']}, an estimate from below"
+        f"{ceiling['value']:.4g}: the pretrained reward plus the attainable gain "
+        f"{_interval(gain['gain'])}, measured apart from the report: `{ceiling['spec']}` at lr "
+        f"{format_lr(ceiling['lr'])} (the best mean final reward of the grid's tuning runs) "
+        f"run for {ceiling['budget_exact_steps']:.3g} exact steps on tuning seeds "
+        f"{_seed_text(ceiling['seeds'])}, "
+        + (
+            "evaluated on the task's evaluation set apart from the report's (other noise, "
+            "other held-out draws)"
+            if ceiling["evaluation"] == "apart"
+            else "evaluated on the report's own evaluation set (the task has no other)"
+        )
+        + f"; per run, the mean of its last {gain['settled_points']} of "
+        f"{len(report.ceiling_rows[0]['curve'])} evaluations minus the pretrained reward on "
+        f"that set (over those last evaluations the runs still rose by {gain['rise']:+.3g} "
+        f"on average against the ones before)"
         + (
             f" (the task states {task_ceiling:.4g})."
             if isinstance(task_ceiling, int | float)
             else "."
         )
-        + f" Targets (share of the attainable gain -> reward): {targets}.",
+        + f" Targets (share of this attainable gain -> reward): {targets}.",
         "",
         f"Means over the report seeds; [low, high] are 95% percentile bootstrap intervals "
         f"({config['bootstrap']['resamples']} resamples of the seeds, fixed seed); differences "
         f"and ratios to `{REFERENCE}` are paired by seed, each estimator at its own chosen lr. "
-        f"Compute in exact training steps.",
+        f"An estimator is ahead of (behind) `{REFERENCE}` only when the interval lies above "
+        f"(below) zero by more than the margin: the two estimators' residual tuning gaps (the "
+        f"reward a finer lr could still add, from a quadratic fit in log lr to the tuning "
+        f"means around the choice). Compute in exact training steps.",
     ]
     if summary["warnings"]:
         lines += ["", "## Not ready to quote", ""]
@@ -115,7 +136,10 @@ def tuned_race_markdown(report: Any) -> str:
             cell = _num(point["reward"]["mean"])
             if spec != REFERENCE:
                 above = f"{point['seeds_above_exact']}/{point['reward']['n']} above"
-                cell += f" (Δ {_signed(point['reward_minus_exact'])}, {above})"
+                cell += (
+                    f" (Δ {_signed(point['reward_minus_exact'])}, margin "
+                    f"{format_gap(point['margin'])}, {above})"
+                )
             cells.append(cell)
         lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
     lines += [
@@ -124,35 +148,40 @@ def tuned_race_markdown(report: Any) -> str:
         "",
         "| estimator | lr per budget ("
         + ", ".join(_steps(f * budget) for f in fractions)
-        + " steps) "
+        + " steps) | residual tuning gap per budget "
         "| final reward [CI] | drift at the full budget [CI] | steps in budget |",
-        "|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
     ]
     for spec in specs:
         last = summary["final"][spec][-1]
         chosen = ", ".join(format_lr(p["lr"]) for p in summary["final"][spec])
+        gaps = ", ".join(format_gap(p["residual_gap"]) for p in summary["final"][spec])
         lines.append(
-            f"| `{spec}` | {chosen} | {_interval(last['reward'])} | {_interval(last['drift'])} | "
-            f"{_num(last['steps']['mean'], '.3g')} |"
+            f"| `{spec}` | {chosen} | {gaps} | {_interval(last['reward'])} | "
+            f"{_interval(last['drift'])} | {_num(last['steps']['mean'], '.3g')} |"
         )
-    labels = [lr_label(lr) for lr in config["lrs"]]
+    every_lr = sorted({lr for spec in specs for lr in report.tried_lrs(spec)})
     lines += [
         "",
         f"## Tuning: mean final reward on the tuning seeds ({len(config['tune_seeds'])}) per lr",
         "",
         "The chosen lr for the full budget is in bold; * marks the one chosen for time to "
         f"{100 * config['primary_level']:g}% (mean compute to it on the tuning seeds in brackets "
-        "when every tuning seed reached it).",
+        "when every tuning seed reached it); - where the estimator was not run at that lr (the "
+        "grid's rates are run by all, the refinement's only beside each estimator's choices).",
         "",
-        "| estimator | " + " | ".join(format_lr(lr) for lr in config["lrs"]) + " |",
-        "|---|" + "---|" * len(labels),
+        "| estimator | " + " | ".join(format_lr(lr) for lr in every_lr) + " |",
+        "|---|" + "---|" * len(every_lr),
     ]
     for spec in specs:
         tuning = summary["tuning"][spec]
         chosen = tuning["chosen"]
         cells = []
-        for lr, label in zip(config["lrs"], labels, strict=True):
-            entry = tuning["per_lr"][label]
+        for lr in every_lr:
+            entry = tuning["per_lr"].get(lr_label(lr))
+            if entry is None:
+                cells.append("-")
+                continue
             text = _interval(entry["final_reward"])
             if lr == chosen["by_fraction"][-1]:
                 text = f"**{text}**"
@@ -171,16 +200,31 @@ def estimator_names(entries: list[dict[str, Any]], with_ci: bool) -> str:
     if not entries:
         return "none"
     if with_ci:
-        return "; ".join(f"`{e['spec']}` {_signed(e['minus_exact'])}" for e in entries)
+        return "; ".join(
+            f"`{e['spec']}` {_signed(e['minus_exact'])}" + _margin_text(e) for e in entries
+        )
     return ", ".join(f"`{e['spec']}`" for e in entries)
+
+
+def _margin_text(entry: Mapping[str, Any]) -> str:
+    margin = entry.get("margin")
+    return "" if not margin else f" (margin {format_gap(margin)})"
+
+
+def _refinement_text(config: Mapping[str, Any]) -> str:
+    ratio = config.get("bracket_ratio")
+    if ratio is None:
+        return " (not refined)"
+    return f", refined until each choice's tried neighbours lie within {ratio:g}x of it,"
 
 
 def decision_table(summary: Mapping[str, Any], fractions: list[float] | None = None) -> list[str]:
     """The decision table's lines: per budget (all, or those ``fractions``), who beats exact
-    at equal compute (the paired interval above 0), who falls behind, who neither."""
+    at equal compute (the paired interval above the margin of the two residual tuning
+    gaps), who falls behind (below minus the margin), who neither."""
     lines = [
         "| budget (exact steps) | exact: lr, share of attainable gain | beat exact: Δ reward "
-        "[95% CI] | no clear difference | behind exact |",
+        "[95% CI] (margin) | no clear difference | behind exact |",
         "|---|---|---|---|---|",
     ]
     for row in summary["decision"]:
@@ -206,7 +250,7 @@ def time_to_target_table(
     levels = config["levels"]
     primary = f"{config['primary_level']:g}"
     lines = [
-        "| estimator | lr | "
+        "| estimator | lr (tuning gap, steps) | "
         + " | ".join(f"to {100 * level:g}% [CI] (seeds reached)" for level in levels)
         + f" | ratio to exact at {100 * config['primary_level']:g}% [CI] |",
         "|---|---|" + "---|" * len(levels) + "---|",
@@ -222,7 +266,9 @@ def time_to_target_table(
         else:
             ratio_cell = _interval(ratio, ".3g")
         lines.append(
-            f"| `{spec}` | {format_lr(entry['lr'])} | " + " | ".join(cells) + f" | {ratio_cell} |"
+            f"| `{spec}` | {format_lr(entry['lr'])} ({format_gap(entry.get('residual_gap'))}) | "
+            + " | ".join(cells)
+            + f" | {ratio_cell} |"
         )
     return lines
 

@@ -20,11 +20,16 @@ shared lr decides a good part of the answer. The tuned race removes that: it ans
    A chosen lr on the edge of the grid is flagged: the grid must be extended before such
    a result is quoted (and a grid of fewer than :data:`MIN_GRID_POINTS` points or spanning
    less than :data:`MIN_GRID_SPAN` x is flagged as too narrow to quote).
-2. **The ceiling** (the attainable reward the targets are fractions of) is measured once
-   per race: the (estimator, lr) with the best mean final reward on the tuning seeds runs
-   on the first tuning seed for :data:`CEILING_FACTOR` times the budget, evaluated at
-   :data:`CEILING_POINTS` points; the ceiling is its best evaluation (an estimate from
-   below of the optimum). The task's own ceiling, if it states one, is reported beside it.
+2. **The ceiling** (the attainable reward the targets are fractions of) is measured apart
+   from the report: the (estimator, lr) with the best mean final reward on the tuning
+   seeds runs on the first :data:`CEILING_SEEDS` tuning seeds for :data:`CEILING_FACTOR`
+   times the budget, evaluated at :data:`CEILING_POINTS` points on the task's evaluation
+   *apart* from the report's (``evaluate_apart``: other noise, other held-out draws; a task
+   without one is evaluated on the report's set, and the report says so). The attainable
+   gain is each run's settled end (the mean of its last :data:`SETTLED_SHARE` of
+   evaluations) minus the pretrained model's reward on that set, averaged over the seeds
+   with its 95% interval; the ceiling on the report's scale is the pretrained reward plus
+   that gain. The task's own ceiling, if it states one, is reported beside it.
 3. **Report.** Every estimator runs at its chosen rates on the *report seeds* (disjoint
    from the tuning seeds). Reported, with 95% bootstrap intervals over the report seeds:
    **time to target**, the compute each estimator needs to reach :data:`DEFAULT_LEVELS`
@@ -78,6 +83,14 @@ from gradest_lab.race.plain_race import (
     evaluate_pretrained,
     measure_budget,
 )
+from gradest_lab.race.refinement import (
+    BRACKET_RATIO,
+    MAX_ROUNDS,
+    merge_close,
+    next_rates,
+    residual_gap,
+    verdict,
+)
 from gradest_lab.race.shards import ShardKey, ShardStore, lr_label, race_identity
 from gradest_lab.storage.files import (
     atomic_write_text,
@@ -94,6 +107,10 @@ DEFAULT_LEVELS = (0.5, 0.8, 0.9)
 PRIMARY_LEVEL = 0.8
 CEILING_FACTOR = 16.0
 CEILING_POINTS = 32
+# The ceiling runs on this many of the tuning seeds (the first ones)...
+CEILING_SEEDS = 3
+# ...and each one's settled end is the mean of this share of its last evaluations.
+SETTLED_SHARE = 0.25
 MIN_GRID_POINTS = 5
 MIN_GRID_SPAN = 30.0
 # The most rates a grid may have: each is a run per estimator and tuning seed, and a count
@@ -297,11 +314,22 @@ def choose_lrs(
     initial: float,
     target: float | None,
     unit: float,
+    ratio: float = BRACKET_RATIO,
 ) -> dict[str, Any]:
-    """An estimator's chosen rates from its tuning runs (module docstring, item 1).
+    """An estimator's chosen rates from its tuning runs (module docstring, item 1), with
+    how finely each is bracketed (:mod:`gradest_lab.race.refinement`).
+
+    Args:
+        rows_by_lr: the tuning rows per lr label (:func:`lr_label`), one list per tried rate.
+        lrs: the tried rates, increasing.
+        ratio: the bracket a choice needs (its tried neighbours at most this far).
 
     Returns ``{"by_fraction": [lr per fraction], "primary": lr or None (no target yet),
-    "edge": [names of the choices on the grid's edge]}``.
+    "gap_by_fraction": [residual tuning gap in reward per fraction], "primary_gap": the
+    time (in ``unit``) a finer rate could still save for time-to-target (None when not
+    measurable), "edge": [names of the choices on the tried rates' edge], "unbracketed":
+    [names of the choices whose neighbours are farther than ``ratio``], "wanted": [the rates
+    to try next, increasing]}``.
     """
     means = {
         lr: [
@@ -316,7 +344,12 @@ def choose_lrs(
         return max(lrs, key=lambda lr: (means[lr][index], -lr))
 
     by_fraction = [best_at(i) for i in range(len(fractions))]
+    profiles = [
+        (f"{fractions[i]:g} of the budget", {x: means[x][i] for x in lrs}, lr)
+        for i, lr in enumerate(by_fraction)
+    ]
     primary = None
+    speed: dict[float, float] = {}
     if target is not None:
 
         def score(lr: float) -> tuple[float, ...]:
@@ -326,27 +359,44 @@ def choose_lrs(
                 return (0.0, sum(times) / len(times), lr)
             return (1.0, -reached, -means[lr][-1], lr)
 
-        primary = min(lrs, key=score)
+        scores = {lr: score(lr) for lr in lrs}
+        primary = min(lrs, key=scores.__getitem__)
+        # Faster is better: the negated mean time where every tuning seed reached the target.
+        speed = {lr: -scores[lr][1] if scores[lr][0] == 0 else -math.inf for lr in lrs}
+        if math.isfinite(speed[primary]):
+            profiles.append(("time to target", speed, primary))
 
-    # A choice on the grid's edge says the best rate may lie beyond it, unless the edge
-    # only ties its neighbour (an estimator that takes no step ties at every rate).
+    # A choice on the tried rates' edge says the best rate may lie beyond it, unless the
+    # edge only ties its neighbour (an estimator that takes no step ties at every rate).
     def beyond_edge(lr: float, values: Mapping[float, float]) -> bool:
-        if lr not in (lrs[0], lrs[-1]):
+        if lr not in (lrs[0], lrs[-1]) or len(lrs) < 2:
             return False
         neighbour = lrs[1] if lr == lrs[0] else lrs[-2]
         return values[lr] > values[neighbour]
 
-    edge = [
-        f"{fractions[i]:g} of the budget"
-        for i, lr in enumerate(by_fraction)
-        if beyond_edge(lr, {x: means[x][i] for x in lrs})
-    ]
-    if primary is not None:
-        # Faster is better: the negated mean time where every tuning seed reached the target.
-        speed = {lr: -score(lr)[1] if score(lr)[0] == 0 else -math.inf for lr in lrs}
-        if beyond_edge(primary, speed):
-            edge.append("time to target")
-    return {"by_fraction": by_fraction, "primary": primary, "edge": edge}
+    edge = [name for name, values, lr in profiles if beyond_edge(lr, values)]
+    wanted: set[float] = set()
+    unbracketed = []
+    for name, values, lr in profiles:
+        more = next_rates(lrs, values, lr, ratio=ratio)
+        if more:
+            unbracketed.append(name)
+            wanted.update(more)
+    gaps = [residual_gap(lrs, values, lr) for _, values, lr in profiles[: len(fractions)]]
+    primary_gap = (
+        residual_gap(lrs, speed, primary)
+        if primary is not None and math.isfinite(speed[primary])
+        else None
+    )
+    return {
+        "by_fraction": by_fraction,
+        "primary": primary,
+        "gap_by_fraction": gaps,
+        "primary_gap": primary_gap,
+        "edge": edge,
+        "unbracketed": unbracketed,
+        "wanted": [lr for lr in merge_close(sorted(wanted), ratio=ratio) if lr not in lrs],
+    }
 
 
 @attrs.frozen(eq=False)
@@ -357,8 +407,13 @@ class TunedRaceReport:
         config: the race's settings and measured constants (task, estimators, grid, seeds,
             budget, fractions, levels, the forward's FLOPs, torch).
         initial: the pretrained model's evaluation (every curve's point at compute 0).
-        ceiling_run: the ceiling measurement: ``{"spec", "lr", "seed", "budget_exact_steps",
-            "row"}`` (the run's report row).
+        ceiling_run: the ceiling measurement (:attr:`attainable_gain`): ``{"spec", "lr",
+            "seeds", "budget_exact_steps", "evaluation", "initial", "rows"}``: the runs'
+            rows, ``evaluation`` ``"apart"`` (on the task's evaluation apart from the
+            report's, ``initial`` the pretrained model's there) or ``"report"`` (the task
+            has none; ``initial`` is the report's). A race folder of before the ceiling was
+            measured apart holds ``"seed"`` and ``"row"`` instead: read as one seed on the
+            report's evaluation, and flagged.
         tuning: per estimator, per lr label (``lr-0.0001``): the tuning seeds' rows.
         runs: per estimator, per chosen lr label: the report seeds' rows.
 
@@ -378,25 +433,78 @@ class TunedRaceReport:
         return float(self.config["exact_step_flops"])
 
     @property
+    def ceiling_rows(self) -> list[dict[str, Any]]:
+        """The ceiling runs' rows (one per seed)."""
+        run = self.ceiling_run
+        return list(run["rows"]) if "rows" in run else [run["row"]]
+
+    @property
+    def ceiling_evaluation(self) -> str:
+        """``"apart"`` (measured on evaluation noise disjoint from the report's) or
+        ``"report"``."""
+        return str(self.ceiling_run.get("evaluation", "report"))
+
+    def _settled(self) -> tuple[list[float], list[float], int]:
+        """Per ceiling run: its settled end's gain over the pretrained model, how much it
+        still rose over that stretch; and how many evaluations the stretch holds."""
+        initial = float(self.ceiling_run.get("initial", self.initial)["reward"])
+        gains, rises = [], []
+        count = 1
+        for row in self.ceiling_rows:
+            rewards = [float(p["reward"]) for p in row["curve"]]
+            count = max(1, round(len(rewards) * SETTLED_SHARE))
+            end = sum(rewards[-count:]) / count
+            before = rewards[-2 * count : -count] or rewards[:1]
+            gains.append(end - initial)
+            rises.append(end - sum(before) / len(before))
+        return gains, rises, count
+
+    def attainable_gain(self) -> dict[str, Any]:
+        """The attainable gain over the pretrained model, measured apart from the report:
+        per ceiling run (seed), the mean reward of its settled end (its last
+        :data:`SETTLED_SHARE` of evaluations) minus the pretrained model's on the same
+        evaluation set; its mean over the seeds with a 95% bootstrap interval, and how much
+        the runs still rose over that last stretch (against the stretch before it)."""
+        gains, rises, count = self._settled()
+        return {
+            "gain": bootstrap_mean(gains).to_json(),
+            "per_seed": gains,
+            "settled_points": count,
+            "rise": sum(rises) / len(rises),
+        }
+
+    @property
     def ceiling(self) -> float:
-        """The measured attainable reward: the ceiling run's best evaluation."""
-        curve = self.ceiling_run["row"]["curve"]
-        return max([self.initial["reward"], *(float(p["reward"]) for p in curve)])
+        """The attainable reward on the report's evaluation set: its pretrained reward plus
+        the attainable gain measured apart (:meth:`attainable_gain`)."""
+        gains = self._settled()[0]
+        return self.initial["reward"] + sum(gains) / len(gains)
 
     def target(self, level: float) -> float:
         initial = self.initial["reward"]
         return initial + level * (self.ceiling - initial)
+
+    @property
+    def bracket_ratio(self) -> float:
+        """How finely every choice must be bracketed to be quoted (``refinement``)."""
+        return float(self.config.get("bracket_ratio") or BRACKET_RATIO)
+
+    def tried_lrs(self, spec: str) -> list[float]:
+        """The rates ``spec`` was tuned at: the grid and the refinement's, increasing."""
+        tried = self.config.get("tried_lrs", {}).get(spec)
+        return list(self.config["lrs"]) if tried is None else list(tried)
 
     def choices(self) -> dict[str, dict[str, Any]]:
         """Per estimator, its chosen rates (:func:`choose_lrs`) from the tuning runs."""
         return {
             spec: choose_lrs(
                 self.tuning[spec],
-                self.config["lrs"],
+                self.tried_lrs(spec),
                 fractions=self.config["fractions"],
                 initial=self.initial["reward"],
                 target=self.target(self.config["primary_level"]),
                 unit=self.unit,
+                ratio=self.bracket_ratio,
             )
             for spec in self.config["estimators"]
         }
@@ -410,11 +518,28 @@ class TunedRaceReport:
                 f"the grid has {len(lrs)} points spanning {lrs[-1] / lrs[0]:.3g}x; a result to "
                 f"quote needs at least {MIN_GRID_POINTS} spanning at least {MIN_GRID_SPAN:g}x"
             )
+        if self.ceiling_evaluation != "apart" or len(self.ceiling_rows) < 2:
+            notes.append(
+                f"the ceiling was measured on {len(self.ceiling_rows)} seed(s) and "
+                + (
+                    "evaluation noise apart from the report's"
+                    if self.ceiling_evaluation == "apart"
+                    else "the report's own evaluation set"
+                )
+                + f"; a ceiling to quote is measured apart, on at least {CEILING_SEEDS} seeds "
+                f"(rerun the race)"
+            )
         for spec, choice in self.choices().items():
             if choice["edge"]:
                 notes.append(
                     f"`{spec}`: the lr chosen for {', '.join(choice['edge'])} is on the grid's "
                     f"edge; extend the grid past it before quoting"
+                )
+            if choice["unbracketed"]:
+                notes.append(
+                    f"`{spec}`: the lr chosen for {', '.join(choice['unbracketed'])} is not "
+                    f"bracketed at {self.bracket_ratio:g}x (tried rates next to it farther "
+                    f"away); rerun the race to refine it before quoting"
                 )
         return notes
 
@@ -457,11 +582,18 @@ class TunedRaceReport:
                 reward = _reward_at(rows, i)
                 baseline = _reward_at(self._rows(REFERENCE, exact_choice["by_fraction"][i]), i)
                 diffs = [a - b for a, b in zip(reward, baseline, strict=True)]
+                gap = choices[spec]["gap_by_fraction"][i]
+                exact_gap = exact_choice["gap_by_fraction"][i]
                 points.append(
                     {
                         "fraction": fraction,
                         "budget_exact_steps": fraction * steps,
                         "lr": lr,
+                        "residual_gap": gap,
+                        # What the difference to exact must clear to be called ahead or
+                        # behind: both estimators' residual gaps (a gap not measurable
+                        # for lack of rates counts 0, and the grid warnings say so).
+                        "margin": (gap or 0.0) + (exact_gap or 0.0),
                         "reward": bootstrap_mean(reward).to_json(),
                         "reward_minus_exact": paired_bootstrap(reward, baseline).to_json(),
                         "seeds_above_exact": sum(d > 0 for d in diffs),
@@ -491,27 +623,36 @@ class TunedRaceReport:
                     if both and min(exact_times) > 0
                     else None,
                 }
-            to_target[spec] = {"lr": lr, "levels": per_level}
+            to_target[spec] = {
+                "lr": lr,
+                "residual_gap": choices[spec]["primary_gap"],
+                "levels": per_level,
+            }
         decision = []
         for i, fraction in enumerate(fractions):
-            beats, behind, neither = [], [], []
+            beats: list[dict[str, Any]] = []
+            behind: list[dict[str, Any]] = []
+            neither: list[dict[str, Any]] = []
             for spec in config["estimators"]:
                 if spec == REFERENCE:
                     continue
-                diff = final[spec][i]["reward_minus_exact"]
-                entry = {"spec": spec, "lr": final[spec][i]["lr"], "minus_exact": diff}
-                if diff["low"] is not None and diff["low"] > 0:
-                    beats.append(entry)
-                elif diff["high"] is not None and diff["high"] < 0:
-                    behind.append(entry)
-                else:
-                    neither.append(entry)
+                point = final[spec][i]
+                diff = point["reward_minus_exact"]
+                entry = {
+                    "spec": spec,
+                    "lr": point["lr"],
+                    "minus_exact": diff,
+                    "margin": point["margin"],
+                }
+                word = verdict(diff["low"], diff["high"], point["margin"])
+                {"ahead": beats, "behind": behind, "level": neither}[word].append(entry)
             beats.sort(key=lambda e: -e["minus_exact"]["mean"])
             decision.append(
                 {
                     "fraction": fraction,
                     "budget_exact_steps": fraction * steps,
                     "exact_lr": exact_choice["by_fraction"][i],
+                    "exact_residual_gap": exact_choice["gap_by_fraction"][i],
                     "exact_share_of_attainable": (final[REFERENCE][i]["reward"]["mean"] - initial)
                     / (self.ceiling - initial)
                     if self.ceiling > initial
@@ -524,10 +665,12 @@ class TunedRaceReport:
         return {
             "ceiling": {
                 "value": self.ceiling,
+                "attainable_gain": self.attainable_gain(),
+                "evaluation": self.ceiling_evaluation,
                 "task_ceiling": config.get("task_ceiling"),
                 "spec": self.ceiling_run["spec"],
                 "lr": self.ceiling_run["lr"],
-                "seed": self.ceiling_run["seed"],
+                "seeds": [row["seed"] for row in self.ceiling_rows],
                 "budget_exact_steps": self.ceiling_run["budget_exact_steps"],
             },
             "targets": {f"{level:g}": self.target(level) for level in levels},
@@ -603,6 +746,20 @@ class TunedRaceReport:
 
 
 # -- running it ----------------------------------------------------------------------------
+
+
+class _EvaluatedApart:
+    """The task with its evaluation swapped for its ``evaluate_apart`` (the ceiling's)."""
+
+    def __init__(self, task: RaceTask) -> None:
+        self._task = task
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def evaluate(self, model: torch.nn.Module) -> Any:
+        # optional (not in RaceTask): the tuned race calls it only where the task has it
+        return getattr(self._task, "evaluate_apart")(model)  # noqa: B009
 
 
 class _NoBar:
@@ -691,6 +848,7 @@ def tuned_race(
     levels: Sequence[float] = DEFAULT_LEVELS,
     primary_level: float = PRIMARY_LEVEL,
     ceiling_factor: float = CEILING_FACTOR,
+    bracket_ratio: float | None = BRACKET_RATIO,
     out: str | os.PathLike[str] | None = None,
     show_progress: bool = True,
     plots: bool = True,
@@ -710,6 +868,9 @@ def tuned_race(
         levels: the time-to-target levels, fractions of the attainable gain.
         primary_level: the level whose time-to-target chooses that statistic's lr.
         ceiling_factor: the ceiling run's budget in race budgets.
+        bracket_ratio: refine every choice on the tuning seeds until the tried rates next
+            to it are at most this far (:mod:`gradest_lab.race.refinement`); None keeps
+            the grid's choices (the report then flags them as not bracketed).
         out: the race folder (shards, resume, report); None keeps everything in memory.
 
     Raises:
@@ -735,6 +896,15 @@ def tuned_race(
         and ceiling_factor >= 1
     ):
         raise InvalidValue(f"ceiling_factor must be a number >= 1, got {ceiling_factor!r}")
+    if bracket_ratio is not None and (
+        isinstance(bracket_ratio, bool)
+        or not isinstance(bracket_ratio, int | float)
+        or not 1.1 <= bracket_ratio <= 4
+    ):
+        raise InvalidValue(
+            f"bracket_ratio must be None (no refinement) or a ratio in [1.1, 4] (a choice's "
+            f"tried neighbours at most this far; finer costs more runs), got {bracket_ratio!r}"
+        )
     budget_given = {"kind": kind, "value": value}
     identity_settings = _identity_settings(task, budget_given, fraction_list)
     identity = race_identity(identity_settings)
@@ -754,6 +924,7 @@ def tuned_race(
         "levels": level_list,
         "primary_level": float(primary_level),
         "ceiling_factor": float(ceiling_factor),
+        "bracket_ratio": None if bracket_ratio is None else float(bracket_ratio),
     }
     target = None
     with contextlib.ExitStack() as stack:
@@ -827,9 +998,11 @@ def _run_tuned_race(
     initial = evaluate_pretrained(task, measured.pretrained)
     sampler = task.sampler()
 
-    def runner(store: ShardStore, budget: float, points: list[float], bar: Any) -> _ShardRunner:
+    def runner(
+        store: ShardStore, budget: float, points: list[float], bar: Any, judged: Any = task
+    ) -> _ShardRunner:
         race = _Race(
-            task=task,
+            task=judged,
             kind="flops",
             budget=budget,
             fractions=points,
@@ -866,22 +1039,37 @@ def _run_tuned_race(
             ((spec, lr) for spec in specs for lr in grid),
             key=lambda pair: sum(_reward_at(tuning[pair[0]][lr_label(pair[1])], -1)),
         )
+        # Measured apart from the report: on tuning seeds, and (where the task has one) on
+        # its evaluation apart from the report's, so that the report's own noise does not
+        # set the bar its shares are measured against.
+        apart = callable(getattr(task, "evaluate_apart", None))
+        judged = _EvaluatedApart(task) if apart else task
         ceiling_points = [i / CEILING_POINTS for i in range(1, CEILING_POINTS + 1)]
         ceiling_identity = race_identity(
-            {**identity_settings, "ceiling_factor": float(ceiling_factor), "points": ceiling_points}
+            {
+                **identity_settings,
+                "ceiling_factor": float(ceiling_factor),
+                "points": ceiling_points,
+                "evaluation": "apart" if apart else "report",
+            }
         )
-        bar.total += 1
-        ceiling_store = ShardStore(root, ceiling_identity, name="ceiling", fractions=ceiling_points)
-        ceiling_key = ShardKey(best[0], best[1], tune_list[0])
-        ceiling_row = runner(
-            ceiling_store, measured.budget * ceiling_factor, ceiling_points, bar
-        ).results([ceiling_key])[ceiling_key]
+        ceiling_seeds = tune_list[:CEILING_SEEDS]
+        bar.total += len(ceiling_seeds)
+        ceiling_store = ShardStore(
+            root, ceiling_identity, name="ceiling-apart", fractions=ceiling_points
+        )
+        ceiling_keys = [ShardKey(best[0], best[1], seed) for seed in ceiling_seeds]
+        ceiling_rows = runner(
+            ceiling_store, measured.budget * ceiling_factor, ceiling_points, bar, judged
+        ).results(ceiling_keys)
         ceiling_run = {
             "spec": best[0],
             "lr": best[1],
-            "seed": tune_list[0],
+            "seeds": ceiling_seeds,
             "budget_exact_steps": value * ceiling_factor,
-            "row": ceiling_row,
+            "evaluation": "apart" if apart else "report",
+            "initial": evaluate_pretrained(judged, measured.pretrained) if apart else initial,
+            "rows": [ceiling_rows[key] for key in ceiling_keys],
         }
         config = {
             **settings,
@@ -889,6 +1077,32 @@ def _run_tuned_race(
             "task_ceiling": task.ceiling,
             **measured.config(),
         }
+        tried = {spec: list(grid) for spec in specs}
+        # Refinement (gradest_lab.race.refinement): rounds of new rates beside every choice
+        # not bracketed yet, on the tuning seeds, until none asks for more.
+        rounds = MAX_ROUNDS if settings["bracket_ratio"] is not None else 0
+        for _ in range(rounds):
+            partial = TunedRaceReport(
+                {**config, "tried_lrs": tried}, initial, ceiling_run, tuning, runs={}
+            )
+            wanted = {spec: choice["wanted"] for spec, choice in partial.choices().items()}
+            refine_keys = [
+                ShardKey(spec, lr, seed)
+                for seed in tune_list
+                for spec in specs
+                for lr in wanted[spec]
+            ]
+            if not refine_keys:
+                break
+            bar.total += len(refine_keys)
+            refined = main.results(refine_keys)
+            for spec in specs:
+                for lr in wanted[spec]:
+                    tuning[spec][lr_label(lr)] = [
+                        refined[ShardKey(spec, lr, seed)] for seed in tune_list
+                    ]
+                tried[spec] = sorted({*tried[spec], *wanted[spec]})
+        config["tried_lrs"] = tried
         partial = TunedRaceReport(config, initial, ceiling_run, tuning, runs={})
         chosen = partial.choices()
         report_keys = [

@@ -1,0 +1,123 @@
+"""The rule we give a user for a task nobody raced, fixed before the tasks that score it.
+
+The tuned races answer "who beats exact at equal compute" per task and budget. A user with
+a new task needs one sentence instead, and a sentence is only worth giving if the data can
+prove it wrong. :data:`RULE` is that sentence, as data: written down on the date it says,
+from the short-horizon races committed then, *before* any long-horizon task was raced; each
+race raced after it scores it (:func:`score_rule`), budget fraction by budget fraction,
+from the verdicts of the race's decision table (:mod:`gradest_lab.race.verdicts`: ahead /
+level / behind exact, a difference counted only past both estimators' residual tuning
+gaps). The rule is not edited after the fact: a miss is reported as a miss.
+
+A leaf module (it reads reports through their ``summary()``): the pages quote it through
+:mod:`gradest_lab.race.quoting`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from gradest_lab.race.verdicts import row_verdicts
+
+__all__ = ["RULE", "DecisionRule", "RuleCell", "rule_tally", "score_rule"]
+
+
+@attrs.frozen
+class DecisionRule:
+    """ "On a new task, prefer ``early`` below ``from_fraction`` of the budget and ``late``
+    from it on."
+
+    Scored per budget fraction of a race (:func:`score_rule`): the rule is **confirmed**
+    where the estimator it prefers at that fraction is ahead of exact, **not confirmed**
+    where it is level (nothing lost, nothing shown gained), **refuted** where it is behind.
+
+    Attributes:
+        early: the estimator the rule prefers on small budgets.
+        late: the estimator it prefers once the budget reaches ``from_fraction``.
+        from_fraction: the share of the budget from which it prefers ``late``.
+        written: the date the rule was fixed (ISO).
+        drawn_from: the races it was drawn from (their folders), none of which scores it.
+        text: the sentence a user reads.
+    """
+
+    early: str
+    late: str
+    from_fraction: float
+    written: str
+    drawn_from: tuple[str, ...]
+    text: str
+
+    def prefers(self, fraction: float) -> str:
+        """The estimator the rule prefers at ``fraction`` of the budget."""
+        return self.late if fraction >= self.from_fraction else self.early
+
+
+#: The rule, fixed on the date it states from the short-horizon races it names (their
+#: tally then: from a quarter of the budget on, `alignprop` was never behind exact on the
+#: seven tasks and ahead at the full budget on six; at an eighth, `sdo` was ahead on four).
+RULE = DecisionRule(
+    early="sdo",
+    late="alignprop",
+    from_fraction=0.25,
+    written="2026-12-05",
+    drawn_from=(
+        "docs/results/race_digits_tuned",
+        "docs/results/race_digits_tuned_target5",
+        "docs/results/race_digits_tuned_target8",
+        "docs/results/race_digits_tuned_n8",
+        "docs/results/race_digits_tuned_n50",
+        "docs/results/race_mnist_tuned_target3",
+        "docs/results/race_mnist_tuned_target7",
+    ),
+    text=(
+        "On a task not raced, each estimator at its own tuned lr: prefer `alignprop` "
+        "(AlignProp's random truncation) from a quarter of the training budget on, and `sdo` "
+        "(one-step cotangents) below it."
+    ),
+)
+
+
+@attrs.frozen
+class RuleCell:
+    """The rule against one race at one budget fraction."""
+
+    fraction: float
+    budget_exact_steps: float
+    prefers: str  # the estimator the rule prefers there
+    verdict: str  # its verdict against exact: ahead, level or behind
+    outcome: str  # "confirmed", "not confirmed" or "refuted"
+
+
+_OUTCOMES = {"ahead": "confirmed", "level": "not confirmed", "behind": "refuted"}
+
+
+def score_rule(report: Any, rule: DecisionRule = RULE) -> list[RuleCell]:
+    """The rule scored on a tuned race's decision, one cell per budget fraction.
+
+    Raises:
+        ValueError: the race did not run an estimator the rule prefers.
+    """
+    for spec in (rule.early, rule.late):
+        if spec not in report.config["estimators"]:
+            raise ValueError(
+                f"the {report.config.get('task')!r} race did not run {spec!r}, an estimator "
+                f"the rule prefers: race it to score the rule"
+            )
+    cells = []
+    for row in report.summary()["decision"]:
+        verdicts: Mapping[str, str] = row_verdicts(row)
+        spec = rule.prefers(row["fraction"])
+        word = verdicts[spec]
+        cells.append(
+            RuleCell(row["fraction"], row["budget_exact_steps"], spec, word, _OUTCOMES[word])
+        )
+    return cells
+
+
+def rule_tally(cells: Sequence[RuleCell]) -> dict[str, int]:
+    """How many cells each outcome has."""
+    outcomes = ("confirmed", "not confirmed", "refuted")
+    return {word: sum(cell.outcome == word for cell in cells) for word in outcomes}

@@ -1,0 +1,64 @@
+"""The decision rule for a task not raced, and its score (gradest_lab.race.decision_rule)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gradest_lab.race.decision_rule import RULE, DecisionRule, rule_tally, score_rule
+from gradest_lab.race.quoting import render
+
+from gradest import InvalidValue
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"ahead": "beats_exact", "level": "no_clear_difference", "behind": "behind_exact"}
+
+
+class _Report:
+    """The part of a tuned race report the rule reads: its line-up and decision rows."""
+
+    def __init__(self, verdicts: dict[str, list[str]]) -> None:
+        self.config = {"task": "fake", "estimators": ["exact", *verdicts]}
+        budgets = len(next(iter(verdicts.values())))
+        self.rows = []
+        for i in range(budgets):
+            row: dict[str, Any] = {"fraction": (i + 1) / budgets, "budget_exact_steps": i + 1}
+            row.update({key: [] for key in KEYS.values()})
+            for spec, words in verdicts.items():
+                row[KEYS[words[i]]].append({"spec": spec})
+            self.rows.append(row)
+
+    def summary(self) -> dict[str, Any]:
+        return {"decision": self.rows}
+
+
+def test_each_budget_scores_the_estimator_the_rule_prefers_there() -> None:
+    rule = DecisionRule("sdo", "alignprop", 0.5, "2026-12-05", (), "text")
+    report = _Report(
+        {
+            "sdo": ["ahead", "behind", "ahead", "ahead"],
+            "alignprop": ["behind", "ahead", "level", "behind"],
+        }
+    )
+    cells = score_rule(report, rule)
+    # fractions 0.25, 0.5, 0.75, 1: sdo below half, alignprop from half on
+    assert [c.prefers for c in cells] == ["sdo", "alignprop", "alignprop", "alignprop"]
+    assert [c.verdict for c in cells] == ["ahead", "ahead", "level", "behind"]
+    assert [c.outcome for c in cells] == ["confirmed", "confirmed", "not confirmed", "refuted"]
+    assert rule_tally(cells) == {"confirmed": 2, "not confirmed": 1, "refuted": 1}
+
+
+def test_a_race_without_the_preferred_estimator_cannot_score_it() -> None:
+    with pytest.raises(ValueError, match="did not run 'alignprop'"):
+        score_rule(_Report({"sdo": ["ahead"]}))
+
+
+def test_the_rule_is_fixed_and_never_scored_on_the_races_it_came_from() -> None:
+    # written before the tasks that score it: the races it was drawn from are committed
+    for folder in RULE.drawn_from:
+        assert (ROOT / folder / "report.json").is_file()
+    assert RULE.early in RULE.text and RULE.late in RULE.text
+    for kind in ("rule-score", "rule-tally"):
+        with pytest.raises(InvalidValue, match="the rule was drawn from"):
+            render(ROOT, f"{kind} {RULE.drawn_from[0]}")

@@ -868,6 +868,8 @@ def _report_facts(report: Any) -> dict[str, set[float]]:
         add(config["ceiling_factor"], *(row["seed"] for row in report.ceiling_rows))
         add(report.ceiling_run["budget_exact_steps"])
         ratios |= {lrs[-1] / lrs[0], float(config["ceiling_factor"])}
+        if config.get("bracket_ratio") is not None:
+            ratios.add(float(config["bracket_ratio"]))
     return {"number": numbers, "ratio": ratios, "fraction": set(config["fractions"])}
 
 

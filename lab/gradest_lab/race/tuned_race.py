@@ -569,7 +569,8 @@ class TunedRaceReport:
                             _times_to(rows, initial, target, self.unit)
                         ).to_json(),
                     }
-                    for label, rows in by_lr.items()
+                    # increasing lr (the refinement's rates were added after the grid's)
+                    for label, rows in sorted(by_lr.items(), key=lambda item: float(item[0][3:]))
                 },
             }
         final: dict[str, list[dict[str, Any]]] = {}

@@ -34,7 +34,7 @@ class _Report:
 
 
 def test_each_budget_scores_the_estimator_the_rule_prefers_there() -> None:
-    rule = DecisionRule("sdo", "alignprop", 0.5, "2026-12-05", (), "text")
+    rule = DecisionRule("sdo", "alignprop", 0.5, "2026-12-05", (), frozenset(), "text")
     report = _Report(
         {
             "sdo": ["ahead", "behind", "ahead", "ahead"],
@@ -59,6 +59,17 @@ def test_the_rule_is_fixed_and_never_scored_on_the_races_it_came_from() -> None:
     for folder in RULE.drawn_from:
         assert (ROOT / folder / "report.json").is_file()
     assert RULE.early in RULE.text and RULE.late in RULE.text
+    # ...nor on any race committed before it, however its path is written
+    import json
+
+    for folder in (*RULE.drawn_from, "docs/results/race_digits_grpo_tuned"):
+        identity = json.loads((ROOT / folder / "race.json").read_text())["identity"]
+        assert identity in RULE.raced_before
     for kind in ("rule-score", "rule-tally"):
-        with pytest.raises(InvalidValue, match="the rule was drawn from"):
-            render(ROOT, f"{kind} {RULE.drawn_from[0]}")
+        for path in (
+            RULE.drawn_from[0],
+            f"./{RULE.drawn_from[0]}/",
+            "docs/results/race_digits_grpo_tuned",
+        ):
+            with pytest.raises(InvalidValue, match="was raced before the rule was written"):
+                render(ROOT, f"{kind} {path}")

@@ -12,6 +12,7 @@ from gradest_lab.race.refinement import (
     BRACKET_RATIO,
     MAX_ROUNDS,
     bracket,
+    merge_close,
     next_rates,
     residual_gap,
     round_rate,
@@ -78,6 +79,26 @@ def test_a_flat_profile_or_a_fine_grid_asks_for_nothing() -> None:
     assert next_rates(wider, values, fine[2]) == [round_rate(fine[2] / (1.26 / 1.008))]
 
 
+def test_two_choices_share_a_rate_only_where_it_brackets_both() -> None:
+    # 2.5e-4 and 6.3e-4 both chosen (at different budgets): each asks for a rate towards
+    # the other, 3.91e-4 and 4.03e-4; one run between them serves both
+    assert merge_close([(3.91e-4, 2.5e-4), (4.03e-4, 6.3e-4)]) == [3.97e-4]
+    # 2.5e-4 and 3.97e-4 ask for 3.13e-4 and 3.18e-4: their mean, 3.15e-4, lies 1.2603x
+    # from 3.97e-4, outside a refinement step of it: both run (a merged one would cost a
+    # round more)
+    assert merge_close([(3.13e-4, 2.5e-4), (3.18e-4, 3.97e-4)]) == [3.13e-4, 3.18e-4]
+    # rates far apart, or asked twice, run once each
+    assert merge_close([(1e-4, 2e-4), (1e-3, 2e-3), (1e-4, 2e-4)]) == [1e-4, 1e-3]
+    assert merge_close([]) == []
+
+
+def test_a_rate_on_the_bracket_counts_as_inside() -> None:
+    # 3.15e-4 / 2.5e-4 is 1.26 up to rounding either way: bracketed
+    lrs = [2.5e-4, 3.15e-4, 3.9e-4]
+    values = {2.5e-4: 0.0, 3.15e-4: 1.0, 3.9e-4: 0.5}
+    assert next_rates(lrs, values, 3.15e-4) == []
+
+
 def test_residual_gap_is_the_fits_rise_over_the_bracket() -> None:
     lrs = [1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3]
     centre = math.log(3e-4)
@@ -99,6 +120,8 @@ def test_residual_gap_is_the_fits_rise_over_the_bracket() -> None:
     values = {lr: -((math.log(lr) - math.log(4e-4)) ** 2) for lr in lrs}
     assert residual_gap(lrs, values, 4e-4) == pytest.approx(0.0, abs=1e-12)
     assert residual_gap(lrs[:2], values, 2e-4) is None
+    # a flat profile has no gap, not the fit's rounding
+    assert residual_gap(lrs, dict.fromkeys(lrs, -3.0), 4e-4) == 0.0
     values[2e-4] = values[4e-4] = values[1.6e-3] = -math.inf  # e.g. a target not reached
     assert residual_gap(lrs, values, 8e-4) is None
     # noisy means: the gap is never negative
@@ -152,7 +175,7 @@ def test_the_race_refines_every_choice_and_reuses_every_shard(tmp_path, counted_
     assert len(tuning_runs) == len(set(tuning_runs))
     # the page says how finely, and every gap is quoted beside its difference
     page = refined.to_markdown()
-    assert "refined until each choice's tried neighbours lie within 1.26x" in page
+    assert "(refined until bracketed at 1.26x)" in page
     assert "margin" in page and "residual tuning gap per budget" in page
     counted_runs.clear()
     again = _race(QuadraticTask(), out)

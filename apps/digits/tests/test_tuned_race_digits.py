@@ -32,7 +32,7 @@ def test_gradest_race_tune_smallest_settings(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "wrote" in captured.out
     assert "not ready to quote: the grid has 2 points" in captured.err
-    assert "is not bracketed at 1.26x" in captured.err
+    assert "not bracketed at 1.26x" in captured.err
     # one tuning seed: the ceiling's runs are one, on the evaluation apart from the report's
     assert "the ceiling was measured on 1 seed(s) and evaluation noise apart" in captured.err
     data = json.loads((out / "report.json").read_text())
@@ -49,6 +49,9 @@ def test_gradest_race_tune_smallest_settings(tmp_path, capsys):
     assert "both set the lr" in capsys.readouterr().err
     assert main(_argv(tmp_path / "wall", "--budget-seconds", "3")) == 2
     assert "FLOPs budget" in capsys.readouterr().err
+    # a bracket out of bounds is refused naming the flag, before any model loads
+    assert main([*argv, "--bracket-ratio", "9"]) == 2
+    assert "--bracket-ratio must be none (no refinement) or a ratio" in capsys.readouterr().err
     # a different budget into the same folder is refused naming the setting
     assert main(_argv(out, "--budget", "2x")) == 2
     assert "budget_given" in capsys.readouterr().err

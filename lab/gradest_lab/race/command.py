@@ -112,16 +112,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no table")
 
 
-def _bracket_ratio_flag(text: str) -> float | None:
-    """``--bracket-ratio 1.26`` or ``none`` (the bounds are the race's to check)."""
+def _bracket_ratio_flag(text: str | None) -> float | None:
+    """``--bracket-ratio 1.26`` or ``none``, checked before any model loads."""
+    from gradest_lab.race.refinement import check_bracket_ratio
+
+    if text is None:
+        return BRACKET_RATIO
     if text.strip().lower() == "none":
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise InvalidValue(
             f"--bracket-ratio {text!r}: give a ratio such as 1.26, or none (no refinement)"
         ) from None
+    return check_bracket_ratio(value, what="--bracket-ratio")
 
 
 def _budget_flag(text: str) -> float:
@@ -211,6 +216,7 @@ def _race_command(args: argparse.Namespace) -> int:
             "give one budget: --budget 8x (exact steps' FLOPs) or --budget-seconds S"
         )
     steps = None if args.budget is None else _budget_flag(args.budget)
+    bracket_ratio = _bracket_ratio_flag(args.bracket_ratio)
     if args.budget_seconds is not None and not args.budget_seconds > 0:
         raise InvalidValue(f"--budget-seconds must be positive, got {args.budget_seconds}")
     if args.fractions is None:
@@ -255,9 +261,7 @@ def _race_command(args: argparse.Namespace) -> int:
                 budget_exact_steps=steps,
                 fractions=fractions,
                 ceiling_factor=args.ceiling_factor,
-                bracket_ratio=BRACKET_RATIO
-                if args.bracket_ratio is None
-                else _bracket_ratio_flag(args.bracket_ratio),
+                bracket_ratio=bracket_ratio,
                 out=out,
                 show_progress=not args.quiet,
                 plots=plots,

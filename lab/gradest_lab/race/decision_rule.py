@@ -39,7 +39,9 @@ class DecisionRule:
         late: the estimator it prefers once the budget reaches ``from_fraction``.
         from_fraction: the share of the budget from which it prefers ``late``.
         written: the date the rule was fixed (ISO).
-        drawn_from: the races it was drawn from (their folders), none of which scores it.
+        drawn_from: the races it was drawn from (their folders).
+        raced_before: the identities of every tuned race committed when it was written
+            (those it was drawn from among them), none of which can score it.
         text: the sentence a user reads.
     """
 
@@ -48,6 +50,7 @@ class DecisionRule:
     from_fraction: float
     written: str
     drawn_from: tuple[str, ...]
+    raced_before: frozenset[str]
     text: str
 
     def prefers(self, fraction: float) -> str:
@@ -71,6 +74,20 @@ RULE = DecisionRule(
         "docs/results/race_digits_tuned_n50",
         "docs/results/race_mnist_tuned_target3",
         "docs/results/race_mnist_tuned_target7",
+    ),
+    # The eight tuned races committed on that date (their race.json identities): the seven
+    # above and the tuned Flow-GRPO race.
+    raced_before=frozenset(
+        {
+            "a21645331adf3a14",
+            "5a27c518185d4529",
+            "727f548faf098951",
+            "19d54975dc7366ba",
+            "c5cd7941ea37fe20",
+            "4c0df7c58c8c5f80",
+            "387d9ce9ab06875a",
+            "e67abd59847bc3e1",
+        }
     ),
     text=(
         "On a task not raced, each estimator at its own tuned lr: prefer `alignprop` "

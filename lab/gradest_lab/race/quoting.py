@@ -224,8 +224,9 @@ def _tuned_headline(report: Any, options: Mapping[str, str]) -> str:
     behind = estimator_names(row["behind_exact"], False)
     share = row["exact_share_of_attainable"]
     settings = ", ".join(f"{k}={v}" for k, v in config["task_settings"].items() if k != "device")
-    ratio = config.get("bracket_ratio")
-    tuned = f"refined until bracketed at {ratio:g}x" if ratio is not None else "not refined"
+    from gradest_lab.race.tuned_page import refinement_state
+
+    tuned = refinement_state(report)
     gain = summary["ceiling"]["attainable_gain"]["gain"]
     apart = summary["ceiling"]["evaluation"] == "apart"
     return (
@@ -238,10 +239,15 @@ def _tuned_headline(report: Any, options: Mapping[str, str]) -> str:
         f"behind exact: {behind}. Exact (lr {row['exact_lr']:.3g}) reached "
         + ("-" if share is None else f"{100 * share:.1f}%")
         + f" of the attainable gain ({gain['mean']:.3g} [{gain['low']:.3g}, "
-        f"{gain['high']:.3g}] over the pretrained {report.initial['reward']:.4g}, measured "
+        f"{gain['high']:.3g}]{_one_seed(gain)} over the pretrained "
+        f"{report.initial['reward']:.4g}, measured "
         + ("apart from the report" if apart else "on the report's own evaluation set")
         + ").\n"
     )
+
+
+def _one_seed(gain: Mapping[str, Any]) -> str:
+    return " (1 seed: no interval)" if gain["n"] == 1 else ""
 
 
 def _tuned_warnings(report: Any, options: Mapping[str, str]) -> str:
@@ -736,11 +742,16 @@ def render(root: Path, args: str) -> str:
     if kind in ("rule-score", "rule-tally"):
         from gradest_lab.race.decision_rule import RULE
 
-        own = sorted(set(words[1].split(",")) & set(RULE.drawn_from))
-        if own:
+        # By the race's identity, not its path: a path written another way names it too.
+        before = [
+            path
+            for path in words[1].split(",")
+            if _load(root, path).config["identity"] in RULE.raced_before
+        ]
+        if before:
             raise InvalidValue(
-                f"race-quote {kind}: the rule was drawn from {', '.join(own)}; only races "
-                f"raced after it ({RULE.written}) can score it"
+                f"race-quote {kind}: {', '.join(before)} was raced before the rule was "
+                f"written ({RULE.written}); only races raced after it can score it"
             )
     if kind in _MATRIX_RENDERERS:
         return _MATRIX_RENDERERS[kind](_load_all(root, words[1]), options)

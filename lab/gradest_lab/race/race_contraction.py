@@ -83,8 +83,11 @@ def measure_race_contraction(
     if path.is_file() and not again:
         data = read_json(path, what="a race's contraction")
         chosen = report.choices()["exact"]["by_fraction"][-1]
-        if data.get("identity") == report.config["identity"] and data["fine_tuned"]["lr"] == chosen:
+        same = data.get("identity") == report.config["identity"]
+        asked = data.get("samples_asked")
+        if same and data["fine_tuned"]["lr"] == chosen and asked == samples:
             return data
+
     settings = read_json(folder / "race.json", what="a tuned race's settings")
     task = race_task(settings)
     config = report.config
@@ -102,12 +105,15 @@ def measure_race_contraction(
     )
     run = race.new_run("exact", seed, measured.pretrained, lr=lr)
     race.finish(run, task.sampler())
+    pretrained = _measure(task, measured.pretrained, samples)
     data = {
         "schema": CONTRACTION_SCHEMA,
         "identity": config["identity"],
-        "samples": samples,
+        # As measured: the task's batch may hold fewer than asked for.
+        "samples": pretrained["samples"],
+        "samples_asked": samples,
         "iters": _ITERS,
-        "pretrained": _measure(task, measured.pretrained, samples),
+        "pretrained": pretrained,
         "fine_tuned": {
             "spec": "exact",
             "lr": lr,

@@ -28,10 +28,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from gradest import InvalidValue
+
 __all__ = [
     "BRACKET_RATIO",
     "MAX_ROUNDS",
     "bracket",
+    "check_bracket_ratio",
     "merge_close",
     "next_rates",
     "residual_gap",
@@ -48,6 +51,34 @@ _ROUNDING_ROOM = 1.008
 MAX_ROUNDS = 8
 # Rates the fit uses on each side of the choice.
 _FIT_SIDE = 2
+# Ratios are compared with this relative slack (a rate rounded to 3 digits that lands on
+# the bracket exactly is inside it), and a fitted gain below this share of the values'
+# scale is the fit's rounding, not a gain.
+_SLACK = 1e-9
+_FIT_NOISE = 1e-12
+# The bracket ratios a race accepts: finer than this costs many rounds for little, coarser
+# than this is no refinement.
+BRACKET_BOUNDS = (1.1, 4.0)
+
+
+def check_bracket_ratio(value: object, *, what: str = "bracket_ratio") -> float | None:
+    """``value`` as a bracket ratio: None (no refinement) or a number in
+    :data:`BRACKET_BOUNDS`."""
+    low, high = BRACKET_BOUNDS
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise InvalidValue(
+            f"{what} must be none (no refinement) or a ratio in [{low:g}, {high:g}] (a "
+            f"choice's tried neighbours at most this far; finer costs more runs), got "
+            f"{value!r}; e.g. 1.26"
+        )
+    return float(value)
 
 
 def round_rate(lr: float) -> float:
@@ -96,7 +127,7 @@ def next_rates(
     wanted: list[float] = []
     for inner, outer in ((below, above), (above, below)):
         if inner is not None:
-            if inner / chosen <= ratio and chosen / inner <= ratio:
+            if max(inner, chosen) / min(inner, chosen) <= ratio * (1 + _SLACK):
                 continue
             if values[inner] == values[chosen]:
                 continue
@@ -111,18 +142,31 @@ def next_rates(
     return sorted(set(wanted))
 
 
-def merge_close(rates: Sequence[float], *, ratio: float = BRACKET_RATIO) -> list[float]:
-    """``rates`` (asked for by different choices of one estimator) with those closer than
-    the square root of ``ratio`` to each other merged into their geometric mean: two
-    choices a grid step apart each ask for a rate towards the other, and one run between
-    them serves both (a later round asks again if it does not)."""
-    merged: list[float] = []
-    for lr in sorted(set(rates)):
-        if merged and lr / merged[-1] < math.sqrt(ratio):
-            merged[-1] = round_rate(math.sqrt(lr * merged[-1]))
-        else:
-            merged.append(lr)
-    return merged
+def merge_close(
+    asked: Sequence[tuple[float, float]], *, ratio: float = BRACKET_RATIO
+) -> list[float]:
+    """The rates to run for ``asked``, ``(rate, the choice that asked for it)`` pairs of one
+    estimator. Two choices a grid step apart each ask for a rate towards the other, and one
+    run between them (their geometric mean, when they are closer than the square root of
+    ``ratio``) serves both, unless a rate asked for as a choice's last step (within one
+    refinement step of it) would move out of that step: then both run."""
+    step = ratio / _ROUNDING_ROOM
+
+    def apart(a: float, b: float) -> float:
+        return max(a, b) / min(a, b)
+
+    groups: list[tuple[float, list[tuple[float, float]]]] = []
+    for lr, chosen in sorted(set(asked)):
+        if groups and lr / groups[-1][0] < math.sqrt(ratio):
+            merged = round_rate(math.sqrt(lr * groups[-1][0]))
+            members = [*groups[-1][1], (lr, chosen)]
+            if all(
+                apart(merged, c) <= step or apart(r, c) > step * (1 + _SLACK) for r, c in members
+            ):
+                groups[-1] = (merged, members)
+                continue
+        groups.append((lr, [(lr, chosen)]))
+    return sorted({lr for lr, _ in groups})
 
 
 def residual_gap(
@@ -152,7 +196,9 @@ def residual_gap(
         if low < vertex < high:
             candidates.append(vertex)
     best = max(a * u * u + b * u + c for u in candidates)
-    return max(0.0, float(best - c))
+    gain = float(best - c)
+    # A flat profile fits to its rounding: no gain.
+    return gain if gain > _FIT_NOISE * max(1.0, abs(float(c))) else 0.0
 
 
 def verdict(low: float | None, high: float | None, margin: float) -> str:

@@ -38,19 +38,27 @@ def race_task(settings: dict[str, Any]) -> Any:
     return tasks[name](eval_samples=settings["eval_samples"], device=device, **options)
 
 
+_RECORDED = object()
+
+
 def rerun_tuned_race(
     folder: str | os.PathLike[str],
     *,
-    bracket_ratio: float | None = BRACKET_RATIO,
+    bracket_ratio: Any = _RECORDED,
     show_progress: bool = True,
 ) -> Any:
-    """Run the tuned race ``folder`` records again (module docstring); returns its report."""
+    """Run the tuned race ``folder`` records again (module docstring); returns its report.
+
+    ``bracket_ratio``: the refinement's (:mod:`gradest_lab.race.refinement`); by default the
+    one ``race.json`` records, or the default ratio for a race of before the refinement."""
     from gradest_lab.race.tuned_race import tuned_race
 
     folder = Path(folder)
     settings = read_json(folder / "race.json", what="a tuned race's settings")
     if settings.get("kind") != "tuned":
         raise InvalidValue(f"{str(folder)!r}: race.json is not a tuned race's (kind 'tuned')")
+    if bracket_ratio is _RECORDED:
+        bracket_ratio = settings.get("bracket_ratio", BRACKET_RATIO)
     return tuned_race(
         race_task(settings),
         settings["estimators"],
@@ -73,10 +81,22 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m gradest_lab.race.rerun", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("folders", nargs="+", help="tuned race folders (each has race.json)")
+    parser.add_argument(
+        "--bracket-ratio",
+        default=None,
+        metavar="RATIO",
+        help="refine to this bracket (or none); default: the one race.json records",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    from gradest_lab.race.command import _bracket_ratio_flag
+
     for folder in args.folders:
-        rerun_tuned_race(folder, show_progress=not args.quiet)
+        if args.bracket_ratio is None:
+            rerun_tuned_race(folder, show_progress=not args.quiet)
+        else:
+            ratio = _bracket_ratio_flag(args.bracket_ratio)
+            rerun_tuned_race(folder, bracket_ratio=ratio, show_progress=not args.quiet)
         print(f"rerun: {folder} done")
 
 

@@ -66,7 +66,7 @@ def tuned_race_markdown(report: Any) -> str:
         f"Budget {budget:.3g} exact steps = {config['budget']:.4g} backward FLOPs (one forward "
         f"{config['forward_flops'] / 1e6:.3g} MFLOP; an exact step "
         f"{config['exact_step_model_units']:.4g} forward-equivalents). Every estimator runs at "
-        f"its own learning rate, chosen from the grid {{{lrs}}}{_refinement_text(config)} on "
+        f"its own learning rate, chosen from the grid {{{lrs}}}{_refinement_text(report)} on "
         f"the tuning seeds {_seed_text(config['tune_seeds'])} and reported on the disjoint seeds "
         f"{_seed_text(config['seeds'])} ({len(config['seeds'])} seeds). Task settings: "
         + ", ".join(f"{k}={v!r}" for k, v in config["task_settings"].items())
@@ -211,11 +211,19 @@ def _margin_text(entry: Mapping[str, Any]) -> str:
     return "" if not margin else f" (margin {format_gap(margin)})"
 
 
-def _refinement_text(config: Mapping[str, Any]) -> str:
-    ratio = config.get("bracket_ratio")
+def refinement_state(report: Any) -> str:
+    """How far the race's lrs were refined, in words: ``refined until bracketed at 1.26x``
+    only when every choice is; else what is missing."""
+    ratio = report.config.get("bracket_ratio")
     if ratio is None:
-        return " (not refined)"
-    return f", refined until each choice's tried neighbours lie within {ratio:g}x of it,"
+        return "not refined"
+    if any(choice["unbracketed"] for choice in report.choices().values()):
+        return f"refined toward a {ratio:g}x bracket, not every choice bracketed yet"
+    return f"refined until bracketed at {ratio:g}x"
+
+
+def _refinement_text(report: Any) -> str:
+    return f" ({refinement_state(report)})"
 
 
 def decision_table(summary: Mapping[str, Any], fractions: list[float] | None = None) -> list[str]:

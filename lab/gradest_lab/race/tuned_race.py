@@ -86,6 +86,7 @@ from gradest_lab.race.plain_race import (
 from gradest_lab.race.refinement import (
     BRACKET_RATIO,
     MAX_ROUNDS,
+    check_bracket_ratio,
     merge_close,
     next_rates,
     residual_gap,
@@ -331,13 +332,14 @@ def choose_lrs(
     [names of the choices whose neighbours are farther than ``ratio``], "wanted": [the rates
     to try next, increasing]}``.
     """
-    means = {
-        lr: [
-            sum(_reward_at(rows_by_lr[lr_label(lr)], i)) / len(rows_by_lr[lr_label(lr)])
-            for i in range(len(fractions))
-        ]
-        for lr in lrs
-    }
+
+    def mean_at(lr: float, index: int) -> float:
+        rows = rows_by_lr[lr_label(lr)]
+        value = sum(_reward_at(rows, index)) / len(rows)
+        # A diverged run's NaN would make the choice depend on the rates' order.
+        return value if math.isfinite(value) else -math.inf
+
+    means = {lr: [mean_at(lr, i) for i in range(len(fractions))] for lr in lrs}
 
     def best_at(index: int) -> float:
         """The best mean reward at budget fraction ``index``; a tie goes to the smaller lr."""
@@ -375,13 +377,13 @@ def choose_lrs(
         return values[lr] > values[neighbour]
 
     edge = [name for name, values, lr in profiles if beyond_edge(lr, values)]
-    wanted: set[float] = set()
+    asked: list[tuple[float, float]] = []
     unbracketed = []
     for name, values, lr in profiles:
         more = next_rates(lrs, values, lr, ratio=ratio)
         if more:
             unbracketed.append(name)
-            wanted.update(more)
+            asked += [(rate, lr) for rate in more]
     gaps = [residual_gap(lrs, values, lr) for _, values, lr in profiles[: len(fractions)]]
     primary_gap = (
         residual_gap(lrs, speed, primary)
@@ -395,7 +397,7 @@ def choose_lrs(
         "primary_gap": primary_gap,
         "edge": edge,
         "unbracketed": unbracketed,
-        "wanted": [lr for lr in merge_close(sorted(wanted), ratio=ratio) if lr not in lrs],
+        "wanted": [lr for lr in merge_close(asked, ratio=ratio) if lr not in lrs],
     }
 
 
@@ -518,16 +520,23 @@ class TunedRaceReport:
                 f"the grid has {len(lrs)} points spanning {lrs[-1] / lrs[0]:.3g}x; a result to "
                 f"quote needs at least {MIN_GRID_POINTS} spanning at least {MIN_GRID_SPAN:g}x"
             )
-        if self.ceiling_evaluation != "apart" or len(self.ceiling_rows) < 2:
+        seeds = len(self.ceiling_rows)
+        if self.ceiling_evaluation != "apart" or seeds < CEILING_SEEDS:
+            if self.ceiling_run.get("evaluation") is None:
+                fix = "rerun the race (python -m gradest_lab.race.rerun FOLDER)"
+            elif self.ceiling_evaluation != "apart":
+                fix = "give the task an evaluate_apart method, then rerun the race"
+            else:
+                fix = f"give at least {CEILING_SEEDS} tuning seeds, then rerun the race"
             notes.append(
-                f"the ceiling was measured on {len(self.ceiling_rows)} seed(s) and "
+                f"the ceiling was measured on {seeds} seed(s) and "
                 + (
                     "evaluation noise apart from the report's"
                     if self.ceiling_evaluation == "apart"
                     else "the report's own evaluation set"
                 )
-                + f"; a ceiling to quote is measured apart, on at least {CEILING_SEEDS} seeds "
-                f"(rerun the race)"
+                + f"; a ceiling to quote is measured apart, on at least {CEILING_SEEDS} seeds: "
+                f"{fix}"
             )
         for spec, choice in self.choices().items():
             if choice["edge"]:
@@ -536,10 +545,16 @@ class TunedRaceReport:
                     f"edge; extend the grid past it before quoting"
                 )
             if choice["unbracketed"]:
+                names = choice["unbracketed"]
+                budgets = [name for name in names if name != "time to target"]
+                if len(budgets) == len(self.config["fractions"]) > 1:
+                    names = ["every budget"] + [n for n in names if n == "time to target"]
+                plural = len(names) > 1 or names == ["every budget"]
                 notes.append(
-                    f"`{spec}`: the lr chosen for {', '.join(choice['unbracketed'])} is not "
-                    f"bracketed at {self.bracket_ratio:g}x (tried rates next to it farther "
-                    f"away); rerun the race to refine it before quoting"
+                    f"`{spec}`: the lr chosen for {' and '.join(names)} "
+                    f"{'are' if plural else 'is'} not bracketed at {self.bracket_ratio:g}x "
+                    f"(tried rates next to it farther away); rerun the race to refine before "
+                    f"quoting"
                 )
         return notes
 
@@ -593,7 +608,8 @@ class TunedRaceReport:
                         "residual_gap": gap,
                         # What the difference to exact must clear to be called ahead or
                         # behind: both estimators' residual gaps (a gap not measurable
-                        # for lack of rates counts 0, and the grid warnings say so).
+                        # counts 0: that takes fewer than three tried rates around the
+                        # choice, a grid the warnings already call too small).
                         "margin": (gap or 0.0) + (exact_gap or 0.0),
                         "reward": bootstrap_mean(reward).to_json(),
                         "reward_minus_exact": paired_bootstrap(reward, baseline).to_json(),
@@ -897,15 +913,7 @@ def tuned_race(
         and ceiling_factor >= 1
     ):
         raise InvalidValue(f"ceiling_factor must be a number >= 1, got {ceiling_factor!r}")
-    if bracket_ratio is not None and (
-        isinstance(bracket_ratio, bool)
-        or not isinstance(bracket_ratio, int | float)
-        or not 1.1 <= bracket_ratio <= 4
-    ):
-        raise InvalidValue(
-            f"bracket_ratio must be None (no refinement) or a ratio in [1.1, 4] (a choice's "
-            f"tried neighbours at most this far; finer costs more runs), got {bracket_ratio!r}"
-        )
+    bracket_ratio = check_bracket_ratio(bracket_ratio)
     budget_given = {"kind": kind, "value": value}
     identity_settings = _identity_settings(task, budget_given, fraction_list)
     identity = race_identity(identity_settings)
@@ -925,7 +933,7 @@ def tuned_race(
         "levels": level_list,
         "primary_level": float(primary_level),
         "ceiling_factor": float(ceiling_factor),
-        "bracket_ratio": None if bracket_ratio is None else float(bracket_ratio),
+        "bracket_ratio": bracket_ratio,
     }
     target = None
     with contextlib.ExitStack() as stack:

@@ -107,7 +107,7 @@ from torch import Tensor, nn
 from gradest import InvalidValue, RectifiedFlow, TerminalObjective, rollout
 from gradest.plugin import Cost
 from gradest_digits.datasets import DIGITS, MNIST, NUM_CLASSES, Dataset
-from gradest_digits.race_task import _DigitsTask, check_finite_at_least
+from gradest_digits.race_task import _DigitsTask, check_finite_at_least, flow_matching_prior
 
 # pi(c) = c + 1 mod 10: every label moves, and no two labels swap (one 10-cycle).
 RELABEL = "1234567890"
@@ -215,21 +215,14 @@ class RelabelTask(_DigitsTask):
         labels = torch.randint(0, NUM_CLASSES, (self.batch,), generator=generator)
         labels = labels.to(self.device)
         noise = torch.randn(shape, generator=generator).to(self.device)
-        # The prior's batch of real training digits, drawn from the same data stream.
-        index = torch.randint(0, self.train_images.shape[0], (self.batch,), generator=generator)
-        t = torch.rand(self.batch, generator=generator).to(self.device)
-        eps = torch.randn(shape, generator=generator).to(self.device)
-        x = self.train_images[index.to(self.device)]
-        weight = t.reshape(-1, 1, 1, 1)
-        z = weight * eps + (1 - weight) * x
+        prior = flow_matching_prior(
+            self.train_images, self.batch, self.prior_weight, generator, self.device
+        )
         classifier, w = self.classifier, self.prior_weight
 
         def loss(images: Tensor) -> Tensor:
             log_p = torch.log_softmax(classifier(images), dim=1)
             return -self.log_reward(log_p, labels).mean()
-
-        def prior(trained: nn.Module) -> Tensor:
-            return w * (trained(z, t) - (eps - x)).pow(2).mean()
 
         return StepProblem(
             objective=TerminalObjective(loss),

@@ -97,6 +97,30 @@ def _heldout_triples(
     return z, t, eps - x, y
 
 
+def flow_matching_prior(
+    train_images: Tensor,
+    batch: int,
+    weight: float,
+    generator: torch.Generator,
+    device: torch.device,
+) -> Callable[[nn.Module], Tensor]:
+    """The prior of a reward task's training step: ``weight`` times the model's
+    flow-matching loss on a batch of real training digits, drawn from the step's data
+    stream ``generator`` (the digits, then ``t``, then ``eps``: the committed races' draws)."""
+    shape = (batch, *train_images.shape[1:])
+    index = torch.randint(0, train_images.shape[0], (batch,), generator=generator)
+    t = torch.rand(batch, generator=generator).to(device)
+    eps = torch.randn(shape, generator=generator).to(device)
+    x = train_images[index.to(device)]
+    mix = t.reshape(-1, 1, 1, 1)
+    z = mix * eps + (1 - mix) * x
+
+    def prior(trained: nn.Module) -> Tensor:
+        return weight * (trained(z, t) - (eps - x)).pow(2).mean()
+
+    return prior
+
+
 def check_finite_at_least(name: str, value: Any, low: float, *, open_bound: bool = False) -> None:
     """Raise unless ``value`` is a real number ``>= low`` (``> low`` with ``open_bound``)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -277,17 +301,10 @@ class RewardTask(_DigitsTask):
         del model, sampler, step
         shape = (self.batch, *self.image_shape)
         noise = torch.randn(shape, generator=generator).to(self.device)
-        # The prior's batch of real training digits, drawn from the same data stream.
-        index = torch.randint(0, self.train_images.shape[0], (self.batch,), generator=generator)
-        t = torch.rand(self.batch, generator=generator).to(self.device)
-        eps = torch.randn(shape, generator=generator).to(self.device)
-        x = self.train_images[index.to(self.device)]
-        weight = t.reshape(-1, 1, 1, 1)
-        z = weight * eps + (1 - weight) * x
+        prior = flow_matching_prior(
+            self.train_images, self.batch, self.prior_weight, generator, self.device
+        )
         reward, w = self.reward, self.prior_weight
-
-        def prior(trained: nn.Module) -> Tensor:
-            return w * (trained(z, t) - (eps - x)).pow(2).mean()
 
         return StepProblem(
             objective=TerminalObjective(lambda images: -reward(images).mean()),

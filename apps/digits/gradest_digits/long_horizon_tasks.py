@@ -289,24 +289,14 @@ class BlendTask(RelabelTask):
 
 # ``gradest race --model digits-relabel`` / ``mnist-relabel`` / ``digits-blend``: every
 # keyword but ``eval_samples`` and ``device`` is a ``--task-option``.
-digits_relabel_task = functools.partial(
-    RelabelTask,
-    DIGITS,
-    lr=DIGITS_RELABEL_LR,
-    batch=DIGITS.task.batch,
-    sampler_steps=DIGITS.task.sampler_steps,
-)
-mnist_relabel_task = functools.partial(
-    RelabelTask,
-    MNIST,
-    lr=MNIST_RELABEL_LR,
-    batch=MNIST.task.batch,
-    sampler_steps=MNIST.task.sampler_steps,
-)
-digits_blend_task = functools.partial(
-    BlendTask,
-    DIGITS,
-    lr=DIGITS_BLEND_LR,
-    batch=DIGITS.task.batch,
-    sampler_steps=DIGITS.task.sampler_steps,
-)
+def _factory(task: type[RelabelTask], dataset: Dataset, lr: float) -> Any:
+    """``task`` on ``dataset`` with that dataset's batch and sampler steps and ``lr``."""
+    defaults = dataset.task
+    return functools.partial(
+        task, dataset, lr=lr, batch=defaults.batch, sampler_steps=defaults.sampler_steps
+    )
+
+
+digits_relabel_task = _factory(RelabelTask, DIGITS, DIGITS_RELABEL_LR)
+mnist_relabel_task = _factory(RelabelTask, MNIST, MNIST_RELABEL_LR)
+digits_blend_task = _factory(BlendTask, DIGITS, DIGITS_BLEND_LR)

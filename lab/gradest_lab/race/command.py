@@ -19,7 +19,7 @@ import warnings
 from gradest import InvalidValue
 from gradest.plugin import Command, CommandInterrupted, WholeNumber, spec_list_text
 from gradest_lab.command_line import SPEC_LIST_HELP, check_device, estimator_specs
-from gradest_lab.race.refinement import BRACKET_RATIO
+from gradest_lab.race.refinement import BRACKET_RATIO, parse_bracket_ratio
 from gradest_lab.storage.files import check_output_dir, check_path_length
 
 __all__ = ["COMMAND", "add_arguments", "run"]
@@ -112,23 +112,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no table")
 
 
-def _bracket_ratio_flag(text: str | None) -> float | None:
-    """``--bracket-ratio 1.26`` or ``none``, checked before any model loads."""
-    from gradest_lab.race.refinement import check_bracket_ratio
-
-    if text is None:
-        return BRACKET_RATIO
-    if text.strip().lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidValue(
-            f"--bracket-ratio {text!r}: give a ratio such as 1.26, or none (no refinement)"
-        ) from None
-    return check_bracket_ratio(value, what="--bracket-ratio")
-
-
 def _budget_flag(text: str) -> float:
     """``--budget 8x``: the FLOPs of 8 exact training steps (the number of exact steps)."""
     value = text.strip().lower()
@@ -216,7 +199,7 @@ def _race_command(args: argparse.Namespace) -> int:
             "give one budget: --budget 8x (exact steps' FLOPs) or --budget-seconds S"
         )
     steps = None if args.budget is None else _budget_flag(args.budget)
-    bracket_ratio = _bracket_ratio_flag(args.bracket_ratio)
+    bracket_ratio = parse_bracket_ratio(args.bracket_ratio)
     if args.budget_seconds is not None and not args.budget_seconds > 0:
         raise InvalidValue(f"--budget-seconds must be positive, got {args.budget_seconds}")
     if args.fractions is None:

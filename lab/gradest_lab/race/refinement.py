@@ -35,6 +35,7 @@ __all__ = [
     "MAX_ROUNDS",
     "bracket",
     "check_bracket_ratio",
+    "parse_bracket_ratio",
     "merge_close",
     "next_rates",
     "residual_gap",
@@ -84,6 +85,22 @@ def check_bracket_ratio(value: object, *, what: str = "bracket_ratio") -> float 
 def round_rate(lr: float) -> float:
     """A refined rate as stored: 3 significant digits (its shard folder has 6)."""
     return float(f"{lr:.3g}")
+
+
+def parse_bracket_ratio(text: str | None, *, what: str = "--bracket-ratio") -> float | None:
+    """The command line's form: a ratio (``1.26``), ``none`` (no refinement), or None (the
+    default, :data:`BRACKET_RATIO`), checked by :func:`check_bracket_ratio`."""
+    if text is None:
+        return BRACKET_RATIO
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(
+            f"{what} {text!r}: give a ratio such as 1.26, or none (no refinement)"
+        ) from None
+    return check_bracket_ratio(value, what=what)
 
 
 def bracket(lrs: Sequence[float], chosen: float) -> tuple[float | None, float | None]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradest import InvalidValue
-from gradest_lab.race.refinement import BRACKET_RATIO
+from gradest_lab.race.refinement import BRACKET_RATIO, parse_bracket_ratio
 from gradest_lab.storage.files import read_json
 
 __all__ = ["race_task", "rerun_tuned_race"]
@@ -89,13 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    from gradest_lab.race.command import _bracket_ratio_flag
-
     for folder in args.folders:
         if args.bracket_ratio is None:
             rerun_tuned_race(folder, show_progress=not args.quiet)
         else:
-            ratio = _bracket_ratio_flag(args.bracket_ratio)
+            ratio = parse_bracket_ratio(args.bracket_ratio)
             rerun_tuned_race(folder, bracket_ratio=ratio, show_progress=not args.quiet)
         print(f"rerun: {folder} done")
 

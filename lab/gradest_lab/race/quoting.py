@@ -55,6 +55,8 @@ Renderers (``KIND``), blocks:
 * ``tuned-tally PATH,PATH,... [fractions=0.25,0.5,1]``: per estimator, on how many of those
   tasks it was ahead of exact, level, or behind.
 * ``rule-score PATH,PATH,...``: the decision rule scored on each race, budget by budget.
+* ``tuned-horizon PATH,PATH,...``: per race, whether its task has a long horizon and the
+  numbers that say so (:mod:`gradest_lab.race.horizon`).
 * ``race-contraction PATH,PATH,...``: the sampling chain's contraction on each race's task
   (``contraction.json``, :mod:`gradest_lab.race.race_contraction`) beside the one-step
   estimators' verdicts.
@@ -394,6 +396,19 @@ def _rule_score(reports: Any, options: Mapping[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tuned_horizon(reports: Any, options: Mapping[str, str]) -> str:
+    """Per race, one item: its task's horizon (:func:`gradest_lab.race.horizon.horizon`)."""
+    from gradest_lab.race.horizon import horizon_sentence
+    from gradest_lab.race.tuned_page import task_labels
+
+    del options
+    labels = task_labels([report.config for report in reports])
+    return "".join(
+        f"- {horizon_sentence(label, report.summary()['horizon'])}\n"
+        for label, report in zip(labels, reports, strict=True)
+    )
+
+
 # -- phrases: generated text inside a sentence (a span) ---------------------------------------
 
 _VERDICT_WORDS = {"ahead": "ahead of exact", "level": "level with exact", "behind": "behind exact"}
@@ -673,6 +688,7 @@ _MATRIX_RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
     "tuned-counts": _tuned_counts,
     "tuned-tasks": _tuned_tasks,
     "rule-score": _rule_score,
+    "tuned-horizon": _tuned_horizon,
     "race-contraction": _race_contraction,
     "rule-tally": _rule_tally,
 }
@@ -706,6 +722,7 @@ _OPTIONS: dict[str, set[str]] = {
     "tuned-counts": {"fraction", "estimators", "verdict"},
     "tuned-tasks": {"fraction", "estimators", "verdict"},
     "rule-score": set(),
+    "tuned-horizon": set(),
     "race-contraction": set(),
     "rule-tally": {"part"},
     "race-steps": {"estimator"},

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from gradest_lab.race.horizon import horizon_sentence
 from gradest_lab.race.plain_race import REFERENCE, _num, _seed_text
 from gradest_lab.race.shards import lr_label
 
@@ -104,6 +105,7 @@ def tuned_race_markdown(report: Any) -> str:
         f"reward a finer lr could still add, from a quadratic fit in log lr to the tuning "
         f"means around the choice). Compute in exact training steps.",
     ]
+    lines += ["", "## Horizon", "", horizon_sentence(config["task"], summary["horizon"])]
     if summary["warnings"]:
         lines += ["", "## Not ready to quote", ""]
         lines += [f"- {note}" for note in summary["warnings"]]

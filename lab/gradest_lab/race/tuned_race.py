@@ -70,6 +70,7 @@ import torch
 from gradest import InvalidType, InvalidValue
 from gradest_lab.race.bootstrap import bootstrap_mean, paired_bootstrap, paired_ratio_bootstrap
 from gradest_lab.race.file_schemas import check_tuned_settings
+from gradest_lab.race.horizon import horizon
 from gradest_lab.race.plain_race import (
     REFERENCE,
     RaceReport,
@@ -695,6 +696,7 @@ class TunedRaceReport:
             "final": final,
             "time_to_target": to_target,
             "decision": decision,
+            "horizon": horizon(config, decision, to_target[REFERENCE]),
             "warnings": self.grid_warnings(),
         }
 

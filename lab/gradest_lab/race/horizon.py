@@ -1,0 +1,116 @@
+"""Whether a tuned race's task has a training horizon: exact's own pace toward the target.
+
+A race whose task exact settles in its first steps measures how each estimator's first
+updates size, not what it buys over a run. A task has a **long horizon** here when, over a
+budget of at least :data:`MIN_BUDGET` exact steps, ``exact`` at its own tuned learning
+rates has not reached the primary target (80% of the attainable gain) by half the budget,
+measured both ways the report has it:
+
+* its share of the attainable gain at half the budget, at the lr tuned for that budget, is
+  below the target level; and
+* at the lr tuned for time to target, its compute to the target is at least half the
+  budget on average over the report seeds (or a seed never reaches it).
+
+Both are the report's own numbers (:meth:`TunedRaceReport.summary`); this module states
+them and the verdict, so that a report, its page and the quoting blocks say the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MIN_BUDGET", "horizon", "horizon_sentence"]
+
+#: The smallest budget (exact steps) a long-horizon task is raced at.
+MIN_BUDGET = 32.0
+# The share of the budget by which exact must not yet have reached the target.
+_HALF = 0.5
+
+
+def horizon(
+    config: Mapping[str, Any],
+    decision: list[Mapping[str, Any]],
+    exact_to_target: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Exact's pace on a tuned race's task, and whether the task has a long horizon.
+
+    Args:
+        config: the report's config (its budget, fractions and primary level).
+        decision: the summary's decision rows (exact's share of the gain per budget).
+        exact_to_target: the summary's time-to-target entry for exact.
+
+    Returns:
+        ``budget_exact_steps``; ``share_at_half`` (exact's share of the attainable gain at
+        half the budget, None when the race was not evaluated there); ``time_to_target``
+        (the bootstrap interval of exact's compute to the primary target, ``reached`` and
+        ``seeds``); ``lr`` (its lr for time to target); ``long`` (the verdict).
+    """
+    budget = float(config["budget_exact_steps"])
+    level = float(config["primary_level"])
+    share = next(
+        (
+            row["exact_share_of_attainable"]
+            for row in decision
+            if math.isclose(row["fraction"], _HALF)
+        ),
+        None,
+    )
+    first = decision[0]
+    entry = exact_to_target["levels"][f"{level:g}"]
+    reached, seeds = entry["reached"], len(entry["per_seed"])
+    mean = entry["compute"]["mean"]
+    late_on_average = reached < seeds or (mean is not None and mean >= _HALF * budget)
+    return {
+        "budget_exact_steps": budget,
+        "level": level,
+        "share_at_half": share,
+        "share_first": {
+            "budget": first["budget_exact_steps"],
+            "share": first["exact_share_of_attainable"],
+        },
+        "lr": exact_to_target["lr"],
+        "time_to_target": {**entry["compute"], "reached": reached, "seeds": seeds},
+        "long": bool(
+            budget >= MIN_BUDGET and share is not None and share < level and late_on_average
+        ),
+    }
+
+
+def horizon_sentence(task: str, found: Mapping[str, Any]) -> str:
+    """Two sentences: the task's horizon, and the numbers it rests on."""
+    level = 100 * found["level"]
+    budget = found["budget_exact_steps"]
+    first = found["share_first"]
+    half = found["share_at_half"]
+    figures = []  # (share, when)
+    if first["share"] is not None:
+        unit = "exact step" if first["budget"] == 1 else "exact steps"
+        figures.append((first["share"], f"after {first['budget']:.3g} {unit}"))
+    if half is not None:
+        figures.append((half, "at half the budget"))
+    shares = (
+        " and ".join(
+            f"{100 * share:.1f}%" + (" of the attainable gain" if i == 0 else "") + f" {when}"
+            for i, (share, when) in enumerate(figures)
+        )
+        or "no attainable gain to share"
+    )
+    time = found["time_to_target"]
+    if time["reached"] < time["seeds"]:
+        time_text = (
+            f"reaches {level:g}% on {time['reached']} of {time['seeds']} seeds within the budget"
+        )
+    else:
+        time_text = (
+            f"reaches {level:g}% after {time['mean']:.3g} [{time['low']:.3g}, "
+            f"{time['high']:.3g}] exact steps"
+        )
+    verdict = "long-horizon" if found["long"] else "not long-horizon"
+    return (
+        f"`{task}` over {budget:.3g} exact steps: {verdict} (a long horizon is a budget of at "
+        f"least {MIN_BUDGET:g} exact steps with exact short of {level:g}% of the attainable "
+        f"gain at half of it). Exact at its own lrs has {shares}; at its lr for time to "
+        f"target ({found['lr']:.3g}) it {time_text}."
+    )

@@ -4,6 +4,7 @@ measures it; and each committed tuned race's report states its own."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -82,3 +83,32 @@ def test_the_committed_short_horizon_headline_is_not_long() -> None:
     assert found["budget_exact_steps"] == 8
     assert not found["long"]
     assert "## Horizon" in report.to_markdown()
+
+
+LONG_HORIZON_TASKS = {"digits-relabel", "digits-blend", "mnist-relabel"}
+
+
+def _committed_long_horizon_races() -> list[Path]:
+    """Every committed race folder whose race.json names a long-horizon task."""
+    folders = sorted(p.parent for p in (REPO / "docs" / "results").glob("race_*/race.json"))
+    return [
+        folder
+        for folder in folders
+        if json.loads((folder / "race.json").read_text())["task"] in LONG_HORIZON_TASKS
+    ]
+
+
+def test_every_committed_long_horizon_race_ready_to_quote_shows_its_horizon() -> None:
+    """A race on a task built to be long-horizon shows the property in its own report once
+    it is ready to quote (until then its pages carry its warnings); the headline is one."""
+    ready = []
+    for folder in _committed_long_horizon_races():
+        if not (folder / "report.json").exists():
+            continue  # racing: no report yet
+        report = TunedRaceReport.load(folder)
+        if report.grid_warnings():
+            continue
+        found = report.summary()["horizon"]
+        assert found["long"], (folder.name, found)
+        ready.append(folder.name)
+    assert "race_relabel_tuned" in ready

@@ -531,7 +531,9 @@ def decision_figure(report: Any) -> tuple[Any, Any, Any]:
     for side in ax.spines.values():
         side.set_visible(False)
     ax.set_xlabel("budget (exact training steps)", fontsize=8)
-    ax.set_title(
+    # The figure's title, not the axes': centred on the figure, a long estimator label on
+    # the left does not push it past the right edge.
+    fig.suptitle(
         f"{report.config['task']}: each estimator against exact, at its tuned lr per budget\n"
         "(in a cell: mean Δ reward over the report seeds)",
         fontsize=8,

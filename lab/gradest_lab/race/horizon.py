@@ -8,8 +8,8 @@ measured both ways the report has it:
 
 * its share of the attainable gain at half the budget, at the lr tuned for that budget, is
   below the target level; and
-* at the lr tuned for time to target, its compute to the target is at least half the
-  budget on average over the report seeds (or a seed never reaches it).
+* at the lr tuned for time to target, its median report seed reaches the target no
+  earlier than half the budget (a seed that never reaches it counts as latest).
 
 Both are the report's own numbers (:meth:`TunedRaceReport.summary`); this module states
 them and the verdict, so that a report, its page and the quoting blocks say the same.
@@ -43,9 +43,11 @@ def horizon(
 
     Returns:
         ``budget_exact_steps``; ``share_at_half`` (exact's share of the attainable gain at
-        half the budget, None when the race was not evaluated there); ``time_to_target``
-        (the bootstrap interval of exact's compute to the primary target, ``reached`` and
-        ``seeds``); ``lr`` (its lr for time to target); ``long`` (the verdict).
+        half the budget, None when the race was not evaluated there); ``share_first`` (at
+        the first evaluated budget); ``time_to_target`` (the bootstrap interval of exact's
+        compute to the primary target, its ``median`` seed's (``inf``: not reached),
+        ``earliest``, ``reached`` and ``seeds``); ``lr`` (its lr for time to target);
+        ``long`` (the verdict).
     """
     budget = float(config["budget_exact_steps"])
     level = float(config["primary_level"])
@@ -59,9 +61,10 @@ def horizon(
     )
     first = decision[0]
     entry = exact_to_target["levels"][f"{level:g}"]
-    reached, seeds = entry["reached"], len(entry["per_seed"])
-    mean = entry["compute"]["mean"]
-    late_on_average = reached < seeds or (mean is not None and mean >= _HALF * budget)
+    times = sorted(entry["per_seed"])  # inf (never reached) sorts last
+    reached, seeds = entry["reached"], len(times)
+    middle = len(times) // 2
+    median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
     return {
         "budget_exact_steps": budget,
         "level": level,
@@ -71,9 +74,18 @@ def horizon(
             "share": first["exact_share_of_attainable"],
         },
         "lr": exact_to_target["lr"],
-        "time_to_target": {**entry["compute"], "reached": reached, "seeds": seeds},
+        "time_to_target": {
+            **entry["compute"],
+            "median": median,
+            "earliest": times[0],
+            "reached": reached,
+            "seeds": seeds,
+        },
         "long": bool(
-            budget >= MIN_BUDGET and share is not None and share < level and late_on_average
+            budget >= MIN_BUDGET
+            and share is not None
+            and share < level
+            and median >= _HALF * budget
         ),
     }
 
@@ -98,19 +110,21 @@ def horizon_sentence(task: str, found: Mapping[str, Any]) -> str:
         or "no attainable gain to share"
     )
     time = found["time_to_target"]
-    if time["reached"] < time["seeds"]:
+    if math.isinf(time["median"]):
         time_text = (
-            f"reaches {level:g}% on {time['reached']} of {time['seeds']} seeds within the budget"
+            f"its median seed does not reach {level:g}% within the budget ({time['reached']} "
+            f"of {time['seeds']} seeds do)"
         )
     else:
         time_text = (
-            f"reaches {level:g}% after {time['mean']:.3g} [{time['low']:.3g}, "
-            f"{time['high']:.3g}] exact steps"
+            f"its median seed reaches {level:g}% after {time['median']:.3g} exact steps (the "
+            f"earliest after {time['earliest']:.3g}; {time['reached']} of {time['seeds']} "
+            "seeds within the budget)"
         )
     verdict = "long-horizon" if found["long"] else "not long-horizon"
     return (
-        f"`{task}` over {budget:.3g} exact steps: {verdict} (a long horizon is a budget of at "
-        f"least {MIN_BUDGET:g} exact steps with exact short of {level:g}% of the attainable "
-        f"gain at half of it). Exact at its own lrs has {shares}; at its lr for time to "
-        f"target ({found['lr']:.3g}) it {time_text}."
+        f"`{task}` over {budget:.3g} exact steps: {verdict} (a long horizon: a budget of at "
+        f"least {MIN_BUDGET:g} exact steps, exact short of {level:g}% of the attainable gain "
+        f"at half of it, its median seed reaching it no earlier). Exact at its own lrs has "
+        f"{shares}; at its lr for time to target ({found['lr']:.3g}) {time_text}."
     )

@@ -18,7 +18,7 @@ them and the verdict, so that a report, its page and the quoting blocks say the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["MIN_BUDGET", "horizon", "horizon_sentence"]
@@ -31,7 +31,7 @@ _HALF = 0.5
 
 def horizon(
     config: Mapping[str, Any],
-    decision: list[Mapping[str, Any]],
+    decision: Sequence[Mapping[str, Any]],
     exact_to_target: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Exact's pace on a tuned race's task, and whether the task has a long horizon.

@@ -75,14 +75,34 @@ def test_the_rule_is_fixed_and_never_scored_on_the_races_it_came_from() -> None:
                 render(ROOT, f"{kind} {path}")
 
 
-@pytest.mark.parametrize("race", ["race_relabel_tuned", "race_blend_tuned"])
+# Per long-horizon race: the budgets (exact steps), from a quarter of the budget on, at
+# which the pages say `sdo`'s mean lead over exact was NOT larger than `alignprop`'s, and
+# whether `refl` ran there (its lead then larger at every one).
+_CONFIRMED_NOT_BEST = {
+    "race_relabel_tuned": ([], True),
+    "race_blend_tuned": ([], False),
+    "race_relabel_tuned_n8": ([8.0], True),
+}
+
+
+@pytest.mark.parametrize("race", sorted(_CONFIRMED_NOT_BEST))
 def test_the_pages_confirmed_is_not_best_holds_on_the_scoring_races(race: str) -> None:
     """README.md and docs/results.md say the rule is confirmed but not best on the
-    long-horizon races: at every budget `sdo`'s mean difference to exact is larger than
-    `alignprop`'s (a claim about means, checked here against the committed reports)."""
+    long-horizon races: where it prefers `alignprop`, `sdo`'s mean difference to exact is
+    larger than `alignprop`'s but at the budgets listed, `refl`'s at every one (a claim
+    about means, checked here against the committed reports)."""
     from gradest_lab.race.tuned_race import TunedRaceReport
 
+    exceptions, with_refl = _CONFIRMED_NOT_BEST[race]
     final = TunedRaceReport.load(ROOT / "docs" / "results" / race).summary()["final"]
-    for sdo, alignprop in zip(final["sdo"], final["alignprop"], strict=True):
-        sdo_lead = sdo["reward_minus_exact"]["mean"]
-        assert sdo_lead > alignprop["reward_minus_exact"]["mean"], sdo["budget_exact_steps"]
+    assert ("refl" in final) == with_refl
+    not_larger = []
+    for i, alignprop in enumerate(final["alignprop"]):
+        if alignprop["fraction"] < RULE.from_fraction:
+            continue
+        lead = alignprop["reward_minus_exact"]["mean"]
+        if final["sdo"][i]["reward_minus_exact"]["mean"] <= lead:
+            not_larger.append(alignprop["budget_exact_steps"])
+        if with_refl:
+            assert final["refl"][i]["reward_minus_exact"]["mean"] > lead
+    assert not_larger == exceptions

@@ -18,6 +18,7 @@ them and the verdict, so that a report, its page and the quoting blocks say the 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,8 +64,7 @@ def horizon(
     entry = exact_to_target["levels"][f"{level:g}"]
     times = sorted(entry["per_seed"])  # inf (never reached) sorts last
     reached, seeds = entry["reached"], len(times)
-    middle = len(times) // 2
-    median = times[middle] if len(times) % 2 else (times[middle - 1] + times[middle]) / 2
+    median = statistics.median(times)
     return {
         "budget_exact_steps": budget,
         "level": level,

@@ -240,8 +240,8 @@ def _tuned_headline(report: Any, options: Mapping[str, str]) -> str:
         f"residual tuning gaps): beat exact: {beats}; no clear difference: {neither}; "
         f"behind exact: {behind}. Exact (lr {row['exact_lr']:.3g}) reached "
         + ("-" if share is None else f"{100 * share:.1f}%")
-        + f" of the attainable gain ({gain['mean']:.3g} [{gain['low']:.3g}, "
-        f"{gain['high']:.3g}]{_one_seed(gain)} over the pretrained "
+        + f" of the attainable gain ({gain['mean']:.4g} [{gain['low']:.4g}, "
+        f"{gain['high']:.4g}]{_one_seed(gain)} over the pretrained "
         f"{report.initial['reward']:.4g}, measured "
         + ("apart from the report" if apart else "on the report's own evaluation set")
         + ").\n"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_configs import TINY_CLIP_SCORE, TINY_SD3, TINY_VAE
 
 from gradest import InvalidValue
 from gradest.cli import main
@@ -27,31 +28,6 @@ pytest.importorskip("transformers")
 
 from gradest_lab.cost.reward_presets import REWARD_PRESETS, reward_model  # noqa: E402
 
-TINY_SD3 = {
-    "_class_name": "SD3Transformer2DModel", "sample_size": 8, "patch_size": 2,
-    "in_channels": 4, "num_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2,
-    "joint_attention_dim": 16, "caption_projection_dim": 16, "pooled_projection_dim": 8,
-    "out_channels": 4, "pos_embed_max_size": 16,
-}  # fmt: skip
-TINY_VAE = {
-    "_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [4, 8, 8, 8], "layers_per_block": 1, "latent_channels": 4,
-    "norm_num_groups": 4, "sample_size": 32, "scaling_factor": 1.5, "shift_factor": 0.1,
-}  # fmt: skip
-_VISION = {
-    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "patch_size": 8, "image_size": 16, "projection_dim": 8,
-}  # fmt: skip
-_TEXT = {
-    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "max_position_embeddings": 8, "projection_dim": 8,
-    "vocab_size": 32,
-}  # fmt: skip
-TINY_CLIP_SCORE = {
-    "kind": "clip-score", "vision": _VISION, "text": _TEXT, "image_size": 16,
-    "text_tokens": 6, "logit_scale": True,
-}  # fmt: skip
 SIZE = 32
 
 

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from saved_tensor_bytes import saved_bytes
+from tiny_configs import TINY_SD3, TINY_TEXT, TINY_VAE, TINY_VISION
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -30,37 +31,15 @@ from gradest_lab.cost.diffusers_presets import diffusers_shapes  # noqa: E402
 from gradest_lab.cost.pixel_cost import PixelLoss, PixelSetup, part_cost  # noqa: E402
 from gradest_lab.cost.reward_presets import reward_model  # noqa: E402
 
-TINY_SD3 = {
-    "_class_name": "SD3Transformer2DModel", "sample_size": 8, "patch_size": 2,
-    "in_channels": 4, "num_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2,
-    "joint_attention_dim": 16, "caption_projection_dim": 16, "pooled_projection_dim": 8,
-    "out_channels": 4, "pos_embed_max_size": 16,
-}  # fmt: skip
-# Three blocks: 8x downsampling, as every family's VAE (the latents are image / 8).
-TINY_VAE = {
-    "_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [4, 8, 8, 8], "layers_per_block": 1, "latent_channels": 4,
-    "norm_num_groups": 4, "sample_size": 32, "scaling_factor": 1.5, "shift_factor": 0.1,
-}  # fmt: skip
-_VISION = {
-    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "patch_size": 8, "image_size": 16, "projection_dim": 8,
-}  # fmt: skip
-_TEXT = {
-    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "max_position_embeddings": 8, "projection_dim": 8,
-    "vocab_size": 32,
-}  # fmt: skip
 TINY_REWARDS = {
-    "aesthetic": {"kind": "aesthetic", "vision": _VISION, "image_size": 16},
+    "aesthetic": {"kind": "aesthetic", "vision": TINY_VISION, "image_size": 16},
     "clip-score": {
-        "kind": "clip-score", "vision": _VISION, "text": _TEXT, "image_size": 16,
+        "kind": "clip-score", "vision": TINY_VISION, "text": TINY_TEXT, "image_size": 16,
         "text_tokens": 6, "logit_scale": True,
     },
     "blip-score": {
         "kind": "blip-score",
-        "vision": {k: v for k, v in _VISION.items() if k != "projection_dim"},
+        "vision": {k: v for k, v in TINY_VISION.items() if k != "projection_dim"},
         "text": {
             "vocab_size": 32, "hidden_size": 16, "encoder_hidden_size": 16,
             "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -258,7 +237,7 @@ def test_bad_reward_input_is_one_line(argv, message, capsys) -> None:
 
 def test_reward_config_fields_are_checked(tmp_path) -> None:
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"kind": "clip-score", "vision": _VISION}))
+    bad.write_text(json.dumps({"kind": "clip-score", "vision": TINY_VISION}))
     from gradest_lab.cost.reward_presets import reward_config
 
     config, _ = reward_config(str(bad))

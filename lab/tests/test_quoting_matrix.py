@@ -21,14 +21,20 @@ def _entry(spec: str, mean: float) -> dict[str, Any]:
 
 
 class _Report:
-    """The two attributes the matrix reads from a TunedRaceReport."""
+    """What the matrix reads from a TunedRaceReport."""
 
-    def __init__(self, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, settings: dict[str, Any], rows: list[dict[str, Any]], warnings: tuple[str, ...] = ()
+    ) -> None:
         self.config = {"task": "digits", "task_settings": {"device": "cpu", **settings}}
         self._rows = rows
+        self._warnings = list(warnings)
 
     def summary(self) -> dict[str, Any]:
         return {"decision": self._rows}
+
+    def grid_warnings(self) -> list[str]:
+        return self._warnings
 
 
 def _row(fraction: float, beats: list[str], level: list[str], behind: list[str]) -> dict:
@@ -70,6 +76,18 @@ def test_the_matrix_has_a_row_per_task_and_budget_and_says_none_where_nobody_bea
     assert lines[4] == "| `digits target=8` | 4 | 80.0% | none | `drtune` |"
     # A fraction not asked for is left out.
     assert len(matrix_table(_two_tasks(), [1.0])) == 2 + 2
+
+
+def test_a_race_not_ready_to_quote_has_every_row_marked_provisional() -> None:
+    ready, draft = _two_tasks()
+    draft._warnings = ["the ceiling was measured on 1 seed(s)"]
+    lines = matrix_table([ready, draft], [0.5, 1.0])
+    assert [line.split(" | ")[0] for line in lines[2:]] == [
+        "| `digits target=3`",
+        "| `digits target=3`",
+        "| `digits target=8` (provisional)",
+        "| `digits target=8` (provisional)",
+    ]
 
 
 def test_the_tally_counts_each_race_verdict_once() -> None:

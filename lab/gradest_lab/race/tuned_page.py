@@ -302,7 +302,9 @@ def task_labels(configs: list[Mapping[str, Any]]) -> list[str]:
 def matrix_table(reports: list[Any], fractions: list[float]) -> list[str]:
     """The decision across tasks: per race (a task) and budget fraction, who beats exact at
     equal compute, each at its tuned lr for that budget, and by how much; "none" where no
-    estimator does. The lines of a markdown table."""
+    estimator does. A race not ready to quote (its report's ``grid_warnings``) has its rows
+    marked provisional, so the table never passes its verdicts off as settled. The lines of
+    a markdown table."""
     lines = [
         "| task | budget (exact steps) | exact's share of attainable gain | beat exact: Δ reward "
         "[95% CI] | behind exact |",
@@ -310,12 +312,13 @@ def matrix_table(reports: list[Any], fractions: list[float]) -> list[str]:
     ]
     labels = task_labels([report.config for report in reports])
     for label, report in zip(labels, reports, strict=True):
+        task = f"`{label}`" + (" (provisional)" if report.grid_warnings() else "")
         for row in report.summary()["decision"]:
             if row["fraction"] not in fractions:
                 continue
             share = row["exact_share_of_attainable"]
             lines.append(
-                f"| `{label}` | {_steps(row['budget_exact_steps'])} | "
+                f"| {task} | {_steps(row['budget_exact_steps'])} | "
                 + ("-" if share is None else f"{100 * share:.1f}%")
                 + f" | {estimator_names(row['beats_exact'], True)} | "
                 f"{estimator_names(row['behind_exact'], False)} |"

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from saved_tensor_bytes import saved_bytes
-from tiny_configs import TINY_SD3, TINY_TEXT, TINY_VAE, TINY_VISION
+from tiny_configs import TINY_CLIP_SCORE, TINY_SD3, TINY_VAE, TINY_VISION
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -33,10 +33,7 @@ from gradest_lab.cost.reward_presets import reward_model  # noqa: E402
 
 TINY_REWARDS = {
     "aesthetic": {"kind": "aesthetic", "vision": TINY_VISION, "image_size": 16},
-    "clip-score": {
-        "kind": "clip-score", "vision": TINY_VISION, "text": TINY_TEXT, "image_size": 16,
-        "text_tokens": 6, "logit_scale": True,
-    },
+    "clip-score": TINY_CLIP_SCORE,
     "blip-score": {
         "kind": "blip-score",
         "vision": {k: v for k, v in TINY_VISION.items() if k != "projection_dim"},

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from gradest_lab.race.decision_rule import RULE, DecisionRule, rule_tally, score_rule
 from gradest_lab.race.quoting import render
+from gradest_lab.race.tuned_page import rule_section
 
 from gradest import InvalidValue
 
@@ -18,8 +19,15 @@ KEYS = {"ahead": "beats_exact", "level": "no_clear_difference", "behind": "behin
 class _Report:
     """The part of a tuned race report the rule reads: its line-up and decision rows."""
 
-    def __init__(self, verdicts: dict[str, list[str]]) -> None:
-        self.config = {"task": "fake", "estimators": ["exact", *verdicts]}
+    def __init__(
+        self,
+        verdicts: dict[str, list[str]],
+        *,
+        identity: str = "0123456789abcdef",
+        warnings: tuple[str, ...] = (),
+    ) -> None:
+        self.config = {"task": "fake", "estimators": ["exact", *verdicts], "identity": identity}
+        self.warnings = list(warnings)
         budgets = len(next(iter(verdicts.values())))
         self.rows = []
         for i in range(budgets):
@@ -30,7 +38,7 @@ class _Report:
             self.rows.append(row)
 
     def summary(self) -> dict[str, Any]:
-        return {"decision": self.rows}
+        return {"decision": self.rows, "warnings": self.warnings}
 
 
 def test_each_budget_scores_the_estimator_the_rule_prefers_there() -> None:
@@ -73,6 +81,52 @@ def test_the_rule_is_fixed_and_never_scored_on_the_races_it_came_from() -> None:
         ):
             with pytest.raises(InvalidValue, match="was raced before the rule was written"):
                 render(ROOT, f"{kind} {path}")
+
+
+_RACED_AFTER = {
+    "sdo": ["ahead", "level", "ahead", "ahead"],
+    "alignprop": ["behind", "ahead", "level", "behind"],
+}
+
+
+def test_a_race_raced_after_the_rule_scores_it_on_its_page() -> None:
+    """What a user sees in report.md (and the command's output) after racing a new task:
+    the rule scored budget by budget (fractions 0.25-1: all `alignprop`'s, RULE prefers it
+    from a quarter on)."""
+    lines = rule_section(_Report(_RACED_AFTER))
+    assert f"> {RULE.text}" in lines
+    assert (
+        "On this race: confirmed at 1, not confirmed at 1 and refuted at 2 of the 4 budgets."
+        in lines
+    )
+    rows = [line for line in lines if line.startswith("| ") and "`" in line]
+    assert rows == [
+        "| 1 | `alignprop` | behind | refuted |",
+        "| 2 | `alignprop` | ahead | confirmed |",
+        "| 3 | `alignprop` | level | not confirmed |",
+        "| 4 | `alignprop` | behind | refuted |",
+    ]
+    provisional = rule_section(_Report(_RACED_AFTER, warnings=("ceiling on 1 seed",)))
+    assert any("(provisional: the race is not ready to quote" in line for line in provisional)
+
+
+def test_a_race_that_cannot_score_the_rule_says_why_on_its_page() -> None:
+    before = rule_section(_Report(_RACED_AFTER, identity=next(iter(RULE.raced_before))))
+    assert any("does not score it" in line for line in before)
+    assert not any(line.startswith("| ") for line in before)
+    without = rule_section(_Report({"sdo": ["ahead", "ahead"], "drtune": ["level", "ahead"]}))
+    assert any("did not run `alignprop`" in line for line in without)
+    assert not any(line.startswith("| ") for line in without)
+
+
+def test_the_committed_pages_score_the_rule_as_the_pages_tally_does() -> None:
+    """The report.md of a race raced after the rule carries the same score the docs quote
+    (rule-tally over that one race)."""
+    for folder in ("race_relabel_tuned", "race_blend_tuned", "race_relabel_tuned_n8"):
+        page = (ROOT / "docs" / "results" / folder / "report.md").read_text()
+        tally = render(ROOT, f"rule-tally docs/results/{folder}").strip()
+        counts = tally.replace(" (task, budget) cells", " budgets")
+        assert f"On this race: {counts}." in page, folder
 
 
 # Per long-horizon race: the budgets (exact steps), from a quarter of the budget on, at

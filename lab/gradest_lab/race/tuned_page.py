@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from gradest_lab.race.decision_rule import RULE, rule_tally, score_rule
 from gradest_lab.race.horizon import horizon_sentence
 from gradest_lab.race.plain_race import REFERENCE, _num, _seed_text
 from gradest_lab.race.shards import lr_label
@@ -114,6 +115,8 @@ def tuned_race_markdown(report: Any) -> str:
         "## Decision: who beats exact at equal compute",
         "",
         *decision_table(summary),
+        "",
+        *rule_section(report),
         "",
         "## Time to target (exact steps of compute, at the lr chosen for "
         f"{100 * config['primary_level']:g}%)",
@@ -250,6 +253,59 @@ def decision_table(summary: Mapping[str, Any], fractions: list[float] | None = N
             f"{estimator_names(row['no_clear_difference'], False)} | "
             f"{estimator_names(row['behind_exact'], False)} |"
         )
+    return lines
+
+
+def rule_section(report: Any) -> list[str]:
+    """The page's section on the rule for a task not raced
+    (:data:`gradest_lab.race.decision_rule.RULE`): scored on this race, budget by budget,
+    when the race can score it (raced after the rule was written, with both estimators the
+    rule prefers); else why it cannot."""
+    lines = [
+        "## The rule for a task not raced",
+        "",
+        f"> {RULE.text}",
+        "",
+        f"Written on {RULE.written} from the short-horizon races committed then "
+        "(`gradest_lab.race.decision_rule.RULE`, never edited after the fact). Scored per "
+        "budget: confirmed where the estimator it prefers there is ahead of exact in the "
+        "table above, not confirmed where level, refuted where behind.",
+        "",
+    ]
+    if report.config.get("identity") in RULE.raced_before:
+        return [
+            *lines,
+            "This race was committed before the rule was written (the rule was drawn from "
+            "the races of that date), so it does not score it.",
+        ]
+    missing = [spec for spec in (RULE.early, RULE.late) if spec not in report.config["estimators"]]
+    if missing:
+        return [
+            *lines,
+            "This race cannot score it: it did not run "
+            + " or ".join(f"`{spec}`" for spec in missing)
+            + " (add it to `--estimators` to score the rule).",
+        ]
+    cells = score_rule(report)
+    tally = rule_tally(cells)
+    lines += [
+        f"On this race: confirmed at {tally['confirmed']}, not confirmed at "
+        f"{tally['not confirmed']} and refuted at {tally['refuted']} of the {len(cells)} "
+        "budgets"
+        + (
+            " (provisional: the race is not ready to quote, above)."
+            if report.summary()["warnings"]
+            else "."
+        ),
+        "",
+        "| budget (exact steps) | the rule prefers | its verdict against exact | outcome |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {_steps(cell.budget_exact_steps)} | `{cell.prefers}` | {cell.verdict} | "
+        f"{cell.outcome} |"
+        for cell in cells
+    ]
     return lines
 
 

@@ -22,7 +22,7 @@ import attrs
 
 from gradest_lab.race.verdicts import row_verdicts
 
-__all__ = ["RULE", "DecisionRule", "RuleCell", "rule_tally", "score_rule"]
+__all__ = ["RULE", "DecisionRule", "RuleCell", "rule_tally", "score_rule", "tally_sentence"]
 
 
 @attrs.frozen
@@ -138,3 +138,13 @@ def rule_tally(cells: Sequence[RuleCell]) -> dict[str, int]:
     """How many cells each outcome has."""
     outcomes = ("confirmed", "not confirmed", "refuted")
     return {word: sum(cell.outcome == word for cell in cells) for word in outcomes}
+
+
+def tally_sentence(cells: Sequence[RuleCell], unit: str) -> str:
+    """``confirmed at 7, not confirmed at 1 and refuted at 0 of the 8 {unit}``: the words
+    the pages and a race's report.md give the score in."""
+    tally = rule_tally(cells)
+    return (
+        f"confirmed at {tally['confirmed']}, not confirmed at {tally['not confirmed']} and "
+        f"refuted at {tally['refuted']} of the {len(cells)} {unit}"
+    )

@@ -588,7 +588,7 @@ def _rule_tally(reports: Any, options: Mapping[str, str]) -> str:
     """The rule's score over the races: ``confirmed at 9, not confirmed at 4 and refuted at
     3 of the 16 (task, budget) cells``; with ``part=late|early`` the cells from (below) the
     rule's budget share only."""
-    from gradest_lab.race.decision_rule import RULE, rule_tally
+    from gradest_lab.race.decision_rule import RULE, tally_sentence
 
     kind = "rule-tally"
     cells = [cell for _, cell in _rule_cells(reports, kind)]
@@ -596,11 +596,7 @@ def _rule_tally(reports: Any, options: Mapping[str, str]) -> str:
     if part is not None:
         _choice(kind, options, "part", ["late", "early"])
         cells = [c for c in cells if (c.fraction >= RULE.from_fraction) == (part == "late")]
-    tally = rule_tally(cells)
-    return (
-        f"confirmed at {tally['confirmed']}, not confirmed at {tally['not confirmed']} and "
-        f"refuted at {tally['refuted']} of the {len(cells)} (task, budget) cells"
-    )
+    return tally_sentence(cells, "(task, budget) cells")
 
 
 def _plain(report: Any, kind: str) -> Any:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from gradest_lab.race.decision_rule import RULE, rule_tally, score_rule
+from gradest_lab.race.decision_rule import RULE, score_rule, tally_sentence
 from gradest_lab.race.horizon import horizon_sentence
 from gradest_lab.race.plain_race import REFERENCE, _num, _seed_text
 from gradest_lab.race.shards import lr_label
@@ -287,11 +287,8 @@ def rule_section(report: Any) -> list[str]:
             + " (add it to `--estimators` to score the rule).",
         ]
     cells = score_rule(report)
-    tally = rule_tally(cells)
     lines += [
-        f"On this race: confirmed at {tally['confirmed']}, not confirmed at "
-        f"{tally['not confirmed']} and refuted at {tally['refuted']} of the {len(cells)} "
-        "budgets"
+        f"On this race: {tally_sentence(cells, 'budgets')}"
         + (
             " (provisional: the race is not ready to quote, above)."
             if report.summary()["warnings"]

@@ -83,6 +83,10 @@ def test_the_rule_is_fixed_and_never_scored_on_the_races_it_came_from() -> None:
                 render(ROOT, f"{kind} {path}")
 
 
+def _section(report: _Report) -> list[str]:
+    return rule_section(report, report.summary())
+
+
 _RACED_AFTER = {
     "sdo": ["ahead", "level", "ahead", "ahead"],
     "alignprop": ["behind", "ahead", "level", "behind"],
@@ -93,7 +97,7 @@ def test_a_race_raced_after_the_rule_scores_it_on_its_page() -> None:
     """What a user sees in report.md (and the command's output) after racing a new task:
     the rule scored budget by budget (fractions 0.25-1: all `alignprop`'s, RULE prefers it
     from a quarter on)."""
-    lines = rule_section(_Report(_RACED_AFTER))
+    lines = _section(_Report(_RACED_AFTER))
     assert f"> {RULE.text}" in lines
     assert (
         "On this race: confirmed at 1, not confirmed at 1 and refuted at 2 of the 4 budgets."
@@ -106,15 +110,15 @@ def test_a_race_raced_after_the_rule_scores_it_on_its_page() -> None:
         "| 3 | `alignprop` | level | not confirmed |",
         "| 4 | `alignprop` | behind | refuted |",
     ]
-    provisional = rule_section(_Report(_RACED_AFTER, warnings=("ceiling on 1 seed",)))
+    provisional = _section(_Report(_RACED_AFTER, warnings=("ceiling on 1 seed",)))
     assert any("(provisional: the race is not ready to quote" in line for line in provisional)
 
 
 def test_a_race_that_cannot_score_the_rule_says_why_on_its_page() -> None:
-    before = rule_section(_Report(_RACED_AFTER, identity=next(iter(RULE.raced_before))))
+    before = _section(_Report(_RACED_AFTER, identity=next(iter(RULE.raced_before))))
     assert any("does not score it" in line for line in before)
     assert not any(line.startswith("| ") for line in before)
-    without = rule_section(_Report({"sdo": ["ahead", "ahead"], "drtune": ["level", "ahead"]}))
+    without = _section(_Report({"sdo": ["ahead", "ahead"], "drtune": ["level", "ahead"]}))
     assert any("did not run `alignprop`" in line for line in without)
     assert not any(line.startswith("| ") for line in without)
 

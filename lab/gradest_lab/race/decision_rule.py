@@ -22,7 +22,15 @@ import attrs
 
 from gradest_lab.race.verdicts import row_verdicts
 
-__all__ = ["RULE", "DecisionRule", "RuleCell", "rule_tally", "score_rule", "tally_sentence"]
+__all__ = [
+    "RULE",
+    "DecisionRule",
+    "RuleCell",
+    "missing_estimators",
+    "rule_tally",
+    "score_rule",
+    "tally_sentence",
+]
 
 
 @attrs.frozen
@@ -111,20 +119,30 @@ class RuleCell:
 _OUTCOMES = {"ahead": "confirmed", "level": "not confirmed", "behind": "refuted"}
 
 
-def score_rule(report: Any, rule: DecisionRule = RULE) -> list[RuleCell]:
+def missing_estimators(report: Any, rule: DecisionRule = RULE) -> list[str]:
+    """The estimators the rule prefers that the race did not run (it cannot score the rule
+    without them)."""
+    return [spec for spec in (rule.early, rule.late) if spec not in report.config["estimators"]]
+
+
+def score_rule(
+    report: Any, rule: DecisionRule = RULE, *, summary: Mapping[str, Any] | None = None
+) -> list[RuleCell]:
     """The rule scored on a tuned race's decision, one cell per budget fraction.
+
+    ``summary``: the report's ``summary()`` when the caller has it already (it is recomputed
+    from the runs on every call).
 
     Raises:
         ValueError: the race did not run an estimator the rule prefers.
     """
-    for spec in (rule.early, rule.late):
-        if spec not in report.config["estimators"]:
-            raise ValueError(
-                f"the {report.config.get('task')!r} race did not run {spec!r}, an estimator "
-                f"the rule prefers: race it to score the rule"
-            )
+    for spec in missing_estimators(report, rule)[:1]:
+        raise ValueError(
+            f"the {report.config.get('task')!r} race did not run {spec!r}, an estimator "
+            f"the rule prefers: race it to score the rule"
+        )
     cells = []
-    for row in report.summary()["decision"]:
+    for row in (report.summary() if summary is None else summary)["decision"]:
         verdicts: Mapping[str, str] = row_verdicts(row)
         spec = rule.prefers(row["fraction"])
         word = verdicts[spec]

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from gradest_lab.race.decision_rule import RULE, score_rule, tally_sentence
+from gradest_lab.race.decision_rule import RULE, missing_estimators, score_rule, tally_sentence
 from gradest_lab.race.horizon import horizon_sentence
 from gradest_lab.race.plain_race import REFERENCE, _num, _seed_text
 from gradest_lab.race.shards import lr_label
@@ -116,7 +116,7 @@ def tuned_race_markdown(report: Any) -> str:
         "",
         *decision_table(summary),
         "",
-        *rule_section(report),
+        *rule_section(report, summary),
         "",
         "## Time to target (exact steps of compute, at the lr chosen for "
         f"{100 * config['primary_level']:g}%)",
@@ -256,11 +256,11 @@ def decision_table(summary: Mapping[str, Any], fractions: list[float] | None = N
     return lines
 
 
-def rule_section(report: Any) -> list[str]:
+def rule_section(report: Any, summary: Mapping[str, Any]) -> list[str]:
     """The page's section on the rule for a task not raced
     (:data:`gradest_lab.race.decision_rule.RULE`): scored on this race, budget by budget,
     when the race can score it (raced after the rule was written, with both estimators the
-    rule prefers); else why it cannot."""
+    rule prefers); else why it cannot. ``summary``: the report's ``summary()``."""
     lines = [
         "## The rule for a task not raced",
         "",
@@ -278,7 +278,7 @@ def rule_section(report: Any) -> list[str]:
             "This race was committed before the rule was written (the rule was drawn from "
             "the races of that date), so it does not score it.",
         ]
-    missing = [spec for spec in (RULE.early, RULE.late) if spec not in report.config["estimators"]]
+    missing = missing_estimators(report)
     if missing:
         return [
             *lines,
@@ -286,13 +286,11 @@ def rule_section(report: Any) -> list[str]:
             + " or ".join(f"`{spec}`" for spec in missing)
             + " (add it to `--estimators` to score the rule).",
         ]
-    cells = score_rule(report)
+    cells = score_rule(report, summary=summary)
     lines += [
         f"On this race: {tally_sentence(cells, 'budgets')}"
         + (
-            " (provisional: the race is not ready to quote, above)."
-            if report.summary()["warnings"]
-            else "."
+            " (provisional: the race is not ready to quote, above)." if summary["warnings"] else "."
         ),
         "",
         "| budget (exact steps) | the rule prefers | its verdict against exact | outcome |",

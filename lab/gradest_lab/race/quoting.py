@@ -383,17 +383,10 @@ def _rule_cells(reports: Any, kind: str) -> list[tuple[str, Any]]:
 def _rule_score(reports: Any, options: Mapping[str, str]) -> str:
     """The decision rule (:data:`gradest_lab.race.decision_rule.RULE`) scored on each race:
     per task and budget, what it predicted, the outcome and the verdicts that decided it."""
+    from gradest_lab.race.tuned_page import rule_score_table
+
     del options
-    lines = [
-        "| task | budget (exact steps) | the rule prefers | its verdict against exact | outcome |",
-        "|---|---|---|---|---|",
-    ]
-    for label, cell in _rule_cells(reports, "rule-score"):
-        lines.append(
-            f"| `{label}` | {cell.budget_exact_steps:.3g} | `{cell.prefers}` | "
-            f"{cell.verdict} | {cell.outcome} |"
-        )
-    return "\n".join(lines) + "\n"
+    return "\n".join(rule_score_table(_rule_cells(reports, "rule-score"))) + "\n"
 
 
 def _tuned_horizon(reports: Any, options: Mapping[str, str]) -> str:

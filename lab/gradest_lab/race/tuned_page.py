@@ -7,10 +7,16 @@ the raw runs; nothing here computes a statistic of its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradest_lab.race.decision_rule import RULE, missing_estimators, score_rule, tally_sentence
+from gradest_lab.race.decision_rule import (
+    RULE,
+    RuleCell,
+    missing_estimators,
+    score_rule,
+    tally_sentence,
+)
 from gradest_lab.race.horizon import horizon_sentence
 from gradest_lab.race.plain_race import REFERENCE, _num, _seed_text
 from gradest_lab.race.shards import lr_label
@@ -293,14 +299,28 @@ def rule_section(report: Any, summary: Mapping[str, Any]) -> list[str]:
             " (provisional: the race is not ready to quote, above)." if summary["warnings"] else "."
         ),
         "",
-        "| budget (exact steps) | the rule prefers | its verdict against exact | outcome |",
-        "|---|---|---|---|",
+        *rule_score_table([(None, cell) for cell in cells]),
     ]
-    lines += [
-        f"| {_steps(cell.budget_exact_steps)} | `{cell.prefers}` | {cell.verdict} | "
-        f"{cell.outcome} |"
-        for cell in cells
+    return lines
+
+
+def rule_score_table(cells: Sequence[tuple[str | None, RuleCell]]) -> list[str]:
+    """The rule's score as table lines, one row per (task label, cell): with a task column
+    when the cells carry labels (several races, as the docs quote it), without one when
+    they do not (one race's page)."""
+    labelled = any(label is not None for label, _ in cells)
+    task_head, task_rule = ("| task ", "|---") if labelled else ("", "")
+    lines = [
+        f"{task_head}| budget (exact steps) | the rule prefers | its verdict against exact "
+        "| outcome |",
+        f"{task_rule}|---|---|---|---|",
     ]
+    for label, cell in cells:
+        task = f"| `{label}` " if labelled else ""
+        lines.append(
+            f"{task}| {_steps(cell.budget_exact_steps)} | `{cell.prefers}` | {cell.verdict} | "
+            f"{cell.outcome} |"
+        )
     return lines
 
 

@@ -19,7 +19,9 @@ differently:
   trajectory, and :func:`is_stochastic`;
 * **the chain's contraction**: :func:`chain_contraction`, ``||dz_N/dz_k||_2`` per step and
   sample of a recorded trajectory by power iteration (:class:`ChainContraction`), the
-  condition of the one-step estimators' error bound;
+  condition of the one-step estimators' error bound; :func:`one_step_cotangent_error`, how
+  far their cotangents are from the exact ones on a recorded trajectory, for the reward's
+  own ``a_N`` (:class:`OneStepCotangentError`);
 * **strict JSON**: :func:`json_safe` / :func:`json_restored`, how ``report.json`` writes
   and reads back non-finite numbers.
 
@@ -46,6 +48,7 @@ from gradest.harness.cost import (
     retained_activation_bytes,
     speedup,
 )
+from gradest.harness.one_step_error import OneStepCotangentError, one_step_cotangent_error
 from gradest.harness.report import CostRow, EstimatorRow, Report, json_restored, json_safe
 from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
 from gradest.harness.tensor_metrics import (
@@ -64,6 +67,7 @@ __all__ = [
     "Estimate",
     "EstimatorRow",
     "FlopCounter",
+    "OneStepCotangentError",
     "PreparedCompare",
     "Report",
     "StorageTracker",
@@ -81,6 +85,7 @@ __all__ = [
     "json_safe",
     "mean_of",
     "median_wall_time",
+    "one_step_cotangent_error",
     "peak_allocated_bytes",
     "prepare_compare",
     "ratio",

@@ -169,14 +169,14 @@ def chain_contraction(
     states = trajectory.states
     batch = states.shape[1]
     cond = check_cond(cond, batch)
-    _check_count("iters", iters)
+    check_count("iters", iters)
     if chunk is not None:
-        _check_count("chunk", chunk)
+        check_count("chunk", chunk)
     measured = _measured_steps(steps, sampler.num_steps)
     generator = check_generator(generator, like=states)
 
     alpha, beta, _ = host_coefficients(sampler.coefficients())
-    jacobians = _RecordedJacobians(
+    jacobians = RecordedJacobians(
         unwrap_data_parallel(model), trajectory, sampler.times.tolist(), cond, chunk
     )
     shape = (len(measured), *states.shape[1:])
@@ -203,12 +203,12 @@ def chain_contraction(
     tiny = torch.finfo(states.dtype).tiny
     previous: Tensor | None = None
     estimate = change = torch.zeros(shape[:2], dtype=states.dtype, device=states.device)
-    with _jacobian_calls():
+    with jacobian_calls():
         for _ in range(iters):
             x = forward(w)
-            x_norm = _sample_norms(x)
+            x_norm = sample_norms(x)
             y = backward(x)
-            y_norm = _sample_norms(y)
+            y_norm = sample_norms(y)
             estimate = y_norm / x_norm.clamp_min(tiny)
             # The first iteration's change is against ||M w_0||, the estimate before it.
             before = x_norm if previous is None else previous
@@ -225,7 +225,7 @@ def chain_contraction(
 
 
 @attrs.frozen(eq=False)
-class _RecordedJacobians:
+class RecordedJacobians:
     """``dv_j/dz_j`` at the recorded states, applied to stacks of per-chain vectors."""
 
     model: torch.nn.Module
@@ -268,7 +268,7 @@ class _RecordedJacobians:
 
 
 @contextlib.contextmanager
-def _jacobian_calls() -> Iterator[None]:
+def jacobian_calls() -> Iterator[None]:
     """No autograd graph of the parameters; torch.compile'd code eager (Dynamo does not
     trace under torch.func); attention on the math kernel, which has forward-mode AD."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -277,7 +277,7 @@ def _jacobian_calls() -> Iterator[None]:
         yield
 
 
-def _sample_norms(vectors: Tensor) -> Tensor:
+def sample_norms(vectors: Tensor) -> Tensor:
     """``[m, B]``: the norm of each chain's vector of each sample."""
     return vectors.flatten(2).norm(dim=2)
 
@@ -288,10 +288,10 @@ def _expanded(norms: Tensor, like: Tensor) -> Tensor:
 
 def _unit(vectors: Tensor) -> Tensor:
     tiny = torch.finfo(vectors.dtype).tiny
-    return vectors / _expanded(_sample_norms(vectors).clamp_min(tiny), vectors)
+    return vectors / _expanded(sample_norms(vectors).clamp_min(tiny), vectors)
 
 
-def _check_count(name: str, value: Any) -> None:
+def check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidType(f"{name} must be an int >= 1, got {value!r}")
     if value < 1:

@@ -12,7 +12,7 @@ from gradest_lab.race.race_contraction import CONTRACTION_FILE, measure_race_con
 
 from gradest import InvalidValue, RectifiedFlow, rollout
 from gradest.cli import main
-from gradest.harness import chain_contraction
+from gradest.harness import chain_contraction, one_step_cotangent_error
 
 
 def _tiny_race(out) -> None:
@@ -45,12 +45,27 @@ def test_contraction_on_a_raced_task_and_its_table(tmp_path) -> None:
     assert pre["geometric_mean"] == pytest.approx(
         math.exp(direct.norms.log().mean().item()), rel=1e-9
     )
+    # the one-step cotangents' error, for the task's own reward on the same batch
+    error = one_step_cotangent_error(model, RectifiedFlow(steps=4), path, problem.objective)
+    assert pre["one_step_error"]["error"] == pytest.approx(error.summary()["error"], rel=1e-9)
+    assert pre["one_step_error"]["mean_error"] > 0
     assert data["fine_tuned"]["spec"] == "exact" and data["fine_tuned"]["seed"] == 0
     # a second call reads the file back; the page's table renders beside the verdicts
     assert measure_race_contraction(out, samples=3) == data
     table = render(tmp_path, "race-contraction race")
     assert "`sdo` at 50% / 100% of the budget" in table
     assert f"{pre['geometric_mean']:.3g}" in table
+    cells = [
+        f"{m['one_step_error']['mean_error']:.3g} ({m['one_step_error']['mean_cosine']:.3g})"
+        for m in (pre, data["fine_tuned"])
+    ]
+    assert f"| {cells[0]} / {cells[1]} |" in table
+    # a file from before the error was measured is refused, naming the fix
+    (out / CONTRACTION_FILE).write_text(
+        json.dumps({**written, "schema": "gradest.race-contraction/1"})
+    )
+    with pytest.raises(InvalidValue, match="measure again with python -m"):
+        render(tmp_path, "race-contraction race")
     # a measurement at an lr that is no longer exact's choice is refused, naming the fix
     written["fine_tuned"]["lr"] = 1.0
     (out / CONTRACTION_FILE).write_text(json.dumps(written))

@@ -7,7 +7,10 @@ norm on a recorded trajectory. This module measures it on a tuned race's task, a
 pretrained weights and at the weights ``exact`` reaches in the race's budget (its lr
 chosen for the full budget, on the first tuning seed), and writes ``contraction.json``
 into the race folder beside the report, so that the pages can set it against where the
-one-step estimators were ahead of exact or behind it (:func:`contraction_table`).
+one-step estimators were ahead of exact or behind it (:func:`contraction_table`). On a
+terminal task it also measures the one-step cotangents' error for the task's own reward
+(:func:`gradest.harness.one_step_cotangent_error`): how far ``dz_N/dz_k``, applied to the
+reward's ``a_N``, is from what the one-step estimators put in its place.
 
 ``python -m gradest_lab.race.race_contraction FOLDER [FOLDER ...]``: measure each folder
 (a few seconds to a minute per task on a CPU); a folder measured already is skipped unless
@@ -20,44 +23,45 @@ import argparse
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradest import InvalidValue, rollout
+from gradest import InvalidValue, TerminalObjective, rollout
 from gradest_lab.storage.files import atomic_write_text, read_json
 
 __all__ = ["CONTRACTION_FILE", "contraction_table", "measure_race_contraction"]
 
 CONTRACTION_FILE = "contraction.json"
-CONTRACTION_SCHEMA = "gradest.race-contraction/1"
+# /2 added the one-step cotangents' error (a /1 file is measured again).
+CONTRACTION_SCHEMA = "gradest.race-contraction/2"
 # Samples whose chains are measured (each its own chain) and power iterations per step.
 _SAMPLES = 16
 _ITERS = 8
 
 
 def _trajectory(task: Any, model: torch.nn.Module, sampler: Any, samples: int) -> Any:
-    """The chain the estimators differentiate: the task's first training batch's (its noise
-    rolled out by ``model``, or the recorded trajectory of a stepwise task)."""
+    """The chain the estimators differentiate and its objective: the task's first training
+    batch's (its noise rolled out by ``model``, or the recorded trajectory of a stepwise
+    task), as ``(trajectory, cond, objective)``."""
     problem = task.step_problem(model, sampler, torch.Generator().manual_seed(0), 0)
     cond = problem.inputs.get("cond")
     if "trajectory" in problem.inputs:
-        trajectory = problem.inputs["trajectory"]
-        return trajectory, cond
+        return problem.inputs["trajectory"], cond, problem.objective
     noise = problem.inputs["noise"][:samples]
     cond = None if cond is None else {k: v[:samples] for k, v in cond.items()}
     with torch.no_grad():
-        return rollout(model, sampler, noise, cond), cond
+        return rollout(model, sampler, noise, cond), cond, problem.objective
 
 
 def _measure(task: Any, model: torch.nn.Module, samples: int) -> dict[str, Any]:
-    from gradest.harness import chain_contraction
+    from gradest.harness import chain_contraction, one_step_cotangent_error
 
     sampler = task.sampler()
     model.eval()
-    trajectory, cond = _trajectory(task, model, sampler, samples)
+    trajectory, cond, objective = _trajectory(task, model, sampler, samples)
     found = chain_contraction(
         model, sampler, trajectory, cond, iters=_ITERS, generator=torch.Generator().manual_seed(0)
     )
@@ -65,6 +69,12 @@ def _measure(task: Any, model: torch.nn.Module, samples: int) -> dict[str, Any]:
     norms = found.norms.clamp_min(1e-300)
     # One number per model: the geometric mean over steps and samples of ||dz_N/dz_k||.
     summary["geometric_mean"] = float(norms.log().mean().exp())
+    # A stepwise objective's one-step cotangents are its exact ones: nothing to measure.
+    summary["one_step_error"] = (
+        one_step_cotangent_error(model, sampler, trajectory, objective, cond).summary()
+        if isinstance(objective, TerminalObjective)
+        else None
+    )
     return summary
 
 
@@ -84,6 +94,7 @@ def measure_race_contraction(
         data = read_json(path, what="a race's contraction")
         chosen = report.choices()["exact"]["by_fraction"][-1]
         same = data.get("identity") == report.config["identity"]
+        same = same and data.get("schema") == CONTRACTION_SCHEMA
         asked = data.get("samples_asked")
         if same and data["fine_tuned"]["lr"] == chosen and asked == samples:
             return data
@@ -130,16 +141,19 @@ def contraction_table(
     reports: Sequence[Any], labels: Sequence[str], folders: Sequence[Path]
 ) -> list[str]:
     """Per race: the chain's contraction (geometric mean of ``||dz_N/dz_k||`` over steps
-    and samples) at the pretrained and fine-tuned weights, beside the one-step estimators'
-    verdicts against exact at half and all of the budget. The lines of a markdown table."""
+    and samples) and the one-step cotangents' relative error and cosine (means over steps
+    and samples; "stepwise" where the objective hands them their exact cotangents) at the
+    pretrained and fine-tuned weights, beside the one-step estimators' verdicts against
+    exact at half and all of the budget. The lines of a markdown table."""
     from gradest_lab.race.verdicts import row_verdicts
 
     one_step = ("sdo", "drtune")
     lines = [
         "| task | steps N | contraction, pretrained | contraction, fine-tuned | "
+        "one-step cotangent error (cosine), pretrained / fine-tuned | "
         + " | ".join(f"`{s}` at 50% / 100% of the budget" for s in one_step)
         + " |",
-        "|---|---|---|---|" + "---|" * len(one_step),
+        "|---|---|---|---|---|" + "---|" * len(one_step),
     ]
     for report, label, folder in zip(reports, labels, folders, strict=True):
         path = folder / CONTRACTION_FILE
@@ -151,6 +165,12 @@ def contraction_table(
         data = read_json(path, what="a race's contraction")
         if data.get("identity") != report.config["identity"]:
             raise InvalidValue(f"{path}: measured on another race (its identity differs)")
+        if data.get("schema") != CONTRACTION_SCHEMA:
+            raise InvalidValue(
+                f"{path}: written as {data.get('schema')!r}, before the one-step cotangents' "
+                f"error was measured; measure again with python -m "
+                f"gradest_lab.race.race_contraction --again {folder}"
+            )
         chosen = report.choices()["exact"]["by_fraction"][-1]
         if data["fine_tuned"]["lr"] != chosen:
             raise InvalidValue(
@@ -165,11 +185,18 @@ def contraction_table(
             ]
             cells.append(" / ".join(words))
         pre, post = data["pretrained"], data["fine_tuned"]
+        errors = " / ".join(_one_step_cell(m["one_step_error"]) for m in (pre, post))
         lines.append(
             f"| `{label}` | {len(pre['steps'])} | {_figure(pre['geometric_mean'])} | "
-            f"{_figure(post['geometric_mean'])} | " + " | ".join(cells) + " |"
+            f"{_figure(post['geometric_mean'])} | {errors} | " + " | ".join(cells) + " |"
         )
     return lines
+
+
+def _one_step_cell(measured: Mapping[str, Any] | None) -> str:
+    if measured is None:
+        return "stepwise"
+    return f"{_figure(measured['mean_error'])} ({_figure(measured['mean_cosine'])})"
 
 
 def _figure(value: float) -> str:

@@ -12,7 +12,13 @@ from torch import nn
 
 import gradest
 from gradest import DDIM, FlowSDE, RectifiedFlow
-from gradest.harness import ChainContraction, chain_contraction, compare, draw_generator
+from gradest.harness import (
+    ChainContraction,
+    chain_contraction,
+    compare,
+    draw_generator,
+    one_step_cotangent_error,
+)
 from gradest.harness.comparison import CONTRACTION_ITERS, contraction_steps
 from gradest.reference import dense_chain
 from gradest.testing.problems import (
@@ -239,13 +245,20 @@ def test_compare_reports_the_library_function_on_its_first_trajectory():
         generator=draw_generator(4, 0),
     )
     assert measured.steps == (0, 2, 4, 6, 8, 10)
-    assert report.contraction == {"seed": 4, **measured.summary()}
+    one_step = one_step_cotangent_error(
+        model, sampler, gradest.rollout(model, sampler, noise_fn(4)), objective
+    ).summary()
+    assert report.contraction == {"seed": 4, **measured.summary(), "one_step_error": one_step}
     assert report.contraction["mean"] == measured.mean.tolist()
     assert report.to_dict()["contraction"] == report.contraction
     markdown = report.to_markdown()
     assert "Chain contraction" in markdown
     row = f"| {measured.summary()['at_start']:.4g} | {measured.summary()['at_middle']:.4g} |"
     assert row in markdown
+    assert (
+        f"relative error {one_step['mean_error']:.4g} and cosine {one_step['mean_cosine']:.4g}"
+        in markdown
+    )
     # Skipped (0 iterations), and not measured for a stepwise objective, which never
     # differentiates through the chain.
     for kind, iters in (("terminal", 0), ("stepwise", CONTRACTION_ITERS)):

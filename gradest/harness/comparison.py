@@ -6,7 +6,9 @@ differences between rows are differences between estimators, not between draws.
 Stochastic estimators are drawn ``draws`` times per trajectory; deterministic ones once.
 For a terminal objective the report also holds the chain's contraction on the first
 trajectory (:func:`~gradest.harness.contraction.chain_contraction`), the condition the
-one-step estimators' (``sdo``, ``drtune``) error bound rests on.
+one-step estimators' (``sdo``, ``drtune``) error bound rests on, and on the same trajectory
+their cotangents' error against the exact ones
+(:func:`~gradest.harness.one_step_error.one_step_cotangent_error`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gradest.harness.cost import (
     ratio,
     retained_activation_bytes,
 )
+from gradest.harness.one_step_error import one_step_cotangent_error
 from gradest.harness.report import CostRow, EstimatorRow, Report
 from gradest.harness.statistics import Estimate, TrajectoryStats, trajectory_stats
 from gradest.harness.tensor_metrics import (
@@ -432,7 +435,16 @@ def _run_compare(plan: PreparedCompare) -> Report:
             steps=contraction_steps(sampler.num_steps),
             generator=draw_generator(first_seed, 0),
         )
-        contraction = {"seed": first_seed, **measured.summary()}
+        # On the same trajectory, what the contraction stands in for: how far the one-step
+        # cotangents (sdo, drtune) are from the exact ones for this objective's a_N.
+        one_step = one_step_cotangent_error(
+            model, sampler, trajectory_of(first_seed), objective, cond_of(first_seed)
+        )
+        contraction = {
+            "seed": first_seed,
+            **measured.summary(),
+            "one_step_error": one_step.summary(),
+        }
         progress.update(1)
 
     costs: dict[str, CostRow] = {}

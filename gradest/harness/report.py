@@ -22,12 +22,17 @@ JSON schema ``gradest.report/1`` (documented in docs/harness.md)::
                      "gate_cosines": [float | null], "groups": [[int]]}],
      "contraction": {seed, iters, samples, steps, mean, max, start_step, at_start,
                      middle_step, at_middle, largest_step, largest, per_step,
-                     last_change} | null}
+                     last_change,
+                     one_step_error: {samples, steps, error, cosine, mean_error,
+                                      mean_cosine, at_start}} | null}
 
 ``contraction`` is ``||dz_N/dz_k||_2`` on the first trajectory at the measured ``steps``
 ``k`` (``mean`` / ``max`` over its samples, one per step;
 :meth:`gradest.harness.ChainContraction.summary` says what each field is), for a terminal
-objective; null for a stepwise one or when it was skipped.
+objective; null for a stepwise one or when it was skipped. Its ``one_step_error`` is the
+one-step cotangents' error against the exact ones on the same trajectory, every step
+(:meth:`gradest.harness.OneStepCotangentError.summary`); a report written before it was
+measured lacks the field.
 
 Ratios are to the reference (exact) estimator measured in the same process. The file is
 strict JSON: a non-finite float is the string ``"NaN"``, ``"Infinity"`` or
@@ -322,6 +327,22 @@ def _contraction_lines(summary: dict[str, Any]) -> list[str]:
         "|---|---|---|---|",
         f"| {_fmt(summary['at_start'], '.4g')} | {_fmt(middle, '.4g')} "
         f"| {_fmt(summary['largest'], '.4g')} | {_fmt(summary['per_step'], '.6g')} |",
+        *_one_step_error_lines(summary.get("one_step_error")),
+    ]
+
+
+def _one_step_error_lines(summary: dict[str, Any] | None) -> list[str]:
+    """report.md's sentence on the one-step cotangents' error
+    (:meth:`OneStepCotangentError.summary`); none for a report that lacks it."""
+    if summary is None:
+        return []
+    return [
+        "",
+        f"One-step cotangents (what sdo and drtune put in place of the exact ones) against "
+        f"the exact ones on the same trajectory: relative error "
+        f"{_fmt(summary['mean_error'], '.4g')} and cosine {_fmt(summary['mean_cosine'], '.4g')} "
+        f"(means over every step and sample; at k = 0, where the dropped product is longest, "
+        f"relative error {_fmt(summary['at_start'], '.4g')}).",
     ]
 
 

@@ -424,7 +424,8 @@ def _run_compare(plan: PreparedCompare) -> Report:
         )
 
     contraction = None
-    if measure_contraction:
+    # (measure_contraction implies a terminal objective; the isinstance narrows its type)
+    if measure_contraction and isinstance(objective, TerminalObjective):
         first_seed = seed_list[0]
         measured = chain_contraction(
             model,

@@ -6,7 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gradest_lab.race.decision_rule import RULE, DecisionRule, rule_tally, score_rule
+from gradest_lab.race.decision_rule import (
+    RULE,
+    DecisionRule,
+    rival_leads,
+    rule_tally,
+    score_rule,
+)
 from gradest_lab.race.quoting import render
 from gradest_lab.race.tuned_page import rule_section
 
@@ -25,6 +31,7 @@ class _Report:
         *,
         identity: str = "0123456789abcdef",
         warnings: tuple[str, ...] = (),
+        means: dict[str, list[float]] | None = None,
     ) -> None:
         self.config = {"task": "fake", "estimators": ["exact", *verdicts], "identity": identity}
         self.warnings = list(warnings)
@@ -34,7 +41,10 @@ class _Report:
             row: dict[str, Any] = {"fraction": (i + 1) / budgets, "budget_exact_steps": i + 1}
             row.update({key: [] for key in KEYS.values()})
             for spec, words in verdicts.items():
-                row[KEYS[words[i]]].append({"spec": spec})
+                entry: dict[str, Any] = {"spec": spec}
+                if means is not None:
+                    entry["minus_exact"] = {"mean": means[spec][i]}
+                row[KEYS[words[i]]].append(entry)
             self.rows.append(row)
 
     def summary(self) -> dict[str, Any]:
@@ -55,6 +65,50 @@ def test_each_budget_scores_the_estimator_the_rule_prefers_there() -> None:
     assert [c.verdict for c in cells] == ["ahead", "ahead", "level", "behind"]
     assert [c.outcome for c in cells] == ["confirmed", "confirmed", "not confirmed", "refuted"]
     assert rule_tally(cells) == {"confirmed": 2, "not confirmed": 1, "refuted": 1}
+
+
+def test_a_rival_is_compared_where_the_rule_prefers_another_estimator() -> None:
+    rule = DecisionRule("sdo", "alignprop", 0.5, "2026-12-05", (), frozenset(), "text")
+    words = ["level"] * 4
+    report = _Report(
+        {"sdo": words, "alignprop": words, "refl": words},
+        means={
+            "sdo": [0.1, 0.9, 0.2, 0.5],
+            "alignprop": [0.3, 0.4, 0.6, 0.1],
+            "refl": [0.5, 0.3, 0.7, 0.0],
+        },
+    )
+    # fractions 0.25, 0.5, 0.75, 1: sdo preferred below half, alignprop from half on
+    assert rival_leads(report, "sdo", rule) == [True, False, True]
+    assert rival_leads(report, "refl", rule) == [True, False, True, False]
+    assert rival_leads(report, "refl", rule, prefers="alignprop") == [False, True, False]
+    assert rival_leads(report, "refl", rule, prefers="sdo") == [True]
+    assert rival_leads(report, "drtune", rule) == []  # not raced there
+
+
+def test_the_pages_rival_phrase_counts_the_cells() -> None:
+    """``rule-rival`` over the long-horizon races is the count of rival_leads."""
+    from gradest_lab.race.tuned_race import TunedRaceReport
+
+    folders = ["race_relabel_tuned", "race_blend_tuned", "race_relabel_tuned_n8"]
+    paths = ",".join(f"docs/results/{f}" for f in folders)
+    leads = [
+        rival_leads(
+            TunedRaceReport.load(ROOT / "docs" / "results" / f), "refl", prefers="alignprop"
+        )
+        for f in folders
+    ]
+    ran = sum(bool(found) for found in leads)
+    assert 0 < ran < len(folders)
+    flat = [lead for found in leads for lead in found]
+    phrase = render(ROOT, f"rule-rival {paths} estimator=refl prefers=alignprop").strip()
+    assert phrase == (
+        f"{sum(flat)} of the {len(flat)} (task, budget) cells of the {ran} races that ran it"
+    )
+    with pytest.raises(InvalidValue, match="no race given ran 'adjoint'"):
+        render(ROOT, f"rule-rival {paths} estimator=adjoint")
+    with pytest.raises(InvalidValue, match="prefers=refl; give one of sdo, alignprop"):
+        render(ROOT, f"rule-rival {paths} estimator=sdo prefers=refl")
 
 
 def test_a_race_without_the_preferred_estimator_cannot_score_it() -> None:

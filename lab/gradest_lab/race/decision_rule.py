@@ -20,13 +20,14 @@ from typing import Any
 
 import attrs
 
-from gradest_lab.race.verdicts import row_verdicts
+from gradest_lab.race.verdicts import row_mean_leads, row_verdicts
 
 __all__ = [
     "RULE",
     "DecisionRule",
     "RuleCell",
     "missing_estimators",
+    "rival_leads",
     "rule_tally",
     "score_rule",
     "tally_sentence",
@@ -150,6 +151,39 @@ def score_rule(
             RuleCell(row["fraction"], row["budget_exact_steps"], spec, word, _OUTCOMES[word])
         )
     return cells
+
+
+def rival_leads(
+    report: Any,
+    rival: str,
+    rule: DecisionRule = RULE,
+    *,
+    prefers: str | None = None,
+    summary: Mapping[str, Any] | None = None,
+) -> list[bool]:
+    """Confirmed is not best: at each budget fraction where the rule prefers an estimator
+    other than ``rival`` (``prefers``, if given, only where it prefers that one), whether
+    ``rival``'s mean lead over exact was the larger (a comparison of the two point
+    estimates, not a paired verdict between them). Empty when the race did not run
+    ``rival``.
+
+    Raises:
+        ValueError: the race did not run an estimator the rule prefers.
+    """
+    for spec in missing_estimators(report, rule)[:1]:
+        raise ValueError(
+            f"the {report.config.get('task')!r} race did not run {spec!r}, an estimator "
+            f"the rule prefers: race it to score the rule"
+        )
+    if rival not in report.config["estimators"]:
+        return []
+    leads = []
+    for row in (report.summary() if summary is None else summary)["decision"]:
+        preferred = rule.prefers(row["fraction"])
+        if preferred != rival and prefers in (None, preferred):
+            means = row_mean_leads(row)
+            leads.append(means[rival] > means[preferred])
+    return leads
 
 
 def rule_tally(cells: Sequence[RuleCell]) -> dict[str, int]:

@@ -76,6 +76,9 @@ Spans (phrases):
   on which of those tasks it had the verdict at ``F``.
 * ``rule-tally PATH,PATH,... [part=late|early]``: the decision rule's score over those
   races (:mod:`gradest_lab.race.decision_rule`).
+* ``rule-rival PATH,PATH,... estimator=SPEC [prefers=SPEC]``: at how many (task, budget)
+  cells where the rule prefers another estimator (that one) ``estimator``'s mean lead
+  over exact was the larger.
 * ``race-steps PATH estimator=a``: the steps an estimator took in an untuned race's budget.
 * ``race-seeds-above PATH estimators=a,b [fractions=0.5,1]``: on how many seeds each was
   above exact.
@@ -592,6 +595,34 @@ def _rule_tally(reports: Any, options: Mapping[str, str]) -> str:
     return tally_sentence(cells, "(task, budget) cells")
 
 
+def _rule_rival(reports: Any, options: Mapping[str, str]) -> str:
+    """Confirmed is not best: at how many (task, budget) cells where the rule prefers
+    another estimator (``prefers=SPEC``: that one) ``estimator=SPEC`` had the larger mean
+    lead over exact (:func:`gradest_lab.race.decision_rule.rival_leads`): ``14 of the 21
+    (task, budget) cells``, adding ``of the 2 races that ran it`` when not every race did."""
+    from gradest_lab.race.decision_rule import RULE, rival_leads
+
+    kind = "rule-rival"
+    rival = options.get("estimator")
+    if not rival:
+        raise InvalidValue(f"race-quote {kind}: give estimator=SPEC, the rival to the rule")
+    prefers = options.get("prefers")
+    if prefers is not None:
+        _choice(kind, options, "prefers", [RULE.early, RULE.late])
+    leads, ran = [], 0
+    for report in reports:
+        try:
+            found = rival_leads(report, rival, prefers=prefers)
+        except ValueError as err:
+            raise InvalidValue(f"race-quote {kind}: {err}") from None
+        leads += found
+        ran += bool(found)
+    if not ran:
+        raise InvalidValue(f"race-quote {kind}: no race given ran {rival!r}")
+    where = "" if ran == len(reports) else f" of the {ran} races that ran it"
+    return f"{sum(leads)} of the {len(leads)} (task, budget) cells{where}"
+
+
 def _plain(report: Any, kind: str) -> Any:
     if report.tuned:
         raise InvalidValue(f"race-quote {kind}: give a race at one lr (not a tuned race)")
@@ -680,6 +711,7 @@ _MATRIX_RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
     "tuned-horizon": _tuned_horizon,
     "race-contraction": _race_contraction,
     "rule-tally": _rule_tally,
+    "rule-rival": _rule_rival,
 }
 
 _RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
@@ -714,6 +746,7 @@ _OPTIONS: dict[str, set[str]] = {
     "tuned-horizon": set(),
     "race-contraction": set(),
     "rule-tally": {"part"},
+    "rule-rival": {"estimator", "prefers"},
     "race-steps": {"estimator"},
     "race-seeds-above": {"estimators", "fractions"},
     "stopped-step": {"estimator"},
@@ -725,6 +758,7 @@ _PHRASES = {
     "tuned-counts",
     "tuned-tasks",
     "rule-tally",
+    "rule-rival",
     "race-steps",
     "race-seeds-above",
     "stopped-step",

@@ -23,6 +23,16 @@ def row_verdicts(row: Mapping[str, Any]) -> dict[str, str]:
     return {entry["spec"]: word for word, key in VERDICT_KEYS.items() for entry in row[key]}
 
 
+def row_mean_leads(row: Mapping[str, Any]) -> dict[str, float]:
+    """A decision row's mean reward difference to exact per estimator (the point estimate
+    its verdict's interval is around)."""
+    return {
+        entry["spec"]: entry["minus_exact"]["mean"]
+        for key in VERDICT_KEYS.values()
+        for entry in row[key]
+    }
+
+
 def decision_grid(
     report: Any, decision: Sequence[Mapping[str, Any]] | None = None
 ) -> tuple[list[str], list[float], list[list[str]]]:

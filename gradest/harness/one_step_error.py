@@ -26,7 +26,6 @@ from gradest.conditioning import check_cond
 from gradest.errors import InvalidType
 from gradest.harness.contraction import (
     RecordedJacobians,
-    check_count,
     jacobian_calls,
     sample_norms,
 )
@@ -83,8 +82,6 @@ def one_step_cotangent_error(
     trajectory: Trajectory,
     objective: TerminalObjective,
     cond: Mapping[str, Any] | None = None,
-    *,
-    chunk: int | None = None,
 ) -> OneStepCotangentError:
     """Measure the one-step cotangents' error (module docstring) on a recorded trajectory.
 
@@ -99,7 +96,6 @@ def one_step_cotangent_error(
         objective: the terminal objective whose ``a_N`` is carried back. A stepwise
             objective has no such error: the one-step estimators use its exact ``c_k``.
         cond: the conditioning the trajectory was recorded with.
-        chunk: at most this many rows of vectors in one model call (all by default).
 
     Returns:
         A :class:`OneStepCotangentError`.
@@ -119,13 +115,11 @@ def one_step_cotangent_error(
     check_trajectory_matches(sampler, trajectory)
     states = trajectory.states
     cond = check_cond(cond, states.shape[1])
-    if chunk is not None:
-        check_count("chunk", chunk)
 
     alpha, beta, _ = host_coefficients(sampler.coefficients())
     jacobians = RecordedJacobians(
-        unwrap_data_parallel(model), trajectory, sampler.times.tolist(), cond, chunk
-    )
+        unwrap_data_parallel(model), trajectory, sampler.times.tolist(), cond, chunk=None
+    )  # one chain (the adjoint sweep), so one call per step
     _, a_final = objective.terminal_adjoint(states[-1])
     a_final = a_final.detach()
     num_steps = sampler.num_steps

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import gradest
-from gradest import DDIM, FlowSDE, RectifiedFlow
+from gradest import FlowSDE, RectifiedFlow
 from gradest.harness import (
     ChainContraction,
     chain_contraction,
@@ -22,6 +22,7 @@ from gradest.harness import (
 from gradest.harness.comparison import CONTRACTION_ITERS, contraction_steps
 from gradest.reference import dense_chain
 from gradest.testing.problems import (
+    five_step_ddim,
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,
@@ -33,22 +34,10 @@ BATCH, DIM, STEPS = 3, 3, 5
 CONVERGED = 1e-9
 
 
-def ddim(eta: float = 0.5) -> DDIM:
-    """A 5-step DDPM linear schedule (timesteps 999 .. 199, final level 1)."""
-    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
-    alphas = torch.cumprod(1 - betas, 0)
-    timesteps = torch.tensor([999, 799, 599, 399, 199])
-    return DDIM(
-        times=torch.cat([timesteps / 1000, torch.zeros(1, dtype=torch.float64)]),
-        alphas_cumprod=torch.cat([alphas[timesteps], torch.ones(1, dtype=torch.float64)]),
-        eta=eta,
-    )
-
-
 SAMPLERS = {
     "rectified": lambda: RectifiedFlow(steps=STEPS),
     "flow-sde": lambda: FlowSDE(steps=STEPS, noise_level=0.5),
-    "ddim": ddim,
+    "ddim": five_step_ddim,
 }
 
 
@@ -132,7 +121,7 @@ def test_a_linear_velocity_has_the_product_of_its_step_factors():
         def forward(self, z, t):
             return -1.7 * z
 
-    for sampler in (RectifiedFlow(steps=STEPS), ddim(eta=0.0)):
+    for sampler in (RectifiedFlow(steps=STEPS), five_step_ddim(eta=0.0)):
         trajectory = gradest.rollout(Linear(), sampler, seeded_normal((BATCH, DIM), seed=1))
         alpha, beta, _ = sampler.coefficients()
         factors = (alpha + beta * -1.7).abs()

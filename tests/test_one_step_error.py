@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 import gradest
-from gradest import DDIM, FlowSDE, RectifiedFlow, TerminalObjective
+from gradest import FlowSDE, RectifiedFlow, TerminalObjective
 from gradest.harness import OneStepCotangentError, one_step_cotangent_error
 from gradest.reference import dense_chain
 from gradest.reference.dense import exact_cotangents
 from gradest.reference.sdo import one_step_cotangents
 from gradest.testing.problems import (
+    five_step_ddim,
     random_stepwise_objective,
     seeded_normal,
     smooth_terminal_objective,
@@ -25,23 +26,10 @@ from gradest.testing.problems import (
 BATCH, DIM, STEPS = 3, 3, 5
 
 
-def ddim() -> DDIM:
-    """A 5-step DDPM linear schedule with ``alpha_j != 1``, so that the carried product
-    ``prod_{j>k} alpha_j`` matters."""
-    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
-    alphas = torch.cumprod(1 - betas, 0)
-    timesteps = torch.tensor([999, 799, 599, 399, 199])
-    return DDIM(
-        times=torch.cat([timesteps / 1000, torch.zeros(1, dtype=torch.float64)]),
-        alphas_cumprod=torch.cat([alphas[timesteps], torch.ones(1, dtype=torch.float64)]),
-        eta=0.5,
-    )
-
-
 SAMPLERS = {
     "rectified": lambda: RectifiedFlow(steps=STEPS),
     "flow-sde": lambda: FlowSDE(steps=STEPS, noise_level=0.5),
-    "ddim": ddim,
+    "ddim": five_step_ddim,
 }
 
 
@@ -95,7 +83,7 @@ def test_a_linear_velocity_has_a_known_error():
         def forward(self, z, t):
             return -1.7 * z
 
-    for sampler in (RectifiedFlow(steps=STEPS), ddim()):
+    for sampler in (RectifiedFlow(steps=STEPS), five_step_ddim()):
         trajectory = gradest.rollout(
             Linear(), sampler, seeded_normal((BATCH, DIM), seed=1), generator=torch.Generator()
         )

@@ -63,6 +63,7 @@ from gradest.testing.means import (
 from gradest.testing.problems import (
     AffineVelocity,
     NoisyAffineSampler,
+    five_step_ddim,
     perturb_parameters,
     perturbed_dit,
     random_stepwise_objective,
@@ -84,6 +85,7 @@ __all__ = [
     "definition_errors",
     "distance_in_se",
     "fits_distribution",
+    "five_step_ddim",
     "noise_grad_error",
     "perturb_parameters",
     "perturbed_dit",

@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from gradest.diffusion_samplers import DDIM
 from gradest.models.mlp import MLPVelocity
 from gradest.objectives import StepwiseObjective, TerminalObjective, flow_matching_trajectory
 from gradest.samplers import AffineSampler
@@ -133,6 +134,20 @@ def straight_trajectory(
     data = seeded_normal((batch, dim), seed, dtype)
     noise = seeded_normal((batch, dim), seed + 1, dtype)
     return flow_matching_trajectory(sampler, data, noise)
+
+
+def five_step_ddim(eta: float = 0.5) -> DDIM:
+    """A 5-step DDIM on the DDPM linear schedule (``beta`` 1e-4 .. 0.02 over 1000 steps;
+    timesteps 999 .. 199, final level 1): ``alpha_j != 1``, unlike rectified flow, so a
+    test sees the sampler's linear part; ``eta > 0`` makes it stochastic (DDPM-like)."""
+    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
+    alphas = torch.cumprod(1 - betas, 0)
+    timesteps = torch.tensor([999, 799, 599, 399, 199])
+    return DDIM(
+        times=torch.cat([timesteps / 1000, torch.zeros(1, dtype=torch.float64)]),
+        alphas_cumprod=torch.cat([alphas[timesteps], torch.ones(1, dtype=torch.float64)]),
+        eta=eta,
+    )
 
 
 def perturb_parameters(model: nn.Module, scale: float = 0.05, seed: int = 3) -> nn.Module:

@@ -126,6 +126,15 @@ def missing_estimators(report: Any, rule: DecisionRule = RULE) -> list[str]:
     return [spec for spec in (rule.early, rule.late) if spec not in report.config["estimators"]]
 
 
+def _require_preferred(report: Any, rule: DecisionRule) -> None:
+    """Refuse a race that did not run an estimator the rule prefers (it cannot score it)."""
+    for spec in missing_estimators(report, rule)[:1]:
+        raise ValueError(
+            f"the {report.config.get('task')!r} race did not run {spec!r}, an estimator "
+            f"the rule prefers: race it to score the rule"
+        )
+
+
 def score_rule(
     report: Any, rule: DecisionRule = RULE, *, summary: Mapping[str, Any] | None = None
 ) -> list[RuleCell]:
@@ -137,11 +146,7 @@ def score_rule(
     Raises:
         ValueError: the race did not run an estimator the rule prefers.
     """
-    for spec in missing_estimators(report, rule)[:1]:
-        raise ValueError(
-            f"the {report.config.get('task')!r} race did not run {spec!r}, an estimator "
-            f"the rule prefers: race it to score the rule"
-        )
+    _require_preferred(report, rule)
     cells = []
     for row in (report.summary() if summary is None else summary)["decision"]:
         verdicts: Mapping[str, str] = row_verdicts(row)
@@ -170,11 +175,7 @@ def rival_leads(
     Raises:
         ValueError: the race did not run an estimator the rule prefers.
     """
-    for spec in missing_estimators(report, rule)[:1]:
-        raise ValueError(
-            f"the {report.config.get('task')!r} race did not run {spec!r}, an estimator "
-            f"the rule prefers: race it to score the rule"
-        )
+    _require_preferred(report, rule)
     if rival not in report.config["estimators"]:
         return []
     leads = []

@@ -616,7 +616,7 @@ def _rule_rival(reports: Any, options: Mapping[str, str]) -> str:
         except ValueError as err:
             raise InvalidValue(f"race-quote {kind}: {err}") from None
         leads += found
-        ran += bool(found)
+        ran += rival in report.config["estimators"]
     if not ran:
         raise InvalidValue(f"race-quote {kind}: no race given ran {rival!r}")
     where = "" if ran == len(reports) else f" of the {ran} races that ran it"

@@ -100,3 +100,38 @@ def test_the_tally_counts_each_race_verdict_once() -> None:
 def test_a_matrix_block_refuses_a_race_that_is_not_tuned() -> None:
     with pytest.raises(InvalidValue, match="race_digits is not a tuned race"):
         quoting.render(ROOT, "tuned-tally docs/results/race_digits fractions=1")
+
+
+class _HorizonReport:
+    """What ``horizon-shares`` reads from a TunedRaceReport: exact's first share."""
+
+    def __init__(self, share: float | None, budget: float = 1.0) -> None:
+        self._first = {"budget": budget, "share": share}
+
+    def summary(self) -> dict[str, Any]:
+        return {"horizon": {"share_first": self._first}}
+
+
+def test_horizon_shares_is_the_range_of_exacts_first_share() -> None:
+    shares = quoting._MATRIX_RENDERERS["horizon-shares"]
+    reports = [_HorizonReport(0.658), _HorizonReport(0.322), _HorizonReport(0.5)]
+    assert shares(reports, {}) == "32.2% to 65.8% of the attainable gain after 1 exact step"
+    assert shares([_HorizonReport(0.4, budget=2)], {}) == (
+        "40.0% of the attainable gain after 2 exact steps"
+    )
+    mixed = [_HorizonReport(0.4, budget=2), _HorizonReport(0.6), _HorizonReport(None)]
+    assert shares(mixed, {}) == "40.0% to 60.0% of the attainable gain after its first evaluation"
+    with pytest.raises(InvalidValue, match="no race given has an attainable gain"):
+        shares([_HorizonReport(None)], {})
+
+
+def test_horizon_shares_over_the_committed_races_is_their_horizons_range() -> None:
+    from gradest_lab.race.tuned_race import TunedRaceReport
+
+    folders = ["docs/results/race_digits_tuned", "docs/results/race_mnist_tuned_target3"]
+    firsts = [
+        TunedRaceReport.load(ROOT / folder).summary()["horizon"]["share_first"]["share"]
+        for folder in folders
+    ]
+    phrase = quoting.render(ROOT, f"horizon-shares {','.join(folders)}").strip()
+    assert phrase.startswith(f"{100 * min(firsts):.1f}% to {100 * max(firsts):.1f}%")

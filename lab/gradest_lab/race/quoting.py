@@ -79,6 +79,9 @@ Spans (phrases):
 * ``rule-rival PATH,PATH,... estimator=SPEC [prefers=SPEC]``: at how many (task, budget)
   cells where the rule prefers another estimator (that one) ``estimator``'s mean lead
   over exact was the larger.
+* ``horizon-shares PATH,PATH,...``: the range of exact's share of the attainable gain at
+  those races' first evaluation point (``32.2% to 65.8% of the attainable gain after 1
+  exact step``).
 * ``race-steps PATH estimator=a``: the steps an estimator took in an untuned race's budget.
 * ``race-seeds-above PATH estimators=a,b [fractions=0.5,1]``: on how many seeds each was
   above exact.
@@ -623,6 +626,28 @@ def _rule_rival(reports: Any, options: Mapping[str, str]) -> str:
     return f"{sum(leads)} of the {len(leads)} (task, budget) cells{where}"
 
 
+def _horizon_shares(reports: Any, options: Mapping[str, str]) -> str:
+    """The range of exact's share of the attainable gain at the races' first evaluation
+    point (:func:`gradest_lab.race.horizon.horizon`'s ``share_first``): ``32.2% to 65.8% of
+    the attainable gain after 1 exact step``; ``after its first evaluation`` where the races'
+    first points are at different budgets."""
+    del options
+    kind = "horizon-shares"
+    firsts = [report.summary()["horizon"]["share_first"] for report in reports]
+    shares = [first["share"] for first in firsts if first["share"] is not None]
+    if not shares:
+        raise InvalidValue(f"race-quote {kind}: no race given has an attainable gain to share")
+    budgets = {first["budget"] for first in firsts}
+    if len(budgets) == 1:
+        (budget,) = budgets
+        when = f"after {budget:.3g} exact step" + ("" if budget == 1 else "s")
+    else:
+        when = "after its first evaluation"
+    low, high = 100 * min(shares), 100 * max(shares)
+    span = f"{low:.1f}%" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}% to {high:.1f}%"
+    return f"{span} of the attainable gain {when}"
+
+
 def _plain(report: Any, kind: str) -> Any:
     if report.tuned:
         raise InvalidValue(f"race-quote {kind}: give a race at one lr (not a tuned race)")
@@ -712,6 +737,7 @@ _MATRIX_RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
     "race-contraction": _race_contraction,
     "rule-tally": _rule_tally,
     "rule-rival": _rule_rival,
+    "horizon-shares": _horizon_shares,
 }
 
 _RENDERERS: dict[str, Callable[[Any, Mapping[str, str]], str]] = {
@@ -747,6 +773,7 @@ _OPTIONS: dict[str, set[str]] = {
     "race-contraction": set(),
     "rule-tally": {"part"},
     "rule-rival": {"estimator", "prefers"},
+    "horizon-shares": set(),
     "race-steps": {"estimator"},
     "race-seeds-above": {"estimators", "fractions"},
     "stopped-step": {"estimator"},
@@ -759,6 +786,7 @@ _PHRASES = {
     "tuned-tasks",
     "rule-tally",
     "rule-rival",
+    "horizon-shares",
     "race-steps",
     "race-seeds-above",
     "stopped-step",

@@ -23,13 +23,14 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradest import InvalidValue, TerminalObjective, rollout
+from gradest import GradestError, InvalidValue, TerminalObjective, rollout
 from gradest_lab.storage.files import atomic_write_text, read_json
 
 __all__ = ["CONTRACTION_FILE", "contraction_table", "measure_race_contraction"]
@@ -203,18 +204,25 @@ def _figure(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.3g}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The command: 0 when every folder is measured; 2 (the error in one line) when one is
+    refused."""
     parser = argparse.ArgumentParser(
         prog="python -m gradest_lab.race.race_contraction", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("folders", nargs="+", help="tuned race folders")
     parser.add_argument("--again", action="store_true", help="measure even if measured")
     args = parser.parse_args(argv)
-    for folder in args.folders:
-        data = measure_race_contraction(folder, again=args.again)
-        pre, post = data["pretrained"]["geometric_mean"], data["fine_tuned"]["geometric_mean"]
-        print(f"{folder}: contraction {pre:.3g} pretrained, {post:.3g} fine-tuned")
+    try:
+        for folder in args.folders:
+            data = measure_race_contraction(folder, again=args.again)
+            pre, post = data["pretrained"]["geometric_mean"], data["fine_tuned"]["geometric_mean"]
+            print(f"{folder}: contraction {pre:.3g} pretrained, {post:.3g} fine-tuned")
+    except GradestError as err:
+        print(f"race_contraction: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

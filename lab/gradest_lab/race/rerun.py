@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from gradest import InvalidValue
+from gradest import GradestError, InvalidValue
 from gradest_lab.race.refinement import BRACKET_RATIO, parse_bracket_ratio
 from gradest_lab.storage.files import read_json
 
@@ -76,7 +77,9 @@ def rerun_tuned_race(
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The command: 0 when every folder is done; 2 (the error in one line) when one is
+    refused, e.g. a malformed shard, which stays as it is."""
     parser = argparse.ArgumentParser(
         prog="python -m gradest_lab.race.rerun", description=__doc__.split("\n\n")[0]
     )
@@ -89,14 +92,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    for folder in args.folders:
-        if args.bracket_ratio is None:
-            rerun_tuned_race(folder, show_progress=not args.quiet)
-        else:
-            ratio = parse_bracket_ratio(args.bracket_ratio)
-            rerun_tuned_race(folder, bracket_ratio=ratio, show_progress=not args.quiet)
-        print(f"rerun: {folder} done")
+    try:
+        for folder in args.folders:
+            if args.bracket_ratio is None:
+                rerun_tuned_race(folder, show_progress=not args.quiet)
+            else:
+                ratio = parse_bracket_ratio(args.bracket_ratio)
+                rerun_tuned_race(folder, bracket_ratio=ratio, show_progress=not args.quiet)
+            print(f"rerun: {folder} done")
+    except GradestError as err:
+        print(f"rerun: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

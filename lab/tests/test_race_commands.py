@@ -43,3 +43,15 @@ def test_race_contraction_refuses_a_folder_without_a_report_in_one_line(
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("race_contraction: error: ") and "report.json" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_rerun_says_how_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(folder: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rerun, "rerun_tuned_race", interrupted)
+    assert rerun.main([str(tmp_path), "--quiet"]) == 130
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("rerun: interrupted;") and "run it again to resume" in line

@@ -79,7 +79,7 @@ def rerun_tuned_race(
 
 def main(argv: list[str] | None = None) -> int:
     """The command: 0 when every folder is done; 2 (the error in one line) when one is
-    refused, e.g. a malformed shard, which stays as it is."""
+    refused, e.g. a malformed shard, which stays as it is; 130 when interrupted."""
     parser = argparse.ArgumentParser(
         prog="python -m gradest_lab.race.rerun", description=__doc__.split("\n\n")[0]
     )
@@ -103,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     except GradestError as err:
         print(f"rerun: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Stopping a long rerun is how it is meant to be used (module docstring): every
+        # finished shard is on disk, a run in progress keeps its state.
+        print(
+            "rerun: interrupted; the finished runs are kept: run it again to resume",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

@@ -119,10 +119,10 @@ def test_horizon_shares_is_the_range_of_exacts_first_share() -> None:
     assert shares([_HorizonReport(0.4, budget=2)], {}) == (
         "40.0% of the attainable gain after 2 exact steps"
     )
-    mixed = [_HorizonReport(0.4, budget=2), _HorizonReport(0.6), _HorizonReport(None)]
+    mixed = [_HorizonReport(0.4, budget=2), _HorizonReport(0.6)]
     assert shares(mixed, {}) == "40.0% to 60.0% of the attainable gain after its first evaluation"
-    with pytest.raises(InvalidValue, match="no race given has an attainable gain"):
-        shares([_HorizonReport(None)], {})
+    with pytest.raises(InvalidValue, match="race 2 of those given has no attainable gain"):
+        shares([_HorizonReport(0.6), _HorizonReport(None)], {})
 
 
 def test_horizon_shares_over_the_committed_races_is_their_horizons_range() -> None:

@@ -634,9 +634,14 @@ def _horizon_shares(reports: Any, options: Mapping[str, str]) -> str:
     del options
     kind = "horizon-shares"
     firsts = [report.summary()["horizon"]["share_first"] for report in reports]
-    shares = [first["share"] for first in firsts if first["share"] is not None]
-    if not shares:
-        raise InvalidValue(f"race-quote {kind}: no race given has an attainable gain to share")
+    shares = [first["share"] for first in firsts]
+    if None in shares:
+        # A range that left a race out would read as covering it.
+        raise InvalidValue(
+            f"race-quote {kind}: race {shares.index(None) + 1} of those given has no "
+            "attainable gain to share (its ceiling is not above the pretrained reward); "
+            "leave it out of the block"
+        )
     budgets = {first["budget"] for first in firsts}
     if len(budgets) == 1:
         (budget,) = budgets
